@@ -1,0 +1,291 @@
+//! pb ⇄ domain conversion with validation: a request is checked once, here, and either
+//! becomes a domain value or an `InvalidArgument` naming every offending field.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+
+use crate::domain::NewEvent;
+use crate::error::{Error, FieldViolation};
+use crate::pb;
+
+/// Request limits, from the configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_payload_bytes: usize,
+    pub max_headers: usize,
+    pub max_header_bytes: usize,
+    pub max_key_bytes: usize,
+    pub max_batch: usize,
+    pub max_attempts_cap: u32,
+    pub default_max_attempts: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_payload_bytes: 1024 * 1024,
+            max_headers: 64,
+            max_header_bytes: 16 * 1024,
+            max_key_bytes: 1024,
+            max_batch: 1000,
+            max_attempts_cap: 100,
+            default_max_attempts: 6,
+        }
+    }
+}
+
+/// Kafka's topic rule: 1-249 characters of `[a-zA-Z0-9._-]`.
+pub fn check_topic(topic: &str) -> Result<(), &'static str> {
+    if topic.is_empty() {
+        return Err("is required");
+    }
+    if topic.len() > 249 {
+        return Err("must be at most 249 characters");
+    }
+    if topic == "." || topic == ".." {
+        return Err("must not be '.' or '..'");
+    }
+    if !topic
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+    {
+        return Err("may contain only [a-zA-Z0-9._-]");
+    }
+    Ok(())
+}
+
+/// A protobuf timestamp as a UTC time, if it is a valid one.
+pub fn timestamp(t: &prost_types::Timestamp) -> Option<DateTime<Utc>> {
+    if !(0..1_000_000_000).contains(&t.nanos) {
+        return None;
+    }
+    // RFC 3339 range: 0001-01-01 to 9999-12-31, as google.protobuf.Timestamp requires.
+    if !(-62_135_596_800..=253_402_300_799).contains(&t.seconds) {
+        return None;
+    }
+    DateTime::from_timestamp(t.seconds, t.nanos as u32)
+}
+
+pub fn to_timestamp(t: DateTime<Utc>) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: t.timestamp(),
+        nanos: t.timestamp_subsec_nanos() as i32,
+    }
+}
+
+/// Validates one event; `field` prefixes violation paths (`event` or `events[3]`).
+pub fn new_event(
+    ev: pb::Event,
+    field: &str,
+    limits: &Limits,
+) -> Result<NewEvent, Vec<FieldViolation>> {
+    let mut v = Vec::new();
+    let f = |name: &str| format!("{field}.{name}");
+    if let Err(why) = check_topic(&ev.topic) {
+        v.push(FieldViolation::new(f("topic"), why));
+    }
+    if ev.key.len() > limits.max_key_bytes {
+        v.push(FieldViolation::new(
+            f("key"),
+            format!("must be at most {} bytes", limits.max_key_bytes),
+        ));
+    }
+    if ev.payload.len() > limits.max_payload_bytes {
+        v.push(FieldViolation::new(
+            f("payload"),
+            format!(
+                "is {} bytes; the limit is {}",
+                ev.payload.len(),
+                limits.max_payload_bytes
+            ),
+        ));
+    }
+    if ev.headers.len() > limits.max_headers {
+        v.push(FieldViolation::new(
+            f("headers"),
+            format!("at most {} headers", limits.max_headers),
+        ));
+    }
+    let header_bytes: usize = ev.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if header_bytes > limits.max_header_bytes {
+        v.push(FieldViolation::new(
+            f("headers"),
+            format!(
+                "at most {} bytes of headers in all",
+                limits.max_header_bytes
+            ),
+        ));
+    }
+    if ev.headers.keys().any(|k| k.is_empty()) {
+        v.push(FieldViolation::new(
+            f("headers"),
+            "header names must not be empty",
+        ));
+    }
+    if ev.headers.keys().any(|k| k.starts_with("ce_")) {
+        v.push(FieldViolation::new(
+            f("headers"),
+            "header names starting with 'ce_' are reserved for CloudEvents attributes",
+        ));
+    }
+    if ev.r#type.len() > 256 {
+        v.push(FieldViolation::new(f("type"), "must be at most 256 bytes"));
+    }
+    if ev.idempotency_key.len() > 256 {
+        v.push(FieldViolation::new(
+            f("idempotency_key"),
+            "must be at most 256 bytes",
+        ));
+    }
+    if ev.max_attempts > limits.max_attempts_cap {
+        v.push(FieldViolation::new(
+            f("max_attempts"),
+            format!("must be at most {}", limits.max_attempts_cap),
+        ));
+    }
+    let deliver_after = match &ev.deliver_after {
+        None => None,
+        Some(t) => match timestamp(t) {
+            Some(t) => Some(t),
+            None => {
+                v.push(FieldViolation::new(
+                    f("deliver_after"),
+                    "is not a valid timestamp (seconds in 0001..9999, nanos in 0..1e9)",
+                ));
+                None
+            }
+        },
+    };
+    if !v.is_empty() {
+        return Err(v);
+    }
+    let non_empty = |s: String| if s.is_empty() { None } else { Some(s) };
+    Ok(NewEvent {
+        topic: ev.topic,
+        key: non_empty(ev.key),
+        payload: ev.payload,
+        headers: ev.headers.into_iter().collect::<BTreeMap<_, _>>(),
+        event_type: non_empty(ev.r#type),
+        idempotency_key: non_empty(ev.idempotency_key),
+        deliver_after,
+        max_attempts: if ev.max_attempts == 0 {
+            limits.default_max_attempts
+        } else {
+            ev.max_attempts
+        },
+    })
+}
+
+pub fn enqueue_request(req: pb::EnqueueRequest, limits: &Limits) -> Result<NewEvent, Error> {
+    let ev = req
+        .event
+        .ok_or_else(|| Error::invalid("event", "is required"))?;
+    new_event(ev, "event", limits).map_err(Error::InvalidArgument)
+}
+
+pub fn enqueue_batch_request(
+    req: pb::EnqueueBatchRequest,
+    limits: &Limits,
+) -> Result<Vec<NewEvent>, Error> {
+    if req.events.is_empty() {
+        return Err(Error::invalid("events", "must not be empty"));
+    }
+    if req.events.len() > limits.max_batch {
+        return Err(Error::invalid(
+            "events",
+            format!(
+                "{} events; at most {} per batch",
+                req.events.len(),
+                limits.max_batch
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(req.events.len());
+    let mut violations = Vec::new();
+    for (i, ev) in req.events.into_iter().enumerate() {
+        match new_event(ev, &format!("events[{i}]"), limits) {
+            Ok(e) => out.push(e),
+            Err(v) => violations.extend(v),
+        }
+    }
+    if violations.is_empty() {
+        Ok(out)
+    } else {
+        Err(Error::InvalidArgument(violations))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topics_follow_kafka_rules() {
+        assert!(check_topic("orders.v1_x-y").is_ok());
+        assert!(check_topic("").is_err());
+        assert!(check_topic(&"a".repeat(249)).is_ok());
+        assert!(check_topic(&"a".repeat(250)).is_err());
+        assert!(check_topic("a b").is_err());
+        assert!(check_topic("é").is_err());
+        assert!(check_topic("..").is_err());
+    }
+
+    #[test]
+    fn timestamps_outside_the_range_are_rejected() {
+        assert!(
+            timestamp(&prost_types::Timestamp {
+                seconds: 0,
+                nanos: -1
+            })
+            .is_none()
+        );
+        assert!(
+            timestamp(&prost_types::Timestamp {
+                seconds: 0,
+                nanos: 1_000_000_000
+            })
+            .is_none()
+        );
+        assert!(
+            timestamp(&prost_types::Timestamp {
+                seconds: i64::MAX,
+                nanos: 0
+            })
+            .is_none()
+        );
+        assert!(
+            timestamp(&prost_types::Timestamp {
+                seconds: 1_700_000_000,
+                nanos: 5
+            })
+            .is_some()
+        );
+    }
+
+    #[test]
+    fn every_bad_field_is_named() {
+        let ev = pb::Event {
+            topic: "bad topic".into(),
+            payload: vec![0; 11],
+            headers: [("ce_id".to_string(), "x".to_string())].into(),
+            max_attempts: 1000,
+            ..Default::default()
+        };
+        let limits = Limits {
+            max_payload_bytes: 10,
+            ..Default::default()
+        };
+        let v = new_event(ev, "events[2]", &limits).unwrap_err();
+        let fields: Vec<&str> = v.iter().map(|f| f.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            vec![
+                "events[2].topic",
+                "events[2].payload",
+                "events[2].headers",
+                "events[2].max_attempts"
+            ]
+        );
+    }
+}

@@ -1,0 +1,227 @@
+//! Wiring: store, intake, sink, relays, health and the gRPC server, with one cancellation
+//! token driving a graceful shutdown: health goes NOT_SERVING, the server stops taking
+//! RPCs and lets in-flight ones finish (their commits complete), then the relays finish
+//! their cycle and release what they claimed, all within the grace period.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic_health::ServingStatus;
+
+use crate::api::RpcLogLayer;
+use crate::api::outbox::OutboxApi;
+use crate::config::{Config, SinkConfig, redact_url};
+use crate::domain::BoxKind;
+use crate::health::Health;
+use crate::intake::{Intake, Wakeup};
+use crate::pb;
+use crate::relay::{Relay, RelayStats};
+use crate::sink::Sink;
+use crate::sink::kafka::{KafkaSink, producer_config};
+use crate::sink::local::LocalSink;
+use crate::store::Store;
+use crate::store::postgres::PgStore;
+use crate::store::sqlite::SqliteStore;
+
+/// Opens the configured store (and migrates it when asked).
+pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    let store: Arc<dyn Store> = if config.is_postgres() {
+        Arc::new(
+            PgStore::connect(&config.database_url, config.database_max_connections)
+                .await
+                .with_context(|| format!("connecting to {}", redact_url(&config.database_url)))?,
+        )
+    } else {
+        Arc::new(
+            SqliteStore::connect(&config.database_url)
+                .await
+                .with_context(|| format!("opening {}", config.database_url))?,
+        )
+    };
+    if config.migrate {
+        store.migrate().await.context("running migrations")?;
+    }
+    Ok(store)
+}
+
+/// Builds the configured sink.
+pub async fn open_sink(config: &Config) -> anyhow::Result<Arc<dyn Sink>> {
+    Ok(match &config.sink {
+        SinkConfig::Kafka {
+            brokers,
+            properties,
+            message_timeout,
+        } => Arc::new(
+            KafkaSink::new(
+                producer_config(brokers, *message_timeout, properties),
+                config.source.clone(),
+            )
+            .context("creating the Kafka producer")?,
+        ),
+        SinkConfig::Local { path: None } => Arc::new(LocalSink::stdout()),
+        SinkConfig::Local { path: Some(p) } => Arc::new(
+            LocalSink::file(p.clone())
+                .await
+                .with_context(|| format!("opening local sink file {}", p.display()))?,
+        ),
+    })
+}
+
+/// A running mailroom.
+pub struct App {
+    pub addr: SocketAddr,
+    pub store: Arc<dyn Store>,
+    pub relay_stats: Vec<Arc<RelayStats>>,
+    shutdown: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl App {
+    /// Starts everything with the configured sink; returns once the server listens.
+    pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<App> {
+        let sink = open_sink(&config).await?;
+        App::start_with_sink(config, sink, shutdown).await
+    }
+
+    /// Starts everything with a given sink (tests wrap the real one to inject faults).
+    pub async fn start_with_sink(
+        config: Config,
+        sink: Arc<dyn Sink>,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<App> {
+        let store = open_store(&config).await?;
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("binding {}", config.listen))?;
+        let addr = listener.local_addr()?;
+
+        let (reporter, health_service) = tonic_health::server::health_reporter();
+        let health = Health::new(reporter);
+        health.set_all(ServingStatus::Serving).await;
+
+        let background = CancellationToken::new();
+        let mut tasks = Vec::new();
+        tasks.push(tokio::spawn(health.clone().monitor(
+            store.clone(),
+            config.health_interval,
+            background.clone(),
+        )));
+
+        let wakeup = Wakeup::default();
+        let mut relay_stats = Vec::new();
+        for _ in 0..config.relays {
+            let relay = Relay::new(store.clone(), sink.clone(), BoxKind::Outbox, config.relay);
+            wakeup.register(relay.waker());
+            relay_stats.push(relay.stats());
+            tasks.push(tokio::spawn(relay.run(background.clone())));
+        }
+        if config.is_postgres() && config.listen_notify {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .connect_lazy(&config.database_url)
+                .context("LISTEN/NOTIFY pool")?;
+            let trigger = Arc::new(tokio::sync::Notify::new());
+            wakeup.set_remote(trigger.clone());
+            tasks.push(tokio::spawn(crate::notify::notifier(
+                pool.clone(),
+                trigger,
+                std::time::Duration::from_millis(5),
+                background.clone(),
+            )));
+            tasks.push(tokio::spawn(crate::notify::listener(
+                pool,
+                wakeup.clone(),
+                background.clone(),
+            )));
+        }
+        let intake = Intake::start(store.clone(), config.intake, wakeup);
+
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .context("building reflection service")?;
+        let outbox = pb::outbox_service_server::OutboxServiceServer::new(OutboxApi::new(
+            intake,
+            config.limits,
+        ))
+        .max_decoding_message_size(config.limits.max_payload_bytes * 2 + 1024 * 1024);
+        let max_batch_bytes =
+            (config.limits.max_payload_bytes + config.limits.max_header_bytes + 4096)
+                .saturating_mul(config.limits.max_batch)
+                .min(256 * 1024 * 1024);
+        let outbox = outbox.max_decoding_message_size(max_batch_bytes);
+
+        let stop = shutdown.clone();
+        let grace = config.shutdown_grace;
+        tracing::info!(
+            %addr,
+            store = store.engine(),
+            database = %redact_url(&config.database_url),
+            sink = match &config.sink { SinkConfig::Kafka { .. } => "kafka", SinkConfig::Local { .. } => "local" },
+            relays = config.relays,
+            "mailroom serving"
+        );
+        let server_health = health.clone();
+        let task = tokio::spawn(async move {
+            let signal = {
+                let stop = stop.clone();
+                let health = server_health.clone();
+                async move {
+                    stop.cancelled().await;
+                    tracing::info!("shutting down: NOT_SERVING, draining RPCs");
+                    health.set_all(ServingStatus::NotServing).await;
+                }
+            };
+            let server = tonic::transport::Server::builder()
+                .layer(RpcLogLayer)
+                .add_service(health_service)
+                .add_service(reflection)
+                .add_service(outbox)
+                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal);
+            let mut server = std::pin::pin!(server);
+            // The server runs until the signal, then gets `grace` to finish in-flight RPCs.
+            let served = tokio::select! {
+                r = &mut server => r,
+                _ = async { stop.cancelled().await; tokio::time::sleep(grace).await } => {
+                    tracing::warn!("grace period over; abandoning in-flight RPCs");
+                    Ok(())
+                }
+            };
+            background.cancel();
+            let drain = futures::future::join_all(tasks);
+            if tokio::time::timeout(grace, drain).await.is_err() {
+                tracing::warn!("background tasks did not stop within the grace period");
+            }
+            tracing::info!("mailroom stopped");
+            served.context("gRPC server")
+        });
+        Ok(App {
+            addr,
+            store,
+            relay_stats,
+            shutdown,
+            task,
+        })
+    }
+
+    /// Starts the graceful shutdown.
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Waits until the app has stopped.
+    pub async fn wait(self) -> anyhow::Result<()> {
+        self.task.await.context("app task panicked")?
+    }
+
+    /// Shuts down and waits.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.shutdown();
+        self.wait().await
+    }
+}

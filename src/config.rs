@@ -1,0 +1,452 @@
+//! Configuration: typed and validated once at start-up. Precedence: command-line flags >
+//! environment (`MAILROOM_*`) > TOML file (`--config`) > defaults. A bad setting is one
+//! clear line naming it and exit code 64.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use serde::Deserialize;
+
+use crate::api::convert::Limits;
+use crate::intake::IntakeConfig;
+use crate::relay::RelayConfig;
+use crate::relay::backoff::RetryPolicy;
+
+/// Settings as given on the command line or in the environment. Every field is optional
+/// so that the file and the defaults can fill the gaps.
+#[derive(Debug, Clone, Default, Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// TOML configuration file (lowest precedence after defaults).
+    #[arg(long, env = "MAILROOM_CONFIG", global = true)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// gRPC listen address [default: 127.0.0.1:50051].
+    #[arg(long, env = "MAILROOM_LISTEN", global = true)]
+    pub listen: Option<String>,
+    /// Database URL: `sqlite://FILE` (embedded) or `postgres://…` [default: sqlite://mailroom.db].
+    #[arg(long, env = "MAILROOM_DATABASE_URL", global = true)]
+    pub database_url: Option<String>,
+    /// Database connection pool size (PostgreSQL) [default: 16].
+    #[arg(long, env = "MAILROOM_DATABASE_MAX_CONNECTIONS", global = true)]
+    pub database_max_connections: Option<u32>,
+    /// Run migrations at start-up [default: true].
+    #[arg(long, env = "MAILROOM_MIGRATE", global = true)]
+    pub migrate: Option<bool>,
+    /// Log format: `human` or `json` [default: human]. Levels come from RUST_LOG.
+    #[arg(long, env = "MAILROOM_LOG_FORMAT", global = true)]
+    pub log_format: Option<String>,
+    /// Kafka bootstrap servers `host:port[,…]`. Set: the relay publishes to Kafka.
+    /// Unset: the local sink.
+    #[arg(long, env = "MAILROOM_KAFKA_BROKERS", global = true)]
+    pub kafka_brokers: Option<String>,
+    /// Extra librdkafka properties, `key=value[,key=value…]` (security.protocol,
+    /// sasl.*, ssl.*, linger.ms, …). Idempotence and acks=all are always kept.
+    #[arg(long, env = "MAILROOM_KAFKA_PROPERTIES", global = true, value_parser = parse_properties)]
+    pub kafka_properties: Option<BTreeMap<String, String>>,
+    /// Kafka delivery timeout in ms; a delivery not acknowledged by then is a transient
+    /// failure [default: 15000].
+    #[arg(long, env = "MAILROOM_KAFKA_MESSAGE_TIMEOUT_MS", global = true)]
+    pub kafka_message_timeout_ms: Option<u64>,
+    /// Local sink target: `stdout` or a file path for JSON lines [default: stdout].
+    #[arg(long, env = "MAILROOM_LOCAL_SINK", global = true)]
+    pub local_sink: Option<String>,
+    /// CloudEvents `ce_source` attribute [default: mailroom].
+    #[arg(long, env = "MAILROOM_SOURCE", global = true)]
+    pub source: Option<String>,
+    /// Relay tasks in this process [default: 2].
+    #[arg(long, env = "MAILROOM_RELAYS", global = true)]
+    pub relays: Option<usize>,
+    /// Events per relay cycle [default: 1000].
+    #[arg(long, env = "MAILROOM_RELAY_BATCH_SIZE", global = true)]
+    pub relay_batch_size: Option<u32>,
+    /// Longest run of one key per cycle [default: 500].
+    #[arg(long, env = "MAILROOM_RELAY_MAX_RUN", global = true)]
+    pub relay_max_run: Option<u32>,
+    /// Claim lease in ms; must exceed the Kafka message timeout [default: 60000].
+    #[arg(long, env = "MAILROOM_RELAY_LEASE_MS", global = true)]
+    pub relay_lease_ms: Option<u64>,
+    /// Fallback poll interval in ms [default: 250].
+    #[arg(long, env = "MAILROOM_RELAY_POLL_MS", global = true)]
+    pub relay_poll_ms: Option<u64>,
+    /// Wake other processes through PostgreSQL LISTEN/NOTIFY; false = poll only (for
+    /// poolers without LISTEN) [default: true].
+    #[arg(long, env = "MAILROOM_LISTEN_NOTIFY", global = true)]
+    pub listen_notify: Option<bool>,
+    /// Backoff base in ms for counted failures; 0 = next cycle [default: 10000].
+    #[arg(long, env = "MAILROOM_RETRY_BASE_MS", global = true)]
+    pub retry_base_ms: Option<u64>,
+    /// Backoff cap in ms [default: 3600000].
+    #[arg(long, env = "MAILROOM_RETRY_CAP_MS", global = true)]
+    pub retry_cap_ms: Option<u64>,
+    /// Default attempt budget per event [default: 6].
+    #[arg(long, env = "MAILROOM_MAX_ATTEMPTS", global = true)]
+    pub max_attempts: Option<u32>,
+    /// Largest payload in bytes [default: 1048576].
+    #[arg(long, env = "MAILROOM_MAX_PAYLOAD_BYTES", global = true)]
+    pub max_payload_bytes: Option<usize>,
+    /// Most events in one EnqueueBatch [default: 1000].
+    #[arg(long, env = "MAILROOM_MAX_BATCH", global = true)]
+    pub max_batch: Option<usize>,
+    /// Most headers per event [default: 64].
+    #[arg(long, env = "MAILROOM_MAX_HEADERS", global = true)]
+    pub max_headers: Option<usize>,
+    /// Most header bytes per event [default: 16384].
+    #[arg(long, env = "MAILROOM_MAX_HEADER_BYTES", global = true)]
+    pub max_header_bytes: Option<usize>,
+    /// Enqueue requests waiting for a writer before RESOURCE_EXHAUSTED [default: 10000].
+    #[arg(long, env = "MAILROOM_INTAKE_QUEUE", global = true)]
+    pub intake_queue: Option<usize>,
+    /// Concurrent enqueue transactions [default: 4 on PostgreSQL, 1 on SQLite].
+    #[arg(long, env = "MAILROOM_INTAKE_WRITERS", global = true)]
+    pub intake_writers: Option<usize>,
+    /// Grace period for in-flight work on SIGTERM, in ms [default: 30000].
+    #[arg(long, env = "MAILROOM_SHUTDOWN_GRACE_MS", global = true)]
+    pub shutdown_grace_ms: Option<u64>,
+    /// Database health check interval in ms [default: 1000].
+    #[arg(long, env = "MAILROOM_HEALTH_INTERVAL_MS", global = true)]
+    pub health_interval_ms: Option<u64>,
+}
+
+fn parse_properties(s: &str) -> Result<BTreeMap<String, String>, String> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+                .ok_or_else(|| format!("{p:?} is not key=value"))
+        })
+        .collect()
+}
+
+/// A bad setting: names it and says why.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid setting {setting}: {reason}")]
+pub struct ConfigError {
+    pub setting: &'static str,
+    pub reason: String,
+}
+
+fn bad(setting: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        setting,
+        reason: reason.into(),
+    }
+}
+
+/// Where the relay publishes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SinkConfig {
+    Kafka {
+        brokers: String,
+        properties: BTreeMap<String, String>,
+        message_timeout: Duration,
+    },
+    /// JSON lines; `None` is stdout.
+    Local { path: Option<PathBuf> },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub database_url: String,
+    pub database_max_connections: u32,
+    pub migrate: bool,
+    pub log_format: LogFormat,
+    pub sink: SinkConfig,
+    pub source: String,
+    pub relays: usize,
+    pub relay: RelayConfig,
+    pub listen_notify: bool,
+    pub limits: Limits,
+    pub intake: IntakeConfig,
+    pub shutdown_grace: Duration,
+    pub health_interval: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::resolve(Settings::default()).expect("defaults are valid")
+    }
+}
+
+impl Settings {
+    /// Fills unset fields from `lower`.
+    fn or(self, lower: Settings) -> Settings {
+        macro_rules! pick {
+            ($($f:ident),*) => { Settings { config: self.config.or(lower.config), $($f: self.$f.or(lower.$f)),* } };
+        }
+        pick!(
+            listen,
+            database_url,
+            database_max_connections,
+            migrate,
+            log_format,
+            kafka_brokers,
+            kafka_properties,
+            kafka_message_timeout_ms,
+            local_sink,
+            source,
+            relays,
+            relay_batch_size,
+            relay_max_run,
+            relay_lease_ms,
+            relay_poll_ms,
+            listen_notify,
+            retry_base_ms,
+            retry_cap_ms,
+            max_attempts,
+            max_payload_bytes,
+            max_batch,
+            max_headers,
+            max_header_bytes,
+            intake_queue,
+            intake_writers,
+            shutdown_grace_ms,
+            health_interval_ms
+        )
+    }
+}
+
+impl Config {
+    /// Merges flags/environment with the optional file, then validates.
+    pub fn load(cli: Settings) -> Result<Config, ConfigError> {
+        let file = match &cli.config {
+            None => Settings::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| bad("config", format!("cannot read {}: {e}", path.display())))?;
+                toml::from_str(&text)
+                    .map_err(|e| bad("config", format!("{}: {e}", path.display())))?
+            }
+        };
+        Config::resolve(cli.or(file))
+    }
+
+    /// Applies defaults and validates.
+    pub fn resolve(s: Settings) -> Result<Config, ConfigError> {
+        let listen_s = s.listen.unwrap_or_else(|| "127.0.0.1:50051".into());
+        let listen: SocketAddr = listen_s.parse().map_err(|_| {
+            bad(
+                "listen (MAILROOM_LISTEN)",
+                format!("{listen_s:?} is not host:port with an IP host"),
+            )
+        })?;
+        let database_url = s
+            .database_url
+            .unwrap_or_else(|| "sqlite://mailroom.db".into());
+        let is_pg =
+            database_url.starts_with("postgres://") || database_url.starts_with("postgresql://");
+        if !is_pg && !database_url.starts_with("sqlite:") {
+            return Err(bad(
+                "database_url (MAILROOM_DATABASE_URL)",
+                "must start with sqlite: or postgres://",
+            ));
+        }
+        let log_format = match s.log_format.as_deref().unwrap_or("human") {
+            "human" => LogFormat::Human,
+            "json" => LogFormat::Json,
+            other => {
+                return Err(bad(
+                    "log_format (MAILROOM_LOG_FORMAT)",
+                    format!("{other:?} is not human or json"),
+                ));
+            }
+        };
+        let message_timeout = Duration::from_millis(s.kafka_message_timeout_ms.unwrap_or(15_000));
+        let sink = match s.kafka_brokers.filter(|b| !b.trim().is_empty()) {
+            Some(brokers) => SinkConfig::Kafka {
+                brokers,
+                properties: s.kafka_properties.unwrap_or_default(),
+                message_timeout,
+            },
+            None => SinkConfig::Local {
+                path: match s.local_sink.as_deref().unwrap_or("stdout") {
+                    "stdout" | "-" => None,
+                    p => Some(PathBuf::from(p)),
+                },
+            },
+        };
+        let retry = RetryPolicy {
+            base: Duration::from_millis(s.retry_base_ms.unwrap_or(10_000)),
+            cap: Duration::from_millis(s.retry_cap_ms.unwrap_or(3_600_000)),
+            max_attempts: s.max_attempts.unwrap_or(6),
+        };
+        if retry.max_attempts == 0 || retry.max_attempts > 100 {
+            return Err(bad(
+                "max_attempts (MAILROOM_MAX_ATTEMPTS)",
+                "must be 1..=100",
+            ));
+        }
+        if retry.cap < retry.base {
+            return Err(bad(
+                "retry_cap_ms (MAILROOM_RETRY_CAP_MS)",
+                "must be at least retry_base_ms",
+            ));
+        }
+        let relay = RelayConfig {
+            batch_size: s.relay_batch_size.unwrap_or(1000),
+            max_run: s.relay_max_run.unwrap_or(500),
+            lease: Duration::from_millis(s.relay_lease_ms.unwrap_or(60_000)),
+            poll_interval: Duration::from_millis(s.relay_poll_ms.unwrap_or(250)),
+            retry,
+            ..RelayConfig::default()
+        };
+        if relay.batch_size == 0 || relay.batch_size > 100_000 {
+            return Err(bad(
+                "relay_batch_size (MAILROOM_RELAY_BATCH_SIZE)",
+                "must be 1..=100000",
+            ));
+        }
+        if relay.max_run == 0 {
+            return Err(bad(
+                "relay_max_run (MAILROOM_RELAY_MAX_RUN)",
+                "must be at least 1",
+            ));
+        }
+        if relay.poll_interval.is_zero() {
+            return Err(bad(
+                "relay_poll_ms (MAILROOM_RELAY_POLL_MS)",
+                "must be positive",
+            ));
+        }
+        if matches!(sink, SinkConfig::Kafka { .. })
+            && relay.lease <= message_timeout + Duration::from_secs(5)
+        {
+            return Err(bad(
+                "relay_lease_ms (MAILROOM_RELAY_LEASE_MS)",
+                "must exceed kafka_message_timeout_ms by at least 5 s, or a slow delivery could outlive its claim",
+            ));
+        }
+        let limits = Limits {
+            max_payload_bytes: s.max_payload_bytes.unwrap_or(1024 * 1024),
+            max_headers: s.max_headers.unwrap_or(64),
+            max_header_bytes: s.max_header_bytes.unwrap_or(16 * 1024),
+            max_batch: s.max_batch.unwrap_or(1000),
+            default_max_attempts: retry.max_attempts,
+            ..Limits::default()
+        };
+        if limits.max_payload_bytes > 64 * 1024 * 1024 {
+            return Err(bad(
+                "max_payload_bytes (MAILROOM_MAX_PAYLOAD_BYTES)",
+                "must be at most 64 MiB",
+            ));
+        }
+        if limits.max_batch == 0 || limits.max_batch > 100_000 {
+            return Err(bad("max_batch (MAILROOM_MAX_BATCH)", "must be 1..=100000"));
+        }
+        let intake = IntakeConfig {
+            queue_depth: s.intake_queue.unwrap_or(10_000).max(1),
+            writers: s.intake_writers.unwrap_or(if is_pg { 4 } else { 1 }).max(1),
+            max_group: limits.max_batch.max(1000),
+        };
+        let relays = s.relays.unwrap_or(2);
+        if relays > 64 {
+            return Err(bad("relays (MAILROOM_RELAYS)", "must be at most 64"));
+        }
+        Ok(Config {
+            listen,
+            database_url,
+            database_max_connections: s.database_max_connections.unwrap_or(16).max(2),
+            migrate: s.migrate.unwrap_or(true),
+            log_format,
+            sink,
+            source: s.source.unwrap_or_else(|| "mailroom".into()),
+            relays,
+            relay,
+            listen_notify: s.listen_notify.unwrap_or(true),
+            limits,
+            intake,
+            shutdown_grace: Duration::from_millis(s.shutdown_grace_ms.unwrap_or(30_000)),
+            health_interval: Duration::from_millis(s.health_interval_ms.unwrap_or(1000).max(50)),
+        })
+    }
+
+    pub fn is_postgres(&self) -> bool {
+        self.database_url.starts_with("postgres")
+    }
+}
+
+/// The database URL with any password replaced, for logs.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_embedded_service() {
+        let c = Config::default();
+        assert_eq!(c.listen.to_string(), "127.0.0.1:50051");
+        assert_eq!(c.database_url, "sqlite://mailroom.db");
+        assert_eq!(c.sink, SinkConfig::Local { path: None });
+        assert_eq!(c.limits.max_batch, 1000);
+        assert_eq!(c.limits.max_payload_bytes, 1024 * 1024);
+    }
+
+    #[test]
+    fn flags_beat_the_file() {
+        let flags = Settings {
+            listen: Some("127.0.0.1:1".into()),
+            ..Default::default()
+        };
+        let file: Settings = toml::from_str("listen = \"127.0.0.1:2\"\nrelays = 3\n").unwrap();
+        let c = Config::resolve(flags.or(file)).unwrap();
+        assert_eq!(c.listen.port(), 1);
+        assert_eq!(c.relays, 3);
+    }
+
+    #[test]
+    fn bad_settings_name_themselves() {
+        let e = Config::resolve(Settings {
+            listen: Some("nowhere".into()),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("MAILROOM_LISTEN"), "{e}");
+        let e = Config::resolve(Settings {
+            database_url: Some("mysql://x".into()),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("MAILROOM_DATABASE_URL"), "{e}");
+        assert!(toml::from_str::<Settings>("no_such_setting = 1").is_err());
+    }
+
+    #[test]
+    fn kafka_properties_parse() {
+        let p = parse_properties("security.protocol=SASL_SSL, sasl.mechanism=PLAIN").unwrap();
+        assert_eq!(p["security.protocol"], "SASL_SSL");
+        assert!(parse_properties("oops").is_err());
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("postgres://u:secret@h:5432/db"),
+            "postgres://u:***@h:5432/db"
+        );
+        assert_eq!(redact_url("sqlite://x.db"), "sqlite://x.db");
+    }
+}

@@ -1,0 +1,208 @@
+//! Domain types shared by every layer: events as accepted, events as stored, statuses,
+//! the box an event lives in, and the outcomes of storing one.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+
+/// Server-assigned event id. Ids increase in acceptance order within a key.
+pub type EventId = i64;
+
+/// Which table family an operation applies to. The relay engine and the admin surface
+/// are written once and pointed at either box.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BoxKind {
+    Outbox,
+    Inbox,
+}
+
+impl BoxKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BoxKind::Outbox => "outbox",
+            BoxKind::Inbox => "inbox",
+        }
+    }
+}
+
+/// Lifecycle of an event: `Pending` until published, then `Completed`; `Failed` is
+/// terminal until an operator requeues it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Status {
+    Pending,
+    Completed,
+    Failed,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Pending => "pending",
+            Status::Completed => "completed",
+            Status::Failed => "failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "pending" => Some(Status::Pending),
+            "completed" => Some(Status::Completed),
+            "failed" => Some(Status::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// A validated event as a producer handed it over, before it has an id.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    pub topic: String,
+    /// `None`: unordered.
+    pub key: Option<String>,
+    pub payload: Vec<u8>,
+    /// Sorted, so the stored JSON and the idempotency fingerprint are canonical.
+    pub headers: BTreeMap<String, String>,
+    pub event_type: Option<String>,
+    pub idempotency_key: Option<String>,
+    pub deliver_after: Option<DateTime<Utc>>,
+    /// Resolved attempt budget (the server default when the client sent none).
+    pub max_attempts: u32,
+}
+
+impl NewEvent {
+    /// A stable 64-bit fingerprint of the content, used to tell an idempotent retry
+    /// (same content) from a conflicting reuse of the key (other content). FNV-1a over a
+    /// length-prefixed encoding, so it never changes between builds.
+    pub fn fingerprint(&self) -> i64 {
+        let mut h = Fnv::default();
+        h.field(self.topic.as_bytes());
+        h.opt(self.key.as_deref().map(str::as_bytes));
+        h.field(&self.payload);
+        h.field(&(self.headers.len() as u64).to_le_bytes());
+        for (k, v) in &self.headers {
+            h.field(k.as_bytes());
+            h.field(v.as_bytes());
+        }
+        h.opt(self.event_type.as_deref().map(str::as_bytes));
+        h.opt(
+            self.deliver_after
+                .map(|t| t.timestamp_micros().to_le_bytes())
+                .as_ref()
+                .map(|b| &b[..]),
+        );
+        h.field(&self.max_attempts.to_le_bytes());
+        h.0 as i64
+    }
+}
+
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn bytes(&mut self, b: &[u8]) {
+        for &x in b {
+            self.0 ^= u64::from(x);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn field(&mut self, b: &[u8]) {
+        self.bytes(&(b.len() as u64).to_le_bytes());
+        self.bytes(b);
+    }
+    fn opt(&mut self, b: Option<&[u8]>) {
+        match b {
+            None => self.bytes(&[0]),
+            Some(b) => {
+                self.bytes(&[1]);
+                self.field(b);
+            }
+        }
+    }
+}
+
+/// What storing one event did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enqueued {
+    Inserted(EventId),
+    /// An earlier request with the same idempotency key and content stored it.
+    Duplicate(EventId),
+}
+
+impl Enqueued {
+    pub fn id(self) -> EventId {
+        match self {
+            Enqueued::Inserted(id) | Enqueued::Duplicate(id) => id,
+        }
+    }
+    pub fn is_duplicate(self) -> bool {
+        matches!(self, Enqueued::Duplicate(_))
+    }
+}
+
+/// An event as stored, with its delivery state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredEvent {
+    pub id: EventId,
+    pub topic: String,
+    pub key: Option<String>,
+    pub payload: Vec<u8>,
+    pub headers: BTreeMap<String, String>,
+    pub event_type: Option<String>,
+    pub idempotency_key: Option<String>,
+    pub status: Status,
+    pub attempts: u32,
+    pub max_attempts: u32,
+    pub scheduled_at: DateTime<Utc>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub published_at: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event() -> NewEvent {
+        NewEvent {
+            topic: "orders".into(),
+            key: Some("42".into()),
+            payload: vec![0, 1, 2],
+            headers: BTreeMap::from([("a".into(), "b".into())]),
+            event_type: None,
+            idempotency_key: Some("k".into()),
+            deliver_after: None,
+            max_attempts: 6,
+        }
+    }
+
+    #[test]
+    fn fingerprint_changes_with_every_content_field() {
+        let base = event().fingerprint();
+        assert_eq!(base, event().fingerprint());
+        let mut e = event();
+        e.payload.push(3);
+        assert_ne!(base, e.fingerprint());
+        let mut e = event();
+        e.key = None;
+        assert_ne!(base, e.fingerprint());
+        let mut e = event();
+        e.headers.insert("c".into(), "d".into());
+        assert_ne!(base, e.fingerprint());
+        let mut e = event();
+        e.event_type = Some(String::new());
+        assert_ne!(base, e.fingerprint());
+        let mut e = event();
+        e.deliver_after = Some(Utc::now());
+        assert_ne!(base, e.fingerprint());
+        // The idempotency key itself is not content.
+        let mut e = event();
+        e.idempotency_key = Some("other".into());
+        assert_eq!(base, e.fingerprint());
+    }
+}

@@ -1,0 +1,56 @@
+//! The service's typed errors. Every layer returns these; `api::status` maps them to
+//! `tonic::Status` in one place.
+
+use crate::store::StoreError;
+
+/// One offending field of a request, reported as a google.rpc.BadRequest violation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldViolation {
+    pub field: String,
+    pub description: String,
+}
+
+impl FieldViolation {
+    pub fn new(field: impl Into<String>, description: impl Into<String>) -> Self {
+        FieldViolation {
+            field: field.into(),
+            description: description.into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid argument: {}", .0.iter().map(|v| format!("{}: {}", v.field, v.description)).collect::<Vec<_>>().join("; "))]
+    InvalidArgument(Vec<FieldViolation>),
+    #[error("idempotency key {key:?} was already used for different content")]
+    AlreadyExists { key: String },
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("failed precondition: {0}")]
+    FailedPrecondition(String),
+    /// The queue in front of the database is full: the caller should back off.
+    #[error("overloaded: {0}")]
+    Overloaded(String),
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    #[error("unauthenticated")]
+    Unauthenticated,
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl Error {
+    pub fn invalid(field: impl Into<String>, description: impl Into<String>) -> Self {
+        Error::InvalidArgument(vec![FieldViolation::new(field, description)])
+    }
+}
+
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Unavailable(m) => Error::Unavailable(m),
+            StoreError::Other(m) => Error::Internal(m),
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! Group commit for `Enqueue`. Requests that arrive together are written together: one
+//! transaction, one multi-row insert, then every waiting caller is answered. Throughput
+//! grows with concurrency instead of being capped by one commit per event.
+//!
+//! The queue in front of the writers is bounded; when it is full the caller is told at
+//! once (`Overloaded`) rather than queued without bound. A caller is answered only after
+//! the commit of its events.
+
+use std::sync::Arc;
+
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
+
+use crate::domain::{Enqueued, NewEvent};
+use crate::error::Error;
+use crate::store::{Admission, Store};
+
+type Reply = oneshot::Sender<Result<Vec<Enqueued>, Error>>;
+
+struct Job {
+    events: Vec<NewEvent>,
+    /// All or nothing: the job gets a transaction of its own.
+    atomic: bool,
+    reply: Reply,
+}
+
+/// Tuning for the group committer.
+#[derive(Debug, Clone, Copy)]
+pub struct IntakeConfig {
+    /// Requests waiting for a writer before callers are turned away.
+    pub queue_depth: usize,
+    /// Transactions in flight at once.
+    pub writers: usize,
+    /// Events per group transaction at most.
+    pub max_group: usize,
+}
+
+impl Default for IntakeConfig {
+    fn default() -> Self {
+        IntakeConfig {
+            queue_depth: 10_000,
+            writers: 4,
+            max_group: 1_000,
+        }
+    }
+}
+
+/// The handle the API uses to store events.
+#[derive(Clone)]
+pub struct Intake {
+    tx: mpsc::Sender<Job>,
+}
+
+/// Wakes whoever should look at freshly committed events: the local relays at once, and
+/// (on PostgreSQL) the notifier that tells the other processes.
+#[derive(Clone, Default)]
+pub struct Wakeup {
+    relays: Arc<std::sync::Mutex<Vec<Arc<Notify>>>>,
+    remote: Arc<std::sync::Mutex<Option<Arc<Notify>>>>,
+}
+
+impl Wakeup {
+    pub fn register(&self, n: Arc<Notify>) {
+        self.relays.lock().expect("wakeup lock").push(n);
+    }
+    pub fn set_remote(&self, n: Arc<Notify>) {
+        *self.remote.lock().expect("wakeup lock") = Some(n);
+    }
+    pub fn wake_local(&self) {
+        for n in self.relays.lock().expect("wakeup lock").iter() {
+            n.notify_one();
+        }
+    }
+    pub fn wake(&self) {
+        self.wake_local();
+        if let Some(n) = self.remote.lock().expect("wakeup lock").as_ref() {
+            n.notify_one();
+        }
+    }
+}
+
+impl Intake {
+    /// Starts the committer. It stops when every `Intake` handle is dropped, after
+    /// answering everything already queued.
+    pub fn start(store: Arc<dyn Store>, config: IntakeConfig, wakeup: Wakeup) -> Intake {
+        let (tx, rx) = mpsc::channel(config.queue_depth);
+        tokio::spawn(run_committer(store, config, rx, wakeup));
+        Intake { tx }
+    }
+
+    /// Stores events; `atomic` makes the whole slice one transaction that stores all or
+    /// nothing (an idempotency conflict anywhere fails it).
+    pub async fn submit(
+        &self,
+        events: Vec<NewEvent>,
+        atomic: bool,
+    ) -> Result<Vec<Enqueued>, Error> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .try_send(Job {
+                events,
+                atomic,
+                reply,
+            })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => {
+                    Error::Overloaded("enqueue queue is full; retry with backoff".into())
+                }
+                mpsc::error::TrySendError::Closed(_) => Error::Unavailable("shutting down".into()),
+            })?;
+        rx.await
+            .map_err(|_| Error::Unavailable("writer stopped before answering".into()))?
+    }
+}
+
+async fn run_committer(
+    store: Arc<dyn Store>,
+    config: IntakeConfig,
+    mut rx: mpsc::Receiver<Job>,
+    wakeup: Wakeup,
+) {
+    let writers = Arc::new(Semaphore::new(config.writers.max(1)));
+    let mut carry: Option<Job> = None;
+    loop {
+        // Wait for a free writer first: while all are busy, requests pile up in the
+        // queue and the next group takes them all.
+        let permit = writers
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("semaphore open");
+        let first = match carry.take() {
+            Some(j) => j,
+            None => match rx.recv().await {
+                Some(j) => j,
+                None => break,
+            },
+        };
+        let mut group = vec![first];
+        if !group[0].atomic {
+            let mut size = group[0].events.len();
+            while size < config.max_group {
+                match rx.try_recv() {
+                    Ok(j) if j.atomic => {
+                        carry = Some(j);
+                        break;
+                    }
+                    Ok(j) => {
+                        size += j.events.len();
+                        group.push(j);
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
+        let store = store.clone();
+        let wakeup = wakeup.clone();
+        tokio::spawn(async move {
+            commit_group(store.as_ref(), group, &wakeup).await;
+            drop(permit);
+        });
+    }
+    // Wait for the last transactions before the committer ends.
+    let _ = writers.acquire_many(config.writers.max(1) as u32).await;
+}
+
+async fn commit_group(store: &dyn Store, group: Vec<Job>, wakeup: &Wakeup) {
+    let atomic = group.len() == 1 && group[0].atomic;
+    let events: Vec<NewEvent> = group
+        .iter()
+        .flat_map(|j| j.events.iter().cloned())
+        .collect();
+    let mut result = store.enqueue(&events, atomic).await;
+    // A deadlock or serialization failure between concurrent groups is worth one retry.
+    if let Err(crate::store::StoreError::Unavailable(m)) = &result
+        && (m.contains("deadlock") || m.contains("serializ"))
+    {
+        result = store.enqueue(&events, atomic).await;
+    }
+    match result {
+        Err(e) => {
+            let e = Error::from(e);
+            tracing::warn!(error = %e, events = events.len(), "enqueue transaction failed");
+            for j in group {
+                let _ = j.reply.send(Err(clone_err(&e)));
+            }
+        }
+        Ok(admissions) => {
+            if admissions
+                .iter()
+                .any(|a| matches!(a, Admission::Inserted(_)))
+                && !(atomic && admissions.contains(&Admission::Conflict))
+            {
+                wakeup.wake();
+            }
+            let mut it = admissions.into_iter().zip(events.iter());
+            for j in group {
+                let mut out = Vec::with_capacity(j.events.len());
+                let mut conflict = None;
+                for _ in 0..j.events.len() {
+                    let (a, e) = it.next().expect("one admission per event");
+                    match a {
+                        Admission::Inserted(id) => out.push(Enqueued::Inserted(id)),
+                        Admission::Duplicate(id) => out.push(Enqueued::Duplicate(id)),
+                        Admission::Conflict => {
+                            conflict.get_or_insert_with(|| Error::AlreadyExists {
+                                key: e.idempotency_key.clone().unwrap_or_default(),
+                            });
+                        }
+                    }
+                }
+                let _ = j.reply.send(match conflict {
+                    Some(e) => Err(e),
+                    None => Ok(out),
+                });
+            }
+        }
+    }
+}
+
+fn clone_err(e: &Error) -> Error {
+    match e {
+        Error::Unavailable(m) => Error::Unavailable(m.clone()),
+        Error::Overloaded(m) => Error::Overloaded(m.clone()),
+        other => Error::Internal(other.to_string()),
+    }
+}

@@ -1,0 +1,30 @@
+//! mailroom: a transactional outbox/inbox service. Producers `Enqueue` events over gRPC;
+//! mailroom commits them before it answers, then relays publish them to Kafka in order
+//! per key, with retries, equal-jitter backoff and bounded attempts.
+//!
+//! # Layout
+//! - `config`  — typed settings: flags > `MAILROOM_*` env > TOML file > defaults.
+//! - `app`     — wires store, intake, sink, relays, health and the gRPC server; owns shutdown.
+//! - `api`     — gRPC services: pb conversion and validation in, domain call, `Status` out.
+//! - `pb`      — generated protobuf/gRPC code.
+//! - `domain`  — events, statuses, boxes, enqueue outcomes.
+//! - `error`   — the service's typed errors (mapped to `tonic::Status` in `api::status`).
+//! - `intake`  — group commit: concurrent `Enqueue`s share one transaction.
+//! - `store`   — the `Store` trait and its PostgreSQL and SQLite engines; all SQL lives here.
+//! - `relay`   — the engine both boxes share: claim, per-key ordering, backoff, settle.
+//! - `sink`    — destinations: Kafka (rdkafka), the local JSON-lines sink, fault injection.
+//! - `health`  — `grpc.health.v1` statuses driven by a database check.
+//! - `notify`  — PostgreSQL LISTEN/NOTIFY wake-ups between processes.
+
+pub mod api;
+pub mod app;
+pub mod config;
+pub mod domain;
+pub mod error;
+pub mod health;
+pub mod intake;
+pub mod notify;
+pub mod pb;
+pub mod relay;
+pub mod sink;
+pub mod store;

@@ -1,0 +1,105 @@
+//! The `mailroom` binary: parse configuration, start logging, run until SIGTERM/SIGINT.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use mailroom::app::{App, open_store};
+use mailroom::config::{Config, LogFormat, Settings};
+
+/// Transactional outbox/inbox service: durable gRPC intake, ordered Kafka relay.
+///
+/// Every setting can be given as a flag, as a MAILROOM_* environment variable or in the
+/// TOML file named by --config (flags win over the environment, which wins over the file).
+#[derive(Parser)]
+#[command(name = "mailroom", version)]
+struct Cli {
+    #[command(flatten)]
+    settings: Settings,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the service (the default).
+    Serve,
+    /// Apply database migrations and exit.
+    Migrate,
+}
+
+/// Exit code for a configuration error (EX_USAGE).
+const EXIT_CONFIG: u8 = 64;
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// Cancels the token on SIGTERM or SIGINT.
+fn shutdown_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = ctrl_c.await;
+        tracing::info!("shutdown signal received");
+        t.cancel();
+    });
+    token
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match Config::load(cli.settings) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("mailroom: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    init_logging(config.log_format);
+    let result = match cli.command.unwrap_or(Command::Serve) {
+        Command::Serve => match App::start(config, shutdown_signal()).await {
+            Ok(app) => app.wait().await,
+            Err(e) => Err(e),
+        },
+        Command::Migrate => {
+            let config = Config {
+                migrate: true,
+                ..config
+            };
+            open_store(&config)
+                .await
+                .map(|_| tracing::info!("migrations applied"))
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("mailroom: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! Retry timing. Counted failures wait an equal-jitter exponential backoff:
+//! `d = min(cap, base · 2^attempts_made)`, the wait drawn uniformly from `[d/2, d]`.
+//! Equal jitter (not full jitter) so a retry never comes back almost at once.
+
+use std::time::Duration;
+
+use rand::RngExt;
+
+/// Per-box retry settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// Base delay; zero means "next cycle".
+    pub base: Duration,
+    /// Cap on the un-jittered delay.
+    pub cap: Duration,
+    /// Default attempt budget for events that do not carry their own.
+    pub max_attempts: u32,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            base: Duration::from_secs(10),
+            cap: Duration::from_secs(3600),
+            max_attempts: 6,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The un-jittered delay `d` after a failure with `attempts_made` attempts spent
+    /// before it.
+    pub fn ceiling(&self, attempts_made: u32) -> Duration {
+        let factor = 2u32.checked_pow(attempts_made.min(31)).unwrap_or(u32::MAX);
+        self.base.saturating_mul(factor).min(self.cap)
+    }
+
+    /// The wait before the next attempt, drawn from `[d/2, d]`.
+    pub fn delay(&self, attempts_made: u32, rng: &mut impl rand::Rng) -> Duration {
+        let d = self.ceiling(attempts_made);
+        if d.is_zero() {
+            return Duration::ZERO;
+        }
+        let half = d / 2;
+        let span = (d - half).as_micros() as u64;
+        half + Duration::from_micros(rng.random_range(0..=span))
+    }
+}
+
+/// The relay's own pause after a transient failure: doubling from `min` to `max`, equal
+/// jitter, reset by the next success. It throttles probes of a dead destination.
+#[derive(Debug, Clone)]
+pub struct ProbeBackoff {
+    min: Duration,
+    max: Duration,
+    failures: u32,
+}
+
+impl ProbeBackoff {
+    pub fn new(min: Duration, max: Duration) -> Self {
+        ProbeBackoff {
+            min,
+            max,
+            failures: 0,
+        }
+    }
+
+    pub fn failed(&mut self, rng: &mut impl rand::Rng) -> Duration {
+        let p = RetryPolicy {
+            base: self.min,
+            cap: self.max,
+            max_attempts: 0,
+        };
+        let d = p.delay(self.failures, rng);
+        self.failures = self.failures.saturating_add(1);
+        d
+    }
+
+    pub fn succeeded(&mut self) {
+        self.failures = 0;
+    }
+
+    /// True while the destination is believed down: claim one event at a time.
+    pub fn probing(&self) -> bool {
+        self.failures > 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[test]
+    fn waits_follow_the_reference_schedule() {
+        let p = RetryPolicy::default();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let expected = [(5, 10), (10, 20), (20, 40), (40, 80), (80, 160)];
+        for (made, (lo, hi)) in expected.into_iter().enumerate() {
+            for _ in 0..200 {
+                let d = p.delay(made as u32, &mut rng);
+                assert!(
+                    d >= Duration::from_secs(lo) && d <= Duration::from_secs(hi),
+                    "attempt {made}: {d:?} outside [{lo}, {hi}]"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn cap_and_zero_base() {
+        let p = RetryPolicy::default();
+        assert_eq!(p.ceiling(40), Duration::from_secs(3600));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        assert!(p.delay(40, &mut rng) >= Duration::from_secs(1800));
+        let zero = RetryPolicy {
+            base: Duration::ZERO,
+            ..p
+        };
+        assert_eq!(zero.delay(3, &mut rng), Duration::ZERO);
+    }
+
+    #[test]
+    fn jitter_spreads_over_the_window() {
+        let p = RetryPolicy::default();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let v: Vec<Duration> = (0..1000).map(|_| p.delay(0, &mut rng)).collect();
+        assert!(v.iter().any(|d| *d < Duration::from_millis(6000)));
+        assert!(v.iter().any(|d| *d > Duration::from_millis(9000)));
+    }
+
+    #[test]
+    fn probe_backoff_grows_and_resets() {
+        let mut b = ProbeBackoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        assert!(!b.probing());
+        let first = b.failed(&mut rng);
+        assert!(first <= Duration::from_millis(100));
+        for _ in 0..10 {
+            b.failed(&mut rng);
+        }
+        assert!(b.failed(&mut rng) <= Duration::from_secs(5));
+        assert!(b.probing());
+        b.succeeded();
+        assert!(!b.probing());
+    }
+}

@@ -1,0 +1,273 @@
+//! The relay engine, shared by both boxes: claim → plan → deliver → settle, in cycles.
+//! The outbox relay runs it with a Kafka or local sink; the inbox dispatcher would run
+//! the same engine with a handler as its sink.
+//!
+//! A cycle holds no database transaction across delivery: the claim commits, the sink
+//! delivers, the settle commits. Keys that have nothing to publish this cycle are
+//! released before delivery starts; keys and events a cycle claimed but did not reach are
+//! released by its settle, at once.
+
+pub mod backoff;
+pub mod plan;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rand::RngExt;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::domain::BoxKind;
+use crate::sink::Sink;
+use crate::store::{ClaimLimits, KeyRelease, Store, StoreError};
+use backoff::{ProbeBackoff, RetryPolicy};
+use plan::{LinePlan, plan_line, plan_single};
+
+/// Relay tuning.
+#[derive(Debug, Clone, Copy)]
+pub struct RelayConfig {
+    /// Events one cycle may hand to the sink (keyed and unkeyed each).
+    pub batch_size: u32,
+    /// Longest run of one key in one cycle.
+    pub max_run: u32,
+    /// Claim lease; longer than any delivery timeout.
+    pub lease: Duration,
+    /// Fallback poll when nothing wakes the relay.
+    pub poll_interval: Duration,
+    /// The relay's own pause after a transient failure, from `probe_min` to `probe_max`.
+    pub probe_min: Duration,
+    pub probe_max: Duration,
+    pub retry: RetryPolicy,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            batch_size: 1000,
+            max_run: 500,
+            lease: Duration::from_secs(60),
+            poll_interval: Duration::from_millis(250),
+            probe_min: Duration::from_millis(200),
+            probe_max: Duration::from_secs(5),
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+/// Counters, shared with whoever wants to watch the relay (tests, metrics, admin).
+#[derive(Debug, Default)]
+pub struct RelayStats {
+    pub cycles: AtomicU64,
+    pub delivered: AtomicU64,
+    pub retried: AtomicU64,
+    pub failed: AtomicU64,
+    pub transient: AtomicU64,
+    pub stale: AtomicU64,
+    pub delivered_after_failure: AtomicU64,
+}
+
+/// What one cycle did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CycleReport {
+    pub keys: usize,
+    pub attempted: usize,
+    pub delivered: usize,
+    pub retried: usize,
+    pub failed: usize,
+    pub transient: bool,
+    pub stale: usize,
+}
+
+/// One relay task.
+pub struct Relay {
+    store: Arc<dyn Store>,
+    sink: Arc<dyn Sink>,
+    box_kind: BoxKind,
+    config: RelayConfig,
+    wake: Arc<Notify>,
+    stats: Arc<RelayStats>,
+    probe: ProbeBackoff,
+}
+
+impl Relay {
+    pub fn new(
+        store: Arc<dyn Store>,
+        sink: Arc<dyn Sink>,
+        box_kind: BoxKind,
+        config: RelayConfig,
+    ) -> Self {
+        Relay {
+            store,
+            sink,
+            box_kind,
+            config,
+            wake: Arc::new(Notify::new()),
+            stats: Arc::new(RelayStats::default()),
+            probe: ProbeBackoff::new(config.probe_min, config.probe_max),
+        }
+    }
+
+    /// The handle that wakes this relay early (new events were committed).
+    pub fn waker(&self) -> Arc<Notify> {
+        self.wake.clone()
+    }
+
+    pub fn stats(&self) -> Arc<RelayStats> {
+        self.stats.clone()
+    }
+
+    fn limits(&self) -> ClaimLimits {
+        let c = &self.config;
+        if self.probe.probing() {
+            // The destination looked down: one event probes it.
+            return ClaimLimits {
+                max_keys: 1,
+                max_events: 1,
+                max_run: 1,
+                max_unkeyed: 1,
+                lease: c.lease,
+            };
+        }
+        ClaimLimits {
+            max_keys: c.batch_size,
+            max_events: c.batch_size,
+            max_run: c.max_run,
+            max_unkeyed: c.batch_size,
+            lease: c.lease,
+        }
+    }
+
+    /// Runs one cycle. Public so tests can count cycles exactly.
+    pub async fn cycle(&mut self) -> Result<CycleReport, StoreError> {
+        let token: i64 = rand::rng().random();
+        let limits = self.limits();
+        let claim = self.store.claim(self.box_kind, token, limits).await?;
+        self.stats.cycles.fetch_add(1, Ordering::Relaxed);
+        let mut report = CycleReport {
+            keys: claim.keyed.len(),
+            ..Default::default()
+        };
+
+        // Plan every line; the budget is shared in claim order.
+        let mut budget = limits.max_events as usize;
+        let mut plans: Vec<LinePlan<'_>> = Vec::new();
+        let mut idle = Vec::new();
+        for w in &claim.keyed {
+            let p = plan_line(w, claim.now, budget);
+            budget -= p.run.len();
+            if p.run.is_empty() {
+                idle.push(KeyRelease {
+                    line: w.line.clone(),
+                    ready: p.readiness_untouched(),
+                });
+            } else {
+                plans.push(p);
+            }
+        }
+        plans.extend(claim.unkeyed.iter().map(plan_single));
+        // Keys with nothing to publish go back at once, not after the delivery.
+        if !idle.is_empty() {
+            self.store.settle(self.box_kind, token, &[], &idle).await?;
+        }
+        if plans.is_empty() {
+            return Ok(report);
+        }
+
+        let lines: Vec<Vec<&_>> = plans.iter().map(|p| p.run.clone()).collect();
+        report.attempted = lines.iter().map(Vec::len).sum();
+        let deliveries = self.sink.deliver(&lines).await;
+
+        let mut updates = Vec::new();
+        let mut releases = Vec::new();
+        let mut out_of_order = 0;
+        for (p, d) in plans.iter().zip(&deliveries) {
+            let o = p.settle(d, &self.config.retry, &mut rand::rng());
+            report.delivered += o.delivered;
+            report.retried += o.retried;
+            report.failed += o.failed;
+            report.transient |= o.transient;
+            out_of_order += o.delivered_after_failure;
+            updates.extend(o.updates);
+            if let Some(line) = p.line {
+                releases.push(KeyRelease {
+                    line: line.clone(),
+                    ready: o.ready,
+                });
+            }
+        }
+        let settled = self
+            .store
+            .settle(self.box_kind, token, &updates, &releases)
+            .await?;
+        report.stale = settled.stale;
+        if settled.stale > 0 {
+            tracing::warn!(
+                stale = settled.stale,
+                "claim expired before settle; another relay owns those events now"
+            );
+        }
+        if out_of_order > 0 {
+            tracing::warn!(
+                count = out_of_order,
+                "the sink delivered events after an earlier event of their key failed"
+            );
+        }
+        let s = &self.stats;
+        s.delivered
+            .fetch_add(report.delivered as u64, Ordering::Relaxed);
+        s.retried
+            .fetch_add(report.retried as u64, Ordering::Relaxed);
+        s.failed.fetch_add(report.failed as u64, Ordering::Relaxed);
+        s.stale.fetch_add(report.stale as u64, Ordering::Relaxed);
+        s.delivered_after_failure
+            .fetch_add(out_of_order as u64, Ordering::Relaxed);
+        if report.transient {
+            s.transient.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(report)
+    }
+
+    /// Runs cycles until `shutdown`. A cycle in progress completes (its deliveries are
+    /// bounded by the sink's timeout) so that it settles and releases what it claimed.
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let mut db_backoff = ProbeBackoff::new(self.config.probe_min, self.config.probe_max);
+        while !shutdown.is_cancelled() {
+            let pause = match self.cycle().await {
+                Ok(r) => {
+                    db_backoff.succeeded();
+                    if r.transient {
+                        let d = self.probe.failed(&mut rand::rng());
+                        tracing::info!(
+                            pause_ms = d.as_millis() as u64,
+                            "destination unavailable; probing again later"
+                        );
+                        Some(d)
+                    } else if r.attempted > 0 {
+                        if r.delivered > 0 {
+                            self.probe.succeeded();
+                        }
+                        None
+                    } else if r.keys > 0 {
+                        // Only blocked keys came back; look again for others at once.
+                        None
+                    } else {
+                        Some(self.config.poll_interval)
+                    }
+                }
+                Err(e) => {
+                    let d = db_backoff.failed(&mut rand::rng());
+                    tracing::warn!(error = %e, pause_ms = d.as_millis() as u64, "relay cycle failed");
+                    Some(d)
+                }
+            };
+            if let Some(d) = pause {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = self.wake.notified(), if !self.probe.probing() => {}
+                    _ = tokio::time::sleep(d) => {}
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,65 @@
+//! Sinks: where the relay engine delivers a claimed line. The outbox publishes to Kafka
+//! (`kafka`) or, embedded, to JSON lines (`local`); `fault` wraps any sink to inject
+//! failures in tests. The engine only sees the `Sink` trait.
+
+pub mod fault;
+pub mod kafka;
+pub mod local;
+
+use chrono::{DateTime, Utc};
+
+use crate::domain::StoredEvent;
+
+/// Why a delivery failed, which decides what it costs the event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Failure {
+    /// The destination answered and refused this event: spends one attempt, then the
+    /// event waits out its backoff (or `retry_at` when the destination named a time).
+    Counted {
+        error: String,
+        retry_at: Option<DateTime<Utc>>,
+    },
+    /// The destination asked for a later retry that spends no attempt.
+    Deferred {
+        error: String,
+        retry_at: DateTime<Utc>,
+    },
+    /// Refused for good (an inbox handler's reject): `failed` at once.
+    Rejected { error: String },
+    /// The environment's fault (destination unreachable, timeout, queue full): spends no
+    /// attempt and leaves the schedule alone; the cycle stops publishing.
+    Transient { error: String },
+}
+
+impl Failure {
+    pub fn error(&self) -> &str {
+        match self {
+            Failure::Counted { error, .. }
+            | Failure::Deferred { error, .. }
+            | Failure::Rejected { error }
+            | Failure::Transient { error } => error,
+        }
+    }
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Failure::Transient { .. })
+    }
+}
+
+/// The result of one event's delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Delivery {
+    Delivered,
+    Failed(Failure),
+    /// Not sent: an earlier event of its line failed, or the cycle stopped.
+    NotAttempted,
+}
+
+/// A destination for claimed events. `lines` are ordered runs (one per key, or one
+/// unkeyed event each). A sink may deliver many lines concurrently but within a line
+/// must not send an event once an earlier one of that line has failed, and should stop
+/// sending anything new after a transient failure. Returns one `Delivery` per event,
+/// shaped like `lines`.
+#[async_trait::async_trait]
+pub trait Sink: Send + Sync + 'static {
+    async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>>;
+}

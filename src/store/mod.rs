@@ -1,0 +1,238 @@
+//! Storage: the `Store` trait every engine implements, and the types that cross it.
+//! All SQL lives in `postgres.rs` and `sqlite.rs`; nothing outside this module runs a query.
+//!
+//! Keyed events are claimed through a per-key row (`*_keys`): a relay leases a key, reads
+//! that key's line in id order from an index, and settles. The lease is the mutual
+//! exclusion between relays; the key row's `ready_at` says when the key may next have
+//! something to publish, so a claim touches only ready keys and its cost is proportional
+//! to what it hands out, never to the depth of a key or the size of the table.
+
+pub mod postgres;
+pub mod sqlite;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::domain::{BoxKind, EventId, NewEvent, StoredEvent};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database cannot be reached or refused the connection: retry later.
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
+    #[error("database error: {0}")]
+    Other(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Tls(_) => StoreError::Unavailable(e.to_string()),
+            sqlx::Error::Database(db) => {
+                // Class 08 (connection), 57P (operator intervention: shutdown), 53 (resources),
+                // 40001/40P01 (serialization, deadlock): all say "try again", not "bad request".
+                let code = db.code().map(|c| c.to_string()).unwrap_or_default();
+                if code.starts_with("08")
+                    || code.starts_with("57P")
+                    || code.starts_with("53")
+                    || code == "40001"
+                    || code == "40P01"
+                    || code == "5"
+                    || code == "6"
+                    || code == "517"
+                {
+                    StoreError::Unavailable(e.to_string())
+                } else {
+                    StoreError::Other(e.to_string())
+                }
+            }
+            _ => StoreError::Other(e.to_string()),
+        }
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// The outcome for one event of an enqueue call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    Inserted(EventId),
+    Duplicate(EventId),
+    /// The idempotency key is taken by an event with other content.
+    Conflict,
+}
+
+/// The identity of an ordered line: one (topic, key).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LineKey {
+    pub topic: String,
+    pub key: String,
+}
+
+/// The front of one leased key's line: its pending events in id order, at most the
+/// claim's per-key limit. `full` says the limit cut it, so more may follow.
+#[derive(Debug, Clone)]
+pub struct KeyWindow {
+    pub line: LineKey,
+    pub rows: Vec<StoredEvent>,
+    pub full: bool,
+}
+
+/// What one claim handed to a relay. `token` identifies this claim: settling with it
+/// succeeds only while the claim's lease is still held.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    pub token: i64,
+    /// The database's clock when the claim was made; planning compares schedules to it.
+    pub now: DateTime<Utc>,
+    pub keyed: Vec<KeyWindow>,
+    /// Due events without a key, each claimed individually.
+    pub unkeyed: Vec<StoredEvent>,
+}
+
+impl ClaimLimits {
+    /// Rows to read per key when `leased` keys share the budget.
+    pub fn per_key(&self, leased: usize) -> u32 {
+        (self.max_events / leased.max(1) as u32).clamp(1, self.max_run.max(1))
+    }
+}
+
+/// Limits of one claim.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimLimits {
+    /// Keys to lease.
+    pub max_keys: u32,
+    /// Keyed events to read in all: shared out among the leased keys.
+    pub max_events: u32,
+    /// Rows to read per key at most (the longest run one cycle may publish).
+    pub max_run: u32,
+    /// Unkeyed events to claim.
+    pub max_unkeyed: u32,
+    /// How long the claim holds; longer than any publish timeout.
+    pub lease: Duration,
+}
+
+/// A change to one claimed event, decided by the relay engine.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventUpdate {
+    Completed {
+        id: EventId,
+    },
+    /// A counted failure with budget left: `attempts` is the new count, the event is due
+    /// again `delay` after the settle.
+    Retry {
+        id: EventId,
+        attempts: u32,
+        delay: Duration,
+        error: String,
+    },
+    /// An explicit retry time (inbox handlers); `counted` spends an attempt.
+    RetryAt {
+        id: EventId,
+        attempts: u32,
+        at: DateTime<Utc>,
+        error: String,
+    },
+    /// Out of attempts (or rejected): terminal until requeued.
+    Failed {
+        id: EventId,
+        attempts: u32,
+        error: String,
+    },
+    /// Claimed but not reached (unkeyed events only; a keyed line is released with its
+    /// key): back in line at once, untouched.
+    Release {
+        id: EventId,
+    },
+}
+
+impl EventUpdate {
+    pub fn id(&self) -> EventId {
+        match self {
+            EventUpdate::Completed { id }
+            | EventUpdate::Retry { id, .. }
+            | EventUpdate::RetryAt { id, .. }
+            | EventUpdate::Failed { id, .. }
+            | EventUpdate::Release { id } => *id,
+        }
+    }
+}
+
+/// When a released key may next have something to publish. The store takes the
+/// earliest of the parts that are set; none set means "idle" (no due line left).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Readiness {
+    /// An absolute time (a never-tried delayed event's schedule).
+    pub at: Option<DateTime<Utc>>,
+    /// Relative to the settle (the blocked head's new retry delay; zero for "now").
+    pub after: Option<Duration>,
+    /// The highest id the relay saw. If the key is otherwise idle and a newer pending
+    /// event exists (enqueued during the claim), the key is ready at once.
+    pub seen_up_to: Option<EventId>,
+}
+
+impl Readiness {
+    pub fn now() -> Self {
+        Readiness {
+            after: Some(Duration::ZERO),
+            ..Default::default()
+        }
+    }
+}
+
+/// The release of one leased key with its next readiness.
+#[derive(Debug, Clone)]
+pub struct KeyRelease {
+    pub line: LineKey,
+    pub ready: Readiness,
+}
+
+/// What a settle achieved.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SettleReport {
+    /// Updates applied.
+    pub applied: usize,
+    /// Updates dropped because the claim's lease had expired or moved to another relay.
+    pub stale: usize,
+}
+
+/// Durable storage for both boxes.
+#[async_trait::async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// The engine's name, for logs and health ("postgres", "sqlite").
+    fn engine(&self) -> &'static str;
+
+    /// Applies pending migrations.
+    async fn migrate(&self) -> StoreResult<()>;
+
+    /// A cheap round trip, for health checks.
+    async fn ping(&self) -> StoreResult<()>;
+
+    /// Stores events in one transaction, in order (ids increase in slice order within a
+    /// key). With `atomic`, a `Conflict` anywhere rolls everything back: the returned
+    /// outcomes then say which event conflicted and nothing is stored.
+    async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>>;
+
+    /// Leases ready keys, reads their lines and claims due unkeyed events of `box_kind`.
+    async fn claim(&self, box_kind: BoxKind, token: i64, limits: ClaimLimits)
+    -> StoreResult<Claim>;
+
+    /// Applies the relay's decisions for a claim and releases its keys, in one
+    /// transaction. Updates for keys or events whose lease is no longer held by `token`
+    /// are dropped (counted as stale): another relay owns them now.
+    async fn settle(
+        &self,
+        box_kind: BoxKind,
+        token: i64,
+        updates: &[EventUpdate],
+        releases: &[KeyRelease],
+    ) -> StoreResult<SettleReport>;
+
+    /// One event by id.
+    async fn get_event(&self, box_kind: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>>;
+}

@@ -1,0 +1,599 @@
+//! PostgreSQL engine: the production store. Several mailroom processes may share one
+//! database; leases on key rows (taken with `FOR UPDATE SKIP LOCKED`) keep relays apart.
+//!
+//! Ordering invariant: an enqueue locks its keys' rows *before* it draws ids, so within a
+//! key ids are drawn and committed in the same order, and a relay can never see event
+//! n+1 of a key committed while event n is still in flight.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Row};
+
+use super::{
+    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
+    Store, StoreError, StoreResult,
+};
+use crate::domain::{BoxKind, EventId, NewEvent, Status, StoredEvent};
+
+/// Columns read into a `StoredEvent`, in `decode_event` order.
+const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers::text AS headers, event_type, \
+     idempotency_key, status, attempts, max_attempts, scheduled_at, created_at, updated_at, \
+     published_at, last_error";
+
+/// SQL text per box, built once: the boxes differ only in table names.
+struct Sql {
+    lease_keys: Arc<str>,
+    windows: Arc<str>,
+    claim_unkeyed: Arc<str>,
+    lock_keys: Arc<str>,
+    settle_events: Arc<str>,
+    release_keys: Arc<str>,
+    get_event: Arc<str>,
+}
+
+impl Sql {
+    fn new(events: &str, keys: &str) -> Self {
+        let c = EVENT_COLUMNS;
+        Sql {
+            lease_keys: format!(
+                "WITH picked AS (
+                    SELECT topic, event_key FROM {keys}
+                    WHERE ready_at <= now() AND (lease_until IS NULL OR lease_until <= now())
+                    ORDER BY ready_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+                 UPDATE {keys} k SET lease_token = $2,
+                        lease_until = now() + $3 * interval '1 millisecond',
+                        ready_at = now() + $3 * interval '1 millisecond'
+                 FROM picked WHERE k.topic = picked.topic AND k.event_key = picked.event_key
+                 RETURNING k.topic, k.event_key"
+            )
+            .into(),
+            windows: format!(
+                "SELECT e.* FROM unnest($1::text[], $2::text[]) AS k(topic, event_key)
+                 CROSS JOIN LATERAL (
+                    SELECT {c} FROM {events} e
+                    WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key
+                    ORDER BY e.id LIMIT $3) e"
+            )
+            .into(),
+            claim_unkeyed: format!(
+                "UPDATE {events} SET claim_token = $2,
+                        claimed_until = now() + $3 * interval '1 millisecond'
+                 WHERE id IN (
+                    SELECT id FROM {events}
+                    WHERE status = 'pending' AND event_key IS NULL AND scheduled_at <= now()
+                      AND (claimed_until IS NULL OR claimed_until <= now())
+                    ORDER BY scheduled_at, id LIMIT $1 FOR UPDATE SKIP LOCKED)
+                 RETURNING {c}"
+            )
+            .into(),
+            lock_keys: format!(
+                "SELECT k.topic, k.event_key FROM {keys} k
+                 JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
+                   ON k.topic = u.topic AND k.event_key = u.event_key
+                 WHERE k.lease_token = $3 AND k.lease_until > now()
+                 ORDER BY k.topic, k.event_key FOR UPDATE OF k"
+            )
+            .into(),
+            settle_events: format!(
+                "UPDATE {events} e SET
+                    status = CASE u.kind WHEN 'completed' THEN 'completed'
+                                         WHEN 'failed' THEN 'failed' ELSE 'pending' END,
+                    attempts = COALESCE(u.attempts, e.attempts),
+                    scheduled_at = CASE WHEN u.kind = 'retry'
+                        THEN COALESCE(u.at, now() + u.delay_ms * interval '1 millisecond')
+                        ELSE e.scheduled_at END,
+                    last_error = COALESCE(u.error, e.last_error),
+                    published_at = CASE WHEN u.kind = 'completed' THEN now() ELSE e.published_at END,
+                    updated_at = CASE WHEN u.kind = 'release' THEN e.updated_at ELSE now() END,
+                    claim_token = NULL, claimed_until = NULL
+                 FROM unnest($1::int8[], $2::text[], $3::int4[], $4::int8[], $5::timestamptz[], $6::text[])
+                      AS u(id, kind, attempts, delay_ms, at, error)
+                 WHERE e.id = u.id AND e.status = 'pending'
+                   AND ((e.event_key IS NULL AND e.claim_token = $7 AND e.claimed_until > now())
+                        OR (e.event_key IS NOT NULL AND EXISTS (
+                            SELECT 1 FROM {keys} k WHERE k.topic = e.topic
+                              AND k.event_key = e.event_key AND k.lease_token = $7
+                              AND k.lease_until > now())))"
+            )
+            .into(),
+            release_keys: format!(
+                "UPDATE {keys} k SET lease_token = NULL, lease_until = NULL,
+                    ready_at = LEAST(
+                        COALESCE(u.at, 'infinity'),
+                        COALESCE(now() + u.after_ms * interval '1 millisecond', 'infinity'),
+                        CASE WHEN u.seen IS NOT NULL AND EXISTS (
+                                SELECT 1 FROM {events} e WHERE e.status = 'pending'
+                                  AND e.topic = k.topic AND e.event_key = k.event_key AND e.id > u.seen)
+                             THEN now() ELSE 'infinity' END)
+                 FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[])
+                      AS u(topic, event_key, at, after_ms, seen)
+                 WHERE k.topic = u.topic AND k.event_key = u.event_key AND k.lease_token = $6
+                   AND k.lease_until > now()"
+            )
+            .into(),
+            get_event: format!("SELECT {c} FROM {events} WHERE id = $1").into(),
+        }
+    }
+}
+
+pub struct PgStore {
+    pool: PgPool,
+    outbox: Sql,
+    inbox: Sql,
+}
+
+impl PgStore {
+    /// Connects lazily-checked: the pool is created and one connection tried, so a bad
+    /// URL fails at start-up while a database that goes away later only degrades health.
+    pub async fn connect(url: &str, max_connections: u32) -> StoreResult<Self> {
+        let opts: PgConnectOptions = url
+            .parse()
+            .map_err(|e: sqlx::Error| StoreError::Other(format!("bad database url: {e}")))?;
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(3))
+            .connect_with(opts)
+            .await?;
+        Ok(Self::from_pool(pool))
+    }
+
+    pub fn from_pool(pool: PgPool) -> Self {
+        PgStore {
+            pool,
+            outbox: Sql::new("outbox_events", "outbox_keys"),
+            inbox: Sql::new("inbox_events", "inbox_keys"),
+        }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn sql(&self, b: BoxKind) -> &Sql {
+        match b {
+            BoxKind::Outbox => &self.outbox,
+            BoxKind::Inbox => &self.inbox,
+        }
+    }
+}
+
+fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(AssertSqlSafe(sql.clone()))
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+pub(crate) fn decode_event(row: &PgRow) -> StoreResult<StoredEvent> {
+    let headers: String = row.try_get("headers")?;
+    let status: String = row.try_get("status")?;
+    Ok(StoredEvent {
+        id: row.try_get("id")?,
+        topic: row.try_get("topic")?,
+        key: row.try_get("event_key")?,
+        payload: row.try_get("payload")?,
+        headers: serde_json::from_str(&headers)
+            .map_err(|e| StoreError::Other(format!("stored headers are not a JSON map: {e}")))?,
+        event_type: row.try_get("event_type")?,
+        idempotency_key: row.try_get("idempotency_key")?,
+        status: Status::parse(&status)
+            .ok_or_else(|| StoreError::Other(format!("unknown status {status:?}")))?,
+        attempts: row.try_get::<i32, _>("attempts")? as u32,
+        max_attempts: row.try_get::<i32, _>("max_attempts")? as u32,
+        scheduled_at: row.try_get("scheduled_at")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+        published_at: row.try_get("published_at")?,
+        last_error: row.try_get("last_error")?,
+    })
+}
+
+/// Encodes headers canonically (sorted keys) for storage.
+pub(crate) fn headers_json(h: &BTreeMap<String, String>) -> String {
+    serde_json::to_string(h).expect("string map serializes")
+}
+
+/// Sorted distinct keys of a batch with the earliest schedule of each (None = now).
+pub(crate) fn batch_keys(events: &[NewEvent]) -> BTreeMap<(&str, &str), Option<DateTime<Utc>>> {
+    let mut keys: BTreeMap<(&str, &str), Option<DateTime<Utc>>> = BTreeMap::new();
+    for e in events {
+        if let Some(k) = &e.key {
+            let slot = keys
+                .entry((e.topic.as_str(), k.as_str()))
+                .or_insert(e.deliver_after);
+            *slot = match (*slot, e.deliver_after) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                _ => None,
+            };
+        }
+    }
+    keys
+}
+
+/// Resolves which events were inserted, which were idempotent duplicates and which
+/// conflicted, from the ids the insert returned and the rows already holding the keys.
+pub(crate) fn admissions(
+    events: &[NewEvent],
+    mut inserted_unkeyed: Vec<EventId>,
+    inserted_by_key: &HashMap<String, EventId>,
+    existing: &HashMap<String, (EventId, i64)>,
+) -> Vec<Admission> {
+    // Ids are drawn in slice order, so sorted ids of events without an idempotency key
+    // line up with those events in order.
+    inserted_unkeyed.sort_unstable();
+    let mut plain = inserted_unkeyed.into_iter();
+    let mut seen_in_batch: HashMap<&str, (EventId, i64)> = HashMap::new();
+    events
+        .iter()
+        .map(|e| match &e.idempotency_key {
+            None => Admission::Inserted(plain.next().expect("one id per plain insert")),
+            Some(k) => {
+                if let Some(&(id, fp)) = seen_in_batch.get(k.as_str()) {
+                    return if fp == e.fingerprint() {
+                        Admission::Duplicate(id)
+                    } else {
+                        Admission::Conflict
+                    };
+                }
+                if let Some(&id) = inserted_by_key.get(k) {
+                    seen_in_batch.insert(k, (id, e.fingerprint()));
+                    Admission::Inserted(id)
+                } else {
+                    match existing.get(k) {
+                        Some(&(id, fp)) if fp == e.fingerprint() => Admission::Duplicate(id),
+                        _ => Admission::Conflict,
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+#[async_trait::async_trait]
+impl Store for PgStore {
+    fn engine(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn migrate(&self) -> StoreResult<()> {
+        sqlx::migrate!("migrations/postgres")
+            .run(&self.pool)
+            .await
+            .map_err(|e| StoreError::Other(format!("migration failed: {e}")))
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>> {
+        let mut tx = self.pool.begin().await?;
+
+        // 1. Lock (or create) the key rows first, in sorted order, and pull each key's
+        //    readiness forward. Taking the lock before drawing ids is what keeps ids and
+        //    commits in the same order within a key.
+        let keys = batch_keys(events);
+        if !keys.is_empty() {
+            let (topics, names, ready): (Vec<&str>, Vec<&str>, Vec<Option<DateTime<Utc>>>) = keys
+                .iter()
+                .map(|((t, k), r)| (*t, *k, *r))
+                .fold((vec![], vec![], vec![]), |mut acc, (t, k, r)| {
+                    acc.0.push(t);
+                    acc.1.push(k);
+                    acc.2.push(r);
+                    acc
+                });
+            sqlx::query(
+                "INSERT INTO outbox_keys (topic, event_key, ready_at)
+                 SELECT t, k, COALESCE(r, now())
+                 FROM unnest($1::text[], $2::text[], $3::timestamptz[]) WITH ORDINALITY AS u(t, k, r, o)
+                 ORDER BY o
+                 ON CONFLICT (topic, event_key)
+                 DO UPDATE SET ready_at = LEAST(outbox_keys.ready_at, EXCLUDED.ready_at)",
+            )
+            .bind(&topics)
+            .bind(&names)
+            .bind(&ready)
+            .execute(&mut *tx)
+            .await?;
+        }
+
+        // 2. One multi-row insert; idempotency keys already taken insert nothing.
+        let n = events.len();
+        let mut topic = Vec::with_capacity(n);
+        let mut key = Vec::with_capacity(n);
+        let mut payload = Vec::with_capacity(n);
+        let mut headers = Vec::with_capacity(n);
+        let mut etype = Vec::with_capacity(n);
+        let mut idem = Vec::with_capacity(n);
+        let mut hash = Vec::with_capacity(n);
+        let mut max_attempts = Vec::with_capacity(n);
+        let mut sched = Vec::with_capacity(n);
+        for e in events {
+            topic.push(e.topic.as_str());
+            key.push(e.key.as_deref());
+            payload.push(e.payload.as_slice());
+            headers.push(headers_json(&e.headers));
+            etype.push(e.event_type.as_deref());
+            idem.push(e.idempotency_key.as_deref());
+            hash.push(e.idempotency_key.as_ref().map(|_| e.fingerprint()));
+            max_attempts.push(e.max_attempts as i32);
+            sched.push(e.deliver_after);
+        }
+        let rows = sqlx::query(
+            "INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
+                 idempotency_key, content_hash, max_attempts, scheduled_at)
+             SELECT t, k, p, h::jsonb, ty, i, c, m, COALESCE(s, now())
+             FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::text[],
+                         $7::int8[], $8::int4[], $9::timestamptz[])
+                  WITH ORDINALITY AS u(t, k, p, h, ty, i, c, m, s, o)
+             ORDER BY o
+             ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+             RETURNING id, idempotency_key",
+        )
+        .bind(&topic)
+        .bind(&key)
+        .bind(&payload)
+        .bind(&headers)
+        .bind(&etype)
+        .bind(&idem)
+        .bind(&hash)
+        .bind(&max_attempts)
+        .bind(&sched)
+        .fetch_all(&mut *tx)
+        .await?;
+
+        let mut plain = Vec::new();
+        let mut by_key = HashMap::new();
+        for r in &rows {
+            let id: i64 = r.try_get(0)?;
+            match r.try_get::<Option<String>, _>(1)? {
+                None => plain.push(id),
+                Some(k) => {
+                    by_key.insert(k, id);
+                }
+            }
+        }
+        // 3. For idempotency keys that inserted nothing, fetch the holders to compare.
+        let missing: Vec<&str> = events
+            .iter()
+            .filter_map(|e| e.idempotency_key.as_deref())
+            .filter(|k| !by_key.contains_key(*k))
+            .collect();
+        let mut existing = HashMap::new();
+        if !missing.is_empty() {
+            for r in sqlx::query(
+                "SELECT idempotency_key, id, content_hash FROM outbox_events
+                 WHERE idempotency_key = ANY($1)",
+            )
+            .bind(&missing)
+            .fetch_all(&mut *tx)
+            .await?
+            {
+                existing.insert(
+                    r.try_get::<String, _>(0)?,
+                    (
+                        r.try_get::<i64, _>(1)?,
+                        r.try_get::<Option<i64>, _>(2)?.unwrap_or_default(),
+                    ),
+                );
+            }
+        }
+        let result = admissions(events, plain, &by_key, &existing);
+        if atomic && result.contains(&Admission::Conflict) {
+            tx.rollback().await?;
+        } else {
+            tx.commit().await?;
+        }
+        Ok(result)
+    }
+
+    async fn claim(&self, b: BoxKind, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
+        let sql = self.sql(b);
+        let lease_ms = millis(limits.lease);
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&self.pool)
+            .await?;
+        let leased = q(&sql.lease_keys)
+            .bind(limits.max_keys as i64)
+            .bind(token)
+            .bind(lease_ms)
+            .fetch_all(&self.pool)
+            .await?;
+        let mut keyed = Vec::with_capacity(leased.len());
+        if !leased.is_empty() {
+            let mut topics = Vec::with_capacity(leased.len());
+            let mut names = Vec::with_capacity(leased.len());
+            let mut index = HashMap::with_capacity(leased.len());
+            for r in &leased {
+                let line = LineKey {
+                    topic: r.try_get(0)?,
+                    key: r.try_get(1)?,
+                };
+                topics.push(line.topic.clone());
+                names.push(line.key.clone());
+                index.insert(line.clone(), keyed.len());
+                keyed.push(KeyWindow {
+                    line,
+                    rows: Vec::new(),
+                    full: false,
+                });
+            }
+            let per_key = limits.per_key(leased.len());
+            let rows = q(&sql.windows)
+                .bind(&topics)
+                .bind(&names)
+                .bind(per_key as i64)
+                .fetch_all(&self.pool)
+                .await?;
+            for r in &rows {
+                let e = decode_event(r)?;
+                let line = LineKey {
+                    topic: e.topic.clone(),
+                    key: e.key.clone().unwrap_or_default(),
+                };
+                keyed[index[&line]].rows.push(e);
+            }
+            for w in &mut keyed {
+                w.rows.sort_by_key(|e| e.id);
+                w.full = w.rows.len() >= per_key as usize;
+            }
+        }
+        let unkeyed = if limits.max_unkeyed > 0 {
+            let mut v = q(&sql.claim_unkeyed)
+                .bind(limits.max_unkeyed as i64)
+                .bind(token)
+                .bind(lease_ms)
+                .fetch_all(&self.pool)
+                .await?
+                .iter()
+                .map(decode_event)
+                .collect::<StoreResult<Vec<_>>>()?;
+            v.sort_by_key(|e| (e.scheduled_at, e.id));
+            v
+        } else {
+            Vec::new()
+        };
+        Ok(Claim {
+            token,
+            now,
+            keyed,
+            unkeyed,
+        })
+    }
+
+    async fn settle(
+        &self,
+        b: BoxKind,
+        token: i64,
+        updates: &[EventUpdate],
+        releases: &[KeyRelease],
+    ) -> StoreResult<SettleReport> {
+        let sql = self.sql(b);
+        let mut tx = self.pool.begin().await?;
+        if !releases.is_empty() {
+            // Lock our still-valid keys in sorted order (enqueue locks in the same order).
+            let mut sorted: Vec<&LineKey> = releases.iter().map(|r| &r.line).collect();
+            sorted.sort();
+            let topics: Vec<&str> = sorted.iter().map(|l| l.topic.as_str()).collect();
+            let names: Vec<&str> = sorted.iter().map(|l| l.key.as_str()).collect();
+            q(&sql.lock_keys)
+                .bind(&topics)
+                .bind(&names)
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?;
+        }
+        let mut applied = 0;
+        if !updates.is_empty() {
+            let n = updates.len();
+            let mut ids = Vec::with_capacity(n);
+            let mut kind = Vec::with_capacity(n);
+            let mut attempts: Vec<Option<i32>> = Vec::with_capacity(n);
+            let mut delay: Vec<Option<i64>> = Vec::with_capacity(n);
+            let mut at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+            let mut error: Vec<Option<&str>> = Vec::with_capacity(n);
+            for u in updates {
+                ids.push(u.id());
+                let (k, a, d, t, e) = match u {
+                    EventUpdate::Completed { .. } => ("completed", None, None, None, None),
+                    EventUpdate::Retry {
+                        attempts,
+                        delay,
+                        error,
+                        ..
+                    } => (
+                        "retry",
+                        Some(*attempts as i32),
+                        Some(millis(*delay)),
+                        None,
+                        Some(error.as_str()),
+                    ),
+                    EventUpdate::RetryAt {
+                        attempts,
+                        at,
+                        error,
+                        ..
+                    } => (
+                        "retry",
+                        Some(*attempts as i32),
+                        None,
+                        Some(*at),
+                        Some(error.as_str()),
+                    ),
+                    EventUpdate::Failed {
+                        attempts, error, ..
+                    } => (
+                        "failed",
+                        Some(*attempts as i32),
+                        None,
+                        None,
+                        Some(error.as_str()),
+                    ),
+                    EventUpdate::Release { .. } => ("release", None, None, None, None),
+                };
+                kind.push(k);
+                attempts.push(a);
+                delay.push(d);
+                at.push(t);
+                error.push(e);
+            }
+            applied = q(&sql.settle_events)
+                .bind(&ids)
+                .bind(&kind)
+                .bind(&attempts)
+                .bind(&delay)
+                .bind(&at)
+                .bind(&error)
+                .bind(token)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected() as usize;
+        }
+        if !releases.is_empty() {
+            let n = releases.len();
+            let mut topics = Vec::with_capacity(n);
+            let mut names = Vec::with_capacity(n);
+            let mut at = Vec::with_capacity(n);
+            let mut after = Vec::with_capacity(n);
+            let mut seen = Vec::with_capacity(n);
+            for r in releases {
+                topics.push(r.line.topic.as_str());
+                names.push(r.line.key.as_str());
+                at.push(r.ready.at);
+                after.push(r.ready.after.map(millis));
+                seen.push(r.ready.seen_up_to);
+            }
+            q(&sql.release_keys)
+                .bind(&topics)
+                .bind(&names)
+                .bind(&at)
+                .bind(&after)
+                .bind(&seen)
+                .bind(token)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(SettleReport {
+            applied,
+            stale: updates.len() - applied,
+        })
+    }
+
+    async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {
+        q(&self.sql(b).get_event)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(decode_event)
+            .transpose()
+    }
+}

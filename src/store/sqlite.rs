@@ -1,0 +1,384 @@
+//! SQLite engine: the embedded default. One process owns the file; writes are serialized
+//! by `BEGIN IMMEDIATE`, so the ordering invariant holds trivially. Same schema and
+//! semantics as PostgreSQL; times are stored as microseconds since the Unix epoch.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
+};
+use sqlx::{AssertSqlSafe, Row};
+
+use super::postgres::{admissions, batch_keys, headers_json};
+use super::{
+    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
+    Store, StoreError, StoreResult,
+};
+use crate::domain::{BoxKind, EventId, NewEvent, Status, StoredEvent};
+
+const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers, event_type, \
+     idempotency_key, status, attempts, max_attempts, scheduled_at, created_at, updated_at, \
+     published_at, last_error";
+
+/// "Idle": later than any real time.
+const NEVER: i64 = i64::MAX;
+
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+fn micros(t: DateTime<Utc>) -> i64 {
+    t.timestamp_micros()
+}
+
+fn from_micros(us: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(us).unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+fn dur_micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+fn tables(b: BoxKind) -> (&'static str, &'static str) {
+    match b {
+        BoxKind::Outbox => ("outbox_events", "outbox_keys"),
+        BoxKind::Inbox => ("inbox_events", "inbox_keys"),
+    }
+}
+
+fn decode_event(row: &SqliteRow) -> StoreResult<StoredEvent> {
+    let headers: String = row.try_get("headers")?;
+    let status: String = row.try_get("status")?;
+    Ok(StoredEvent {
+        id: row.try_get("id")?,
+        topic: row.try_get("topic")?,
+        key: row.try_get("event_key")?,
+        payload: row.try_get("payload")?,
+        headers: serde_json::from_str(&headers)
+            .map_err(|e| StoreError::Other(format!("stored headers are not a JSON map: {e}")))?,
+        event_type: row.try_get("event_type")?,
+        idempotency_key: row.try_get("idempotency_key")?,
+        status: Status::parse(&status)
+            .ok_or_else(|| StoreError::Other(format!("unknown status {status:?}")))?,
+        attempts: row.try_get::<i64, _>("attempts")? as u32,
+        max_attempts: row.try_get::<i64, _>("max_attempts")? as u32,
+        scheduled_at: from_micros(row.try_get("scheduled_at")?),
+        created_at: from_micros(row.try_get("created_at")?),
+        updated_at: from_micros(row.try_get("updated_at")?),
+        published_at: row
+            .try_get::<Option<i64>, _>("published_at")?
+            .map(from_micros),
+        last_error: row.try_get("last_error")?,
+    })
+}
+
+impl SqliteStore {
+    /// Opens (creating if missing) the database file in WAL mode with full fsync.
+    pub async fn connect(url: &str) -> StoreResult<Self> {
+        let opts = SqliteConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Other(format!("bad database url: {e}")))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            // FULL: a commit is on disk before Enqueue answers.
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(Duration::from_secs(5));
+        // One connection: SQLite has one writer anyway, and this avoids SQLITE_BUSY.
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(opts)
+            .await?;
+        Ok(SqliteStore { pool })
+    }
+
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for SqliteStore {
+    fn engine(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn migrate(&self) -> StoreResult<()> {
+        sqlx::migrate!("migrations/sqlite")
+            .run(&self.pool)
+            .await
+            .map_err(|e| StoreError::Other(format!("migration failed: {e}")))
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>> {
+        let now = micros(Utc::now());
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        for ((topic, key), ready) in batch_keys(events) {
+            sqlx::query(
+                "INSERT INTO outbox_keys (topic, event_key, ready_at) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (topic, event_key) DO UPDATE SET ready_at = MIN(ready_at, excluded.ready_at)",
+            )
+            .bind(topic)
+            .bind(key)
+            .bind(ready.map(micros).unwrap_or(now))
+            .execute(&mut *tx)
+            .await?;
+        }
+        let mut plain = Vec::new();
+        let mut by_key = HashMap::new();
+        let mut missing = Vec::new();
+        for e in events {
+            let row = sqlx::query(
+                "INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
+                     idempotency_key, content_hash, max_attempts, scheduled_at, created_at, updated_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10)
+                 ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+                 RETURNING id",
+            )
+            .bind(&e.topic)
+            .bind(&e.key)
+            .bind(&e.payload)
+            .bind(headers_json(&e.headers))
+            .bind(&e.event_type)
+            .bind(&e.idempotency_key)
+            .bind(e.idempotency_key.as_ref().map(|_| e.fingerprint()))
+            .bind(e.max_attempts as i64)
+            .bind(e.deliver_after.map(micros).unwrap_or(now))
+            .bind(now)
+            .fetch_optional(&mut *tx)
+            .await?;
+            match (row, &e.idempotency_key) {
+                (Some(r), None) => plain.push(r.try_get::<i64, _>(0)?),
+                (Some(r), Some(k)) => {
+                    by_key.entry(k.clone()).or_insert(r.try_get::<i64, _>(0)?);
+                }
+                (None, Some(k)) => missing.push(k.clone()),
+                (None, None) => {
+                    return Err(StoreError::Other(
+                        "insert without idempotency key returned no id".into(),
+                    ));
+                }
+            }
+        }
+        let mut existing = HashMap::new();
+        for k in missing {
+            if let Some(r) =
+                sqlx::query("SELECT id, content_hash FROM outbox_events WHERE idempotency_key = ?1")
+                    .bind(&k)
+                    .fetch_optional(&mut *tx)
+                    .await?
+            {
+                existing.insert(
+                    k,
+                    (
+                        r.try_get::<i64, _>(0)?,
+                        r.try_get::<Option<i64>, _>(1)?.unwrap_or_default(),
+                    ),
+                );
+            }
+        }
+        let result = admissions(events, plain, &by_key, &existing);
+        if atomic && result.contains(&Admission::Conflict) {
+            tx.rollback().await?;
+        } else {
+            tx.commit().await?;
+        }
+        Ok(result)
+    }
+
+    async fn claim(&self, b: BoxKind, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
+        let (events, keys) = tables(b);
+        let now_t = Utc::now();
+        let now = micros(now_t);
+        let until = now.saturating_add(dur_micros(limits.lease));
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let leased = sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {keys} SET lease_token = ?1, lease_until = ?2, ready_at = ?2
+             WHERE rowid IN (
+                SELECT rowid FROM {keys}
+                WHERE ready_at <= ?3 AND (lease_until IS NULL OR lease_until <= ?3)
+                ORDER BY ready_at LIMIT ?4)
+             RETURNING topic, event_key"
+        )))
+        .bind(token)
+        .bind(until)
+        .bind(now)
+        .bind(limits.max_keys as i64)
+        .fetch_all(&mut *tx)
+        .await?;
+        let window_sql = format!(
+            "SELECT {EVENT_COLUMNS} FROM {events}
+             WHERE status = 'pending' AND topic = ?1 AND event_key = ?2 ORDER BY id LIMIT ?3"
+        );
+        let mut keyed = Vec::with_capacity(leased.len());
+        let per_key = limits.per_key(leased.len());
+        for r in &leased {
+            let line = LineKey {
+                topic: r.try_get(0)?,
+                key: r.try_get(1)?,
+            };
+            let rows = sqlx::query(AssertSqlSafe(window_sql.as_str()))
+                .bind(&line.topic)
+                .bind(&line.key)
+                .bind(per_key as i64)
+                .fetch_all(&mut *tx)
+                .await?
+                .iter()
+                .map(decode_event)
+                .collect::<StoreResult<Vec<_>>>()?;
+            let full = rows.len() >= per_key as usize;
+            keyed.push(KeyWindow { line, rows, full });
+        }
+        let unkeyed = if limits.max_unkeyed > 0 {
+            let mut v = sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {events} SET claim_token = ?1, claimed_until = ?2
+                 WHERE id IN (
+                    SELECT id FROM {events}
+                    WHERE status = 'pending' AND event_key IS NULL AND scheduled_at <= ?3
+                      AND (claimed_until IS NULL OR claimed_until <= ?3)
+                    ORDER BY scheduled_at, id LIMIT ?4)
+                 RETURNING {EVENT_COLUMNS}"
+            )))
+            .bind(token)
+            .bind(until)
+            .bind(now)
+            .bind(limits.max_unkeyed as i64)
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(decode_event)
+            .collect::<StoreResult<Vec<_>>>()?;
+            v.sort_by_key(|e| (e.scheduled_at, e.id));
+            v
+        } else {
+            Vec::new()
+        };
+        tx.commit().await?;
+        Ok(Claim {
+            token,
+            now: now_t,
+            keyed,
+            unkeyed,
+        })
+    }
+
+    async fn settle(
+        &self,
+        b: BoxKind,
+        token: i64,
+        updates: &[EventUpdate],
+        releases: &[KeyRelease],
+    ) -> StoreResult<SettleReport> {
+        let (events, keys) = tables(b);
+        let now = micros(Utc::now());
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let update_sql = format!(
+            "UPDATE {events} SET status = ?2, attempts = COALESCE(?3, attempts),
+                scheduled_at = COALESCE(?4, scheduled_at), last_error = COALESCE(?5, last_error),
+                published_at = CASE WHEN ?2 = 'completed' THEN ?6 ELSE published_at END,
+                updated_at = CASE WHEN ?7 THEN updated_at ELSE ?6 END,
+                claim_token = NULL, claimed_until = NULL
+             WHERE id = ?1 AND status = 'pending'
+               AND ((event_key IS NULL AND claim_token = ?8 AND claimed_until > ?6)
+                    OR (event_key IS NOT NULL AND EXISTS (
+                        SELECT 1 FROM {keys} k WHERE k.topic = {events}.topic
+                          AND k.event_key = {events}.event_key AND k.lease_token = ?8
+                          AND k.lease_until > ?6)))"
+        );
+        let mut applied = 0;
+        for u in updates {
+            let (status, attempts, sched, error): (&str, Option<i64>, Option<i64>, Option<&str>) =
+                match u {
+                    EventUpdate::Completed { .. } => ("completed", None, None, None),
+                    EventUpdate::Retry {
+                        attempts,
+                        delay,
+                        error,
+                        ..
+                    } => (
+                        "pending",
+                        Some(*attempts as i64),
+                        Some(now.saturating_add(dur_micros(*delay))),
+                        Some(error),
+                    ),
+                    EventUpdate::RetryAt {
+                        attempts,
+                        at,
+                        error,
+                        ..
+                    } => (
+                        "pending",
+                        Some(*attempts as i64),
+                        Some(micros(*at)),
+                        Some(error),
+                    ),
+                    EventUpdate::Failed {
+                        attempts, error, ..
+                    } => ("failed", Some(*attempts as i64), None, Some(error)),
+                    EventUpdate::Release { .. } => ("pending", None, None, None),
+                };
+            applied += sqlx::query(AssertSqlSafe(update_sql.as_str()))
+                .bind(u.id())
+                .bind(status)
+                .bind(attempts)
+                .bind(sched)
+                .bind(error)
+                .bind(now)
+                .bind(matches!(u, EventUpdate::Release { .. }))
+                .bind(token)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected() as usize;
+        }
+        let release_sql = format!(
+            "UPDATE {keys} SET lease_token = NULL, lease_until = NULL,
+                ready_at = MIN(?4, CASE WHEN ?5 IS NOT NULL AND EXISTS (
+                    SELECT 1 FROM {events} e WHERE e.status = 'pending' AND e.topic = ?1
+                      AND e.event_key = ?2 AND e.id > ?5) THEN ?6 ELSE ?4 END)
+             WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3 AND lease_until > ?6"
+        );
+        for r in releases {
+            let at = r.ready.at.map(micros).unwrap_or(NEVER);
+            let after = r
+                .ready
+                .after
+                .map(|d| now.saturating_add(dur_micros(d)))
+                .unwrap_or(NEVER);
+            sqlx::query(AssertSqlSafe(release_sql.as_str()))
+                .bind(&r.line.topic)
+                .bind(&r.line.key)
+                .bind(token)
+                .bind(at.min(after))
+                .bind(r.ready.seen_up_to)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(SettleReport {
+            applied,
+            stale: updates.len() - applied,
+        })
+    }
+
+    async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {
+        let (events, _) = tables(b);
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT {EVENT_COLUMNS} FROM {events} WHERE id = ?1"
+        )))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(decode_event)
+        .transpose()
+    }
+}
