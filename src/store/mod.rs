@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::domain::{BoxKind, EventId, NewEvent, StoredEvent};
+use crate::domain::{BoxKind, EventId, NewEvent, Status, StoredEvent};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -235,4 +235,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// One event by id.
     async fn get_event(&self, box_kind: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>>;
+
+    /// Number of events, of one status or of all.
+    async fn count_events(&self, box_kind: BoxKind, status: Option<Status>) -> StoreResult<i64>;
 }

@@ -596,4 +596,18 @@ impl Store for PgStore {
             .map(decode_event)
             .transpose()
     }
+
+    async fn count_events(&self, b: BoxKind, status: Option<Status>) -> StoreResult<i64> {
+        let table = match b {
+            BoxKind::Outbox => "outbox_events",
+            BoxKind::Inbox => "inbox_events",
+        };
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {table} WHERE $1::text IS NULL OR status = $1"
+        )))
+        .bind(status.map(Status::as_str))
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(n)
+    }
 }

@@ -381,4 +381,15 @@ impl Store for SqliteStore {
         .map(decode_event)
         .transpose()
     }
+
+    async fn count_events(&self, b: BoxKind, status: Option<Status>) -> StoreResult<i64> {
+        let (events, _) = tables(b);
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {events} WHERE ?1 IS NULL OR status = ?1"
+        )))
+        .bind(status.map(Status::as_str))
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(n)
+    }
 }

