@@ -21,6 +21,7 @@ use crate::intake::{Intake, Wakeup};
 use crate::pb;
 use crate::relay::{Relay, RelayStats};
 use crate::sink::Sink;
+use crate::sink::fault::FaultySink;
 use crate::sink::kafka::{KafkaSink, producer_config};
 use crate::sink::local::LocalSink;
 use crate::store::Store;
@@ -50,6 +51,16 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
 
 /// Builds the configured sink.
 pub async fn open_sink(config: &Config) -> anyhow::Result<Arc<dyn Sink>> {
+    let sink = base_sink(config).await?;
+    let (counted, transient) = config.faults;
+    if counted > 0.0 || transient > 0.0 {
+        tracing::warn!(counted, transient, "fault injection is ON (testing only)");
+        return Ok(Arc::new(FaultySink::new(sink, counted, transient, rand::random())));
+    }
+    Ok(sink)
+}
+
+async fn base_sink(config: &Config) -> anyhow::Result<Arc<dyn Sink>> {
     Ok(match &config.sink {
         SinkConfig::Kafka {
             brokers,

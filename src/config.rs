@@ -109,6 +109,14 @@ pub struct Settings {
     /// Database health check interval in ms [default: 1000].
     #[arg(long, env = "MAILROOM_HEALTH_INTERVAL_MS", global = true)]
     pub health_interval_ms: Option<u64>,
+    /// Testing only: fraction of deliveries failed on purpose as counted failures
+    /// [default: 0].
+    #[arg(long, env = "MAILROOM_FAULT_COUNTED_RATE", global = true, hide = true)]
+    pub fault_counted_rate: Option<f64>,
+    /// Testing only: fraction of deliveries failed on purpose as transient failures
+    /// [default: 0].
+    #[arg(long, env = "MAILROOM_FAULT_TRANSIENT_RATE", global = true, hide = true)]
+    pub fault_transient_rate: Option<f64>,
 }
 
 fn parse_properties(s: &str) -> Result<BTreeMap<String, String>, String> {
@@ -172,6 +180,8 @@ pub struct Config {
     pub intake: IntakeConfig,
     pub shutdown_grace: Duration,
     pub health_interval: Duration,
+    /// Fault injection at the sink (testing only): (counted rate, transient rate).
+    pub faults: (f64, f64),
 }
 
 impl Default for Config {
@@ -213,7 +223,9 @@ impl Settings {
             intake_queue,
             intake_writers,
             shutdown_grace_ms,
-            health_interval_ms
+            health_interval_ms,
+            fault_counted_rate,
+            fault_transient_rate
         )
     }
 }
@@ -369,6 +381,16 @@ impl Config {
             intake,
             shutdown_grace: Duration::from_millis(s.shutdown_grace_ms.unwrap_or(30_000)),
             health_interval: Duration::from_millis(s.health_interval_ms.unwrap_or(1000).max(50)),
+            faults: {
+                let f = (
+                    s.fault_counted_rate.unwrap_or(0.0),
+                    s.fault_transient_rate.unwrap_or(0.0),
+                );
+                if !(0.0..=1.0).contains(&f.0) || !(0.0..=1.0).contains(&f.1) {
+                    return Err(bad("fault_*_rate", "must be within 0..=1"));
+                }
+                f
+            },
         })
     }
 

