@@ -153,6 +153,28 @@ impl PgStore {
         &self.pool
     }
 
+    /// `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)` of the claim's read of one key's line,
+    /// the very statement the relay runs: for docs/relay.md and for the test showing that
+    /// its cost does not grow with the depth of the key.
+    pub async fn explain_line_read(
+        &self,
+        b: BoxKind,
+        line: &LineKey,
+        per_key: i64,
+    ) -> StoreResult<serde_json::Value> {
+        let sql = format!(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
+            self.sql(b).windows
+        );
+        let plan: serde_json::Value = sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(vec![line.topic.clone()])
+            .bind(vec![line.key.clone()])
+            .bind(per_key)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(plan)
+    }
+
     fn sql(&self, b: BoxKind) -> &Sql {
         match b {
             BoxKind::Outbox => &self.outbox,
