@@ -1,0 +1,201 @@
+//! One conformance suite for both store engines (PostgreSQL and SQLite): claiming by key,
+//! leases, settling, stale claims and wake-ups for events that arrive during a claim.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use mailroom::app::open_store;
+use mailroom::domain::{BoxKind, NewEvent, Status};
+use mailroom::store::{Admission, ClaimLimits, EventUpdate, KeyRelease, Readiness, Store};
+
+fn new_event(key: Option<&str>, payload: &str) -> NewEvent {
+    NewEvent {
+        topic: "conf".into(),
+        key: key.map(str::to_string),
+        payload: payload.as_bytes().to_vec(),
+        headers: Default::default(),
+        event_type: None,
+        idempotency_key: None,
+        deliver_after: None,
+        max_attempts: 6,
+    }
+}
+
+fn limits(lease: Duration) -> ClaimLimits {
+    ClaimLimits {
+        max_keys: 10,
+        max_events: 100,
+        max_run: 50,
+        max_unkeyed: 10,
+        lease,
+    }
+}
+
+async fn store_for(engine: &Engine) -> (std::sync::Arc<dyn Store>, Option<tempfile::TempDir>) {
+    let (url, dir) = fresh_db(engine).await;
+    (open_store(&config(&url)).await.unwrap(), dir)
+}
+
+fn ids(a: &[Admission]) -> Vec<i64> {
+    a.iter()
+        .map(|x| match x {
+            Admission::Inserted(id) => *id,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn claims_lease_keys_and_settles_apply_once() {
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let b = BoxKind::Outbox;
+        let keyed = ids(&store
+            .enqueue(
+                &[
+                    new_event(Some("k"), "1"),
+                    new_event(Some("k"), "2"),
+                    new_event(Some("k"), "3"),
+                ],
+                true,
+            )
+            .await
+            .unwrap());
+        let unkeyed = ids(&store.enqueue(&[new_event(None, "u")], false).await.unwrap());
+
+        let c1 = store
+            .claim(b, 1, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(c1.keyed.len(), 1);
+        let got: Vec<i64> = c1.keyed[0].rows.iter().map(|e| e.id).collect();
+        assert_eq!(got, keyed, "the line comes in id order");
+        assert_eq!(c1.unkeyed.iter().map(|e| e.id).collect::<Vec<_>>(), unkeyed);
+
+        // While claim 1 holds them, another claim gets neither the key nor the event.
+        let c2 = store
+            .claim(b, 2, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert!(c2.keyed.is_empty() && c2.unkeyed.is_empty());
+
+        let updates = vec![
+            EventUpdate::Completed { id: keyed[0] },
+            EventUpdate::Completed { id: keyed[1] },
+            EventUpdate::Retry {
+                id: keyed[2],
+                attempts: 1,
+                delay: Duration::from_secs(3600),
+                error: "refused".into(),
+            },
+            EventUpdate::Release { id: unkeyed[0] },
+        ];
+        let release = KeyRelease {
+            line: c1.keyed[0].line.clone(),
+            ready: Readiness {
+                after: Some(Duration::from_secs(3600)),
+                ..Default::default()
+            },
+        };
+        // A settle with the wrong token changes nothing.
+        let wrong = store
+            .settle(b, 99, &updates, std::slice::from_ref(&release))
+            .await
+            .unwrap();
+        assert_eq!(wrong.applied, 0);
+        let r = store.settle(b, 1, &updates, &[release]).await.unwrap();
+        assert_eq!((r.applied, r.stale), (4, 0));
+        let e = store.get_event(b, keyed[0]).await.unwrap().unwrap();
+        assert_eq!(e.status, Status::Completed);
+        assert!(e.published_at.is_some());
+        let e = store.get_event(b, keyed[2]).await.unwrap().unwrap();
+        assert_eq!((e.status, e.attempts), (Status::Pending, 1));
+        assert!(e.scheduled_at > chrono::Utc::now() + chrono::Duration::minutes(59));
+        assert_eq!(e.last_error.as_deref(), Some("refused"));
+
+        // The key waits for its retry; the released unkeyed event is claimable at once.
+        let c3 = store
+            .claim(b, 3, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert!(c3.keyed.is_empty(), "a waiting key is not handed out");
+        assert_eq!(c3.unkeyed.len(), 1);
+    }
+}
+
+#[tokio::test]
+async fn an_expired_claim_cannot_settle() {
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let b = BoxKind::Outbox;
+        let id = ids(&store
+            .enqueue(&[new_event(Some("k"), "1")], false)
+            .await
+            .unwrap())[0];
+        let c1 = store
+            .claim(b, 1, limits(Duration::from_millis(100)))
+            .await
+            .unwrap();
+        assert_eq!(c1.keyed.len(), 1);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let c2 = store
+            .claim(b, 2, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(c2.keyed.len(), 1, "an expired lease is taken over");
+        let r = store
+            .settle(b, 1, &[EventUpdate::Completed { id }], &[])
+            .await
+            .unwrap();
+        assert_eq!((r.applied, r.stale), (0, 1));
+        assert_eq!(
+            store.get_event(b, id).await.unwrap().unwrap().status,
+            Status::Pending
+        );
+        let r = store
+            .settle(b, 2, &[EventUpdate::Completed { id }], &[])
+            .await
+            .unwrap();
+        assert_eq!(r.applied, 1);
+    }
+}
+
+#[tokio::test]
+async fn an_event_enqueued_during_a_claim_wakes_its_key() {
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let b = BoxKind::Outbox;
+        let first = ids(&store
+            .enqueue(&[new_event(Some("k"), "1")], false)
+            .await
+            .unwrap())[0];
+        let c = store
+            .claim(b, 1, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        let late = ids(&store
+            .enqueue(&[new_event(Some("k"), "2")], false)
+            .await
+            .unwrap())[0];
+        // The relay saw only `first` and believes the key idle afterwards.
+        let release = KeyRelease {
+            line: c.keyed[0].line.clone(),
+            ready: Readiness {
+                seen_up_to: Some(first),
+                ..Default::default()
+            },
+        };
+        store
+            .settle(b, 1, &[EventUpdate::Completed { id: first }], &[release])
+            .await
+            .unwrap();
+        let c = store
+            .claim(b, 2, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(c.keyed.len(), 1, "the late event's key is ready at once");
+        assert_eq!(c.keyed[0].rows[0].id, late);
+    }
+}
