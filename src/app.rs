@@ -12,7 +12,9 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 
+use crate::admin::Admin;
 use crate::api::RpcLogLayer;
+use crate::api::admin::AdminApi;
 use crate::api::outbox::OutboxApi;
 use crate::config::{Config, SinkConfig, redact_url};
 use crate::domain::BoxKind;
@@ -55,7 +57,12 @@ pub async fn open_sink(config: &Config) -> anyhow::Result<Arc<dyn Sink>> {
     let (counted, transient) = config.faults;
     if counted > 0.0 || transient > 0.0 {
         tracing::warn!(counted, transient, "fault injection is ON (testing only)");
-        return Ok(Arc::new(FaultySink::new(sink, counted, transient, rand::random())));
+        return Ok(Arc::new(FaultySink::new(
+            sink,
+            counted,
+            transient,
+            rand::random(),
+        )));
     }
     Ok(sink)
 }
@@ -166,6 +173,10 @@ impl App {
                 .saturating_mul(config.limits.max_batch)
                 .min(256 * 1024 * 1024);
         let outbox = outbox.max_decoding_message_size(max_batch_bytes);
+        let admin = pb::admin_service_server::AdminServiceServer::new(AdminApi::new(
+            Admin::new(store.clone(), config.relay.lease),
+            config.admin_token.clone(),
+        ));
 
         let stop = shutdown.clone();
         let grace = config.shutdown_grace;
@@ -193,6 +204,7 @@ impl App {
                 .add_service(health_service)
                 .add_service(reflection)
                 .add_service(outbox)
+                .add_service(admin)
                 .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal);
             let mut server = std::pin::pin!(server);
             // The server runs until the signal, then gets `grace` to finish in-flight RPCs.

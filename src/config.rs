@@ -115,8 +115,22 @@ pub struct Settings {
     pub fault_counted_rate: Option<f64>,
     /// Testing only: fraction of deliveries failed on purpose as transient failures
     /// [default: 0].
-    #[arg(long, env = "MAILROOM_FAULT_TRANSIENT_RATE", global = true, hide = true)]
+    #[arg(
+        long,
+        env = "MAILROOM_FAULT_TRANSIENT_RATE",
+        global = true,
+        hide = true
+    )]
     pub fault_transient_rate: Option<f64>,
+    /// Bearer token the AdminService requires (`authorization: Bearer <token>`). Unset:
+    /// no token, and the admin RPCs are open to whoever reaches the listen address.
+    #[arg(
+        long,
+        env = "MAILROOM_ADMIN_TOKEN",
+        global = true,
+        hide_env_values = true
+    )]
+    pub admin_token: Option<String>,
 }
 
 fn parse_properties(s: &str) -> Result<BTreeMap<String, String>, String> {
@@ -182,6 +196,8 @@ pub struct Config {
     pub health_interval: Duration,
     /// Fault injection at the sink (testing only): (counted rate, transient rate).
     pub faults: (f64, f64),
+    /// Token the AdminService requires; `None`: no token.
+    pub admin_token: Option<String>,
 }
 
 impl Default for Config {
@@ -225,7 +241,8 @@ impl Settings {
             shutdown_grace_ms,
             health_interval_ms,
             fault_counted_rate,
-            fault_transient_rate
+            fault_transient_rate,
+            admin_token
         )
     }
 }
@@ -391,6 +408,7 @@ impl Config {
                 }
                 f
             },
+            admin_token: s.admin_token.filter(|t| !t.is_empty()),
         })
     }
 

@@ -12,7 +12,7 @@ use tonic_health::server::HealthReporter;
 use crate::store::Store;
 
 /// Services whose status follows the database.
-pub const SERVICES: &[&str] = &["", "mailroom.v1.OutboxService"];
+pub const SERVICES: &[&str] = &["", "mailroom.v1.OutboxService", "mailroom.v1.AdminService"];
 
 #[derive(Clone)]
 pub struct Health {

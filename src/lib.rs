@@ -5,6 +5,7 @@
 //! # Layout
 //! - `config`  — typed settings: flags > `MAILROOM_*` env > TOML file > defaults.
 //! - `app`     — wires store, intake, sink, relays, health and the gRPC server; owns shutdown.
+//! - `admin`   — operator queries: backlog by key, requeue, cancel, audit, stats.
 //! - `api`     — gRPC services: pb conversion and validation in, domain call, `Status` out.
 //! - `pb`      — generated protobuf/gRPC code.
 //! - `domain`  — events, statuses, boxes, enqueue outcomes.
@@ -16,6 +17,7 @@
 //! - `health`  — `grpc.health.v1` statuses driven by a database check.
 //! - `notify`  — PostgreSQL LISTEN/NOTIFY wake-ups between processes.
 
+pub mod admin;
 pub mod api;
 pub mod app;
 pub mod config;

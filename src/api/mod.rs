@@ -1,6 +1,7 @@
 //! The gRPC surface: services convert and validate, call the middle, and map errors in
 //! `status`. `serve` assembles them with health, reflection and per-RPC logging.
 
+pub mod admin;
 pub mod convert;
 pub mod outbox;
 pub mod status;

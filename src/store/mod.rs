@@ -7,8 +7,11 @@
 //! something to publish, so a claim touches only ready keys and its cost is proportional
 //! to what it hands out, never to the depth of a key or the size of the table.
 
+pub mod admin;
 pub mod postgres;
+mod postgres_admin;
 pub mod sqlite;
+mod sqlite_admin;
 
 use std::time::Duration;
 
@@ -203,7 +206,7 @@ pub struct SettleReport {
 
 /// Durable storage for both boxes.
 #[async_trait::async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait Store: admin::AdminStore + Send + Sync + 'static {
     /// The engine's name, for logs and health ("postgres", "sqlite").
     fn engine(&self) -> &'static str;
 

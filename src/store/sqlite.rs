@@ -50,7 +50,7 @@ fn tables(b: BoxKind) -> (&'static str, &'static str) {
     }
 }
 
-fn decode_event(row: &SqliteRow) -> StoreResult<StoredEvent> {
+pub(crate) fn decode_event(row: &SqliteRow) -> StoreResult<StoredEvent> {
     let headers: String = row.try_get("headers")?;
     let status: String = row.try_get("status")?;
     Ok(StoredEvent {

@@ -1,0 +1,542 @@
+//! `mailroom.v1.AdminService`: the operator surface. Each RPC checks the bearer token
+//! (when one is configured), converts and validates its request into an operator query
+//! (`crate::admin`), runs it and converts the result back. Validation lives here.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status};
+
+use super::convert::{check_topic, timestamp, to_timestamp};
+use crate::admin::{
+    self, Admin, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter, EventsQuery,
+    KeyBacklog, MAX_CANCEL, MAX_REQUEUE, PendingCursor, PendingOrder, PendingQuery, RequeueRequest,
+    Selection, decode_token, encode_token,
+};
+use crate::domain::{BoxKind, Status as EventStatus};
+use crate::error::{Error, FieldViolation};
+use crate::pb;
+
+const DEFAULT_PAGE: u32 = 100;
+const MAX_PAGE: u32 = 1000;
+
+pub struct AdminApi {
+    admin: Admin,
+    /// When set, every call must carry `authorization: Bearer <token>`.
+    token: Option<String>,
+}
+
+/// Who made a call, for the audit log.
+struct Caller {
+    authenticated: bool,
+}
+
+impl Caller {
+    fn actor(&self, operator: &str) -> String {
+        let name = if operator.trim().is_empty() {
+            "anonymous"
+        } else {
+            operator.trim()
+        };
+        if self.authenticated {
+            format!("{name} (token)")
+        } else {
+            name.to_string()
+        }
+    }
+}
+
+impl AdminApi {
+    pub fn new(admin: Admin, token: Option<String>) -> Self {
+        AdminApi {
+            admin,
+            token: token.filter(|t| !t.is_empty()),
+        }
+    }
+
+    fn authorize(&self, md: &MetadataMap) -> Result<Caller, Error> {
+        let Some(expected) = &self.token else {
+            return Ok(Caller {
+                authenticated: false,
+            });
+        };
+        let given = md
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(bearer)
+            .ok_or(Error::Unauthenticated)?;
+        if admin::secrets_equal(given.as_bytes(), expected.as_bytes()) {
+            Ok(Caller {
+                authenticated: true,
+            })
+        } else {
+            Err(Error::Unauthenticated)
+        }
+    }
+}
+
+/// The credentials of an `Authorization: Bearer …` value.
+fn bearer(v: &str) -> Option<&str> {
+    let (scheme, rest) = v.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| rest.trim())
+        .filter(|t| !t.is_empty())
+}
+
+/// The box a request names. The inbox does not exist yet.
+pub fn box_kind(v: i32) -> Result<BoxKind, Error> {
+    match pb::Box::try_from(v) {
+        Ok(pb::Box::Unspecified | pb::Box::Outbox) => Ok(BoxKind::Outbox),
+        Ok(pb::Box::Inbox) => Err(Error::FailedPrecondition("inbox not enabled".into())),
+        Err(_) => Err(Error::invalid("box", format!("unknown box {v}"))),
+    }
+}
+
+fn pb_box(b: BoxKind) -> pb::Box {
+    match b {
+        BoxKind::Outbox => pb::Box::Outbox,
+        BoxKind::Inbox => pb::Box::Inbox,
+    }
+}
+
+fn page_size(v: u32) -> Result<u32, Error> {
+    match v {
+        0 => Ok(DEFAULT_PAGE),
+        1..=MAX_PAGE => Ok(v),
+        _ => Err(Error::invalid(
+            "page_size",
+            format!("must be 1..={MAX_PAGE}"),
+        )),
+    }
+}
+
+fn non_empty(s: String) -> Option<String> {
+    if s.is_empty() { None } else { Some(s) }
+}
+
+/// Validates a filter; `field` prefixes violation paths.
+pub fn event_filter(f: Option<pb::EventFilter>, field: &str) -> Result<EventFilter, Error> {
+    let f = f.unwrap_or_default();
+    let mut v = Vec::new();
+    let name = |n: &str| format!("{field}.{n}");
+    if !f.topic.is_empty()
+        && let Err(why) = check_topic(&f.topic)
+    {
+        v.push(FieldViolation::new(name("topic"), why));
+    }
+    let mut time = |t: Option<prost_types::Timestamp>, n: &str| match t {
+        None => None,
+        Some(t) => {
+            let parsed = timestamp(&t);
+            if parsed.is_none() {
+                v.push(FieldViolation::new(name(n), "is not a valid timestamp"));
+            }
+            parsed
+        }
+    };
+    let updated_after = time(f.updated_after, "updated_after");
+    let updated_before = time(f.updated_before, "updated_before");
+    if let (Some(a), Some(b)) = (updated_after, updated_before)
+        && a >= b
+    {
+        v.push(FieldViolation::new(
+            name("updated_before"),
+            "must be later than updated_after",
+        ));
+    }
+    if !v.is_empty() {
+        return Err(Error::InvalidArgument(v));
+    }
+    Ok(EventFilter {
+        topic: non_empty(f.topic),
+        key: non_empty(f.key),
+        event_type: non_empty(f.r#type),
+        updated_after,
+        updated_before,
+        error_contains: non_empty(f.error_contains),
+    })
+}
+
+fn filter_is_empty(f: &EventFilter) -> bool {
+    *f == EventFilter::default()
+}
+
+pub fn pending_query(r: pb::ListPendingRequest) -> Result<PendingQuery, Error> {
+    let order = match pb::PendingOrder::try_from(r.order) {
+        Ok(pb::PendingOrder::Unspecified | pb::PendingOrder::MostPending) => {
+            PendingOrder::MostPending
+        }
+        Ok(pb::PendingOrder::Oldest) => PendingOrder::Oldest,
+        Err(_) => {
+            return Err(Error::invalid(
+                "order",
+                format!("unknown order {}", r.order),
+            ));
+        }
+    };
+    if !r.topic.is_empty()
+        && let Err(why) = check_topic(&r.topic)
+    {
+        return Err(Error::invalid("topic", why));
+    }
+    let after = if r.page_token.is_empty() {
+        None
+    } else {
+        let c: PendingCursor = decode_token(&r.page_token)?;
+        if c.order != order {
+            return Err(Error::invalid(
+                "page_token",
+                "was issued for another order; repeat the request with the same order",
+            ));
+        }
+        Some(c)
+    };
+    Ok(PendingQuery {
+        topic: non_empty(r.topic),
+        key_prefix: non_empty(r.key_prefix),
+        only_blocked: r.only_blocked,
+        order,
+        page_size: page_size(r.page_size)?,
+        after,
+    })
+}
+
+pub fn requeue_request(
+    r: pb::RequeueFailedRequest,
+    actor: String,
+) -> Result<RequeueRequest, Error> {
+    let filter = event_filter(r.filter, "filter")?;
+    let limit = match r.limit {
+        0 => DEFAULT_REQUEUE,
+        l if l > MAX_REQUEUE => {
+            return Err(Error::invalid(
+                "limit",
+                format!("must be at most {MAX_REQUEUE}"),
+            ));
+        }
+        l => l,
+    };
+    let selection = if r.ids.is_empty() {
+        Selection::Filter(filter)
+    } else {
+        if !filter_is_empty(&filter) {
+            return Err(Error::invalid(
+                "ids",
+                "give either ids or a filter, not both",
+            ));
+        }
+        let mut ids = r.ids;
+        ids.sort_unstable();
+        ids.dedup();
+        if ids.len() > limit as usize {
+            return Err(Error::invalid(
+                "ids",
+                format!("{} ids exceed the limit of {limit}", ids.len()),
+            ));
+        }
+        Selection::Ids(ids)
+    };
+    Ok(RequeueRequest {
+        selection,
+        limit,
+        dry_run: r.dry_run,
+        actor,
+    })
+}
+
+pub fn cancel_request(r: pb::CancelEventsRequest, actor: String) -> Result<CancelRequest, Error> {
+    let mut v = Vec::new();
+    if r.ids.is_empty() {
+        v.push(FieldViolation::new(
+            "ids",
+            "name at least one pending event",
+        ));
+    }
+    if r.ids.len() > MAX_CANCEL {
+        v.push(FieldViolation::new(
+            "ids",
+            format!("at most {MAX_CANCEL} per call"),
+        ));
+    }
+    let reason = r.reason.trim().to_string();
+    if reason.is_empty() {
+        v.push(FieldViolation::new(
+            "reason",
+            "is required (it becomes the events' last error)",
+        ));
+    } else if reason.len() > 1000 {
+        v.push(FieldViolation::new("reason", "must be at most 1000 bytes"));
+    }
+    if !v.is_empty() {
+        return Err(Error::InvalidArgument(v));
+    }
+    let mut ids = r.ids;
+    ids.sort_unstable();
+    ids.dedup();
+    Ok(CancelRequest {
+        ids,
+        reason,
+        dry_run: r.dry_run,
+        actor,
+    })
+}
+
+/// The cursor of id-ordered pages (events, audit).
+#[derive(Serialize, Deserialize)]
+struct BeforeId {
+    before: i64,
+}
+
+fn before_id(token: &str) -> Result<Option<i64>, Error> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(decode_token::<BeforeId>(token)?.before))
+}
+
+fn before_token(id: Option<i64>) -> String {
+    id.map(|before| encode_token(&BeforeId { before }))
+        .unwrap_or_default()
+}
+
+fn event_status(v: i32) -> Result<Option<EventStatus>, Error> {
+    match pb::EventStatus::try_from(v) {
+        Ok(pb::EventStatus::Unspecified) => Ok(None),
+        Ok(pb::EventStatus::Pending) => Ok(Some(EventStatus::Pending)),
+        Ok(pb::EventStatus::Completed) => Ok(Some(EventStatus::Completed)),
+        Ok(pb::EventStatus::Failed) => Ok(Some(EventStatus::Failed)),
+        Err(_) => Err(Error::invalid("status", format!("unknown status {v}"))),
+    }
+}
+
+fn pb_status(s: EventStatus) -> pb::EventStatus {
+    match s {
+        EventStatus::Pending => pb::EventStatus::Pending,
+        EventStatus::Completed => pb::EventStatus::Completed,
+        EventStatus::Failed => pb::EventStatus::Failed,
+    }
+}
+
+pub fn event_info(d: EventDetail) -> pb::EventInfo {
+    let e = d.event;
+    pb::EventInfo {
+        id: e.id,
+        topic: e.topic,
+        key: e.key.unwrap_or_default(),
+        r#type: e.event_type.unwrap_or_default(),
+        status: pb_status(e.status) as i32,
+        attempts: e.attempts,
+        max_attempts: e.max_attempts,
+        scheduled_at: Some(to_timestamp(e.scheduled_at)),
+        created_at: Some(to_timestamp(e.created_at)),
+        updated_at: Some(to_timestamp(e.updated_at)),
+        published_at: e.published_at.map(to_timestamp),
+        last_error: e.last_error.unwrap_or_default(),
+        payload_size: d.payload_size,
+        headers: e.headers.into_iter().collect::<HashMap<_, _>>(),
+        payload: e.payload,
+        idempotency_key: e.idempotency_key.unwrap_or_default(),
+    }
+}
+
+fn key_backlog(k: KeyBacklog) -> pb::KeyBacklog {
+    pb::KeyBacklog {
+        topic: k.topic,
+        key: k.key,
+        pending: k.pending,
+        oldest_created_at: Some(to_timestamp(k.oldest_created_at)),
+        head_id: k.head_id,
+        head_attempts: k.head_attempts,
+        head_next_attempt_at: Some(to_timestamp(k.head_next_attempt_at)),
+        head_last_error: k.head_last_error.unwrap_or_default(),
+        blocked: k.blocked,
+    }
+}
+
+fn audit_entry(a: AuditEntry) -> pb::AuditEntry {
+    pb::AuditEntry {
+        id: a.id,
+        at: Some(to_timestamp(a.at)),
+        actor: a.actor,
+        action: a.action,
+        r#box: pb_box(a.box_kind) as i32,
+        selection: a.selection,
+        count: a.count,
+    }
+}
+
+fn duration(d: std::time::Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+#[tonic::async_trait]
+impl pb::admin_service_server::AdminService for AdminApi {
+    async fn list_pending(
+        &self,
+        request: Request<pb::ListPendingRequest>,
+    ) -> Result<Response<pb::ListPendingResponse>, Status> {
+        self.authorize(request.metadata())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let q = pending_query(r)?;
+        let page = self.admin.list_pending(b, &q).await?;
+        Ok(Response::new(pb::ListPendingResponse {
+            keys: page.keys.into_iter().map(key_backlog).collect(),
+            next_page_token: page.next.map(|c| encode_token(&c)).unwrap_or_default(),
+            total_pending: page.total_pending,
+            total_keys: page.total_keys,
+            total_blocked_keys: page.total_blocked_keys,
+        }))
+    }
+
+    async fn requeue_failed(
+        &self,
+        request: Request<pb::RequeueFailedRequest>,
+    ) -> Result<Response<pb::RequeueFailedResponse>, Status> {
+        let caller = self.authorize(request.metadata())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let actor = caller.actor(&r.operator);
+        let req = requeue_request(r, actor)?;
+        let out = self.admin.requeue(b, &req).await?;
+        if let Some(id) = out.audit_id {
+            tracing::info!(audit_id = id, count = out.count, actor = %req.actor, "requeued failed events");
+        }
+        Ok(Response::new(pb::RequeueFailedResponse {
+            count: out.count,
+            sample_ids: out.sample_ids,
+            dry_run: req.dry_run,
+            audit_id: out.audit_id.unwrap_or(0),
+        }))
+    }
+
+    async fn get_event(
+        &self,
+        request: Request<pb::GetEventRequest>,
+    ) -> Result<Response<pb::GetEventResponse>, Status> {
+        self.authorize(request.metadata())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let d = self.admin.get_event(b, r.id, r.include_payload).await?;
+        Ok(Response::new(pb::GetEventResponse {
+            event: Some(event_info(d)),
+        }))
+    }
+
+    async fn list_events(
+        &self,
+        request: Request<pb::ListEventsRequest>,
+    ) -> Result<Response<pb::ListEventsResponse>, Status> {
+        self.authorize(request.metadata())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let q = EventsQuery {
+            status: event_status(r.status)?,
+            filter: event_filter(r.filter, "filter")?,
+            page_size: page_size(r.page_size)?,
+            before_id: before_id(&r.page_token)?,
+        };
+        let page = self.admin.list_events(b, &q).await?;
+        Ok(Response::new(pb::ListEventsResponse {
+            events: page.events.into_iter().map(event_info).collect(),
+            next_page_token: before_token(page.next_before_id),
+        }))
+    }
+
+    async fn cancel_events(
+        &self,
+        request: Request<pb::CancelEventsRequest>,
+    ) -> Result<Response<pb::CancelEventsResponse>, Status> {
+        let caller = self.authorize(request.metadata())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let actor = caller.actor(&r.operator);
+        let req = cancel_request(r, actor)?;
+        let out = self.admin.cancel(b, &req).await?;
+        if let Some(id) = out.audit_id {
+            tracing::info!(audit_id = id, count = out.ids.len(), actor = %req.actor, "cancelled events");
+        }
+        Ok(Response::new(pb::CancelEventsResponse {
+            count: out.ids.len() as i64,
+            ids: out.ids,
+            audit_id: out.audit_id.unwrap_or(0),
+        }))
+    }
+
+    async fn list_audit(
+        &self,
+        request: Request<pb::ListAuditRequest>,
+    ) -> Result<Response<pb::ListAuditResponse>, Status> {
+        self.authorize(request.metadata())?;
+        let r = request.into_inner();
+        let page = self
+            .admin
+            .list_audit(page_size(r.page_size)?, before_id(&r.page_token)?)
+            .await?;
+        Ok(Response::new(pb::ListAuditResponse {
+            entries: page.entries.into_iter().map(audit_entry).collect(),
+            next_page_token: before_token(page.next_before_id),
+        }))
+    }
+
+    async fn get_stats(
+        &self,
+        request: Request<pb::GetStatsRequest>,
+    ) -> Result<Response<pb::GetStatsResponse>, Status> {
+        self.authorize(request.metadata())?;
+        let b = box_kind(request.into_inner().r#box)?;
+        let s = self.admin.stats(b).await?;
+        Ok(Response::new(pb::GetStatsResponse {
+            pending: s.pending,
+            completed: s.completed,
+            failed: s.failed,
+            oldest_pending_age: s.oldest_pending_age.map(duration),
+            blocked_keys: s.blocked_keys,
+            topics: s
+                .topics
+                .into_iter()
+                .map(|t| pb::TopicStats {
+                    topic: t.topic,
+                    pending: t.pending,
+                    completed: t.completed,
+                    failed: t.failed,
+                })
+                .collect(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_values_parse() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer  abc "), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearer "), None);
+        assert_eq!(bearer("abc"), None);
+    }
+
+    #[test]
+    fn ids_and_filter_together_are_refused() {
+        let r = pb::RequeueFailedRequest {
+            ids: vec![1],
+            filter: Some(pb::EventFilter {
+                topic: "t".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        match requeue_request(r, "x".into()) {
+            Err(Error::InvalidArgument(v)) => assert_eq!(v[0].field, "ids"),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! The operator half of the store: backlog by key, inspection, requeue, cancel, audit and
+//! stats. Implemented per engine in `postgres_admin.rs` and `sqlite_admin.rs`; every
+//! `Store` is an `AdminStore` too. Selection checks that need the transaction (unknown
+//! ids, events in the wrong state) are made here and reported as service errors.
+
+use crate::admin::{
+    AuditPage, CancelOutcome, CancelRequest, EventDetail, EventsPage, EventsQuery, PendingPage,
+    PendingQuery, RequeueOutcome, RequeueRequest, Stats,
+};
+use crate::domain::{BoxKind, EventId, Status};
+use crate::error::Error;
+use crate::store::{LineKey, StoreError};
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        StoreError::from(e).into()
+    }
+}
+
+pub type AdminResult<T> = Result<T, Error>;
+
+#[async_trait::async_trait]
+pub trait AdminStore: Send + Sync {
+    /// One page of the backlog grouped by (topic, key), with totals.
+    async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> AdminResult<PendingPage>;
+
+    /// Puts failed events back in line (or counts them, on dry run), wakes their keys and
+    /// records the audit entry, in one transaction. Explicit ids: all must exist
+    /// (`NotFound`) and be failed (`FailedPrecondition`), else nothing changes.
+    async fn requeue_failed(&self, b: BoxKind, r: &RequeueRequest) -> AdminResult<RequeueOutcome>;
+
+    /// Moves pending events to failed with the operator's reason, wakes their keys and
+    /// records the audit entry, in one transaction; same id checks as a requeue.
+    async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> AdminResult<CancelOutcome>;
+
+    /// One event; the payload is left empty unless asked for.
+    async fn event_detail(
+        &self,
+        b: BoxKind,
+        id: EventId,
+        with_payload: bool,
+    ) -> AdminResult<Option<EventDetail>>;
+
+    /// Events newest first, without payloads.
+    async fn list_events(&self, b: BoxKind, q: &EventsQuery) -> AdminResult<EventsPage>;
+
+    /// Audit entries newest first.
+    async fn list_audit(&self, page_size: u32, before_id: Option<i64>) -> AdminResult<AuditPage>;
+
+    /// Counts by status and topic, oldest pending age, blocked keys.
+    async fn stats(&self, b: BoxKind) -> AdminResult<Stats>;
+
+    /// Makes the given keys ready now if no relay holds them (and they have pending
+    /// events); returns the keys still held.
+    async fn wake_released_keys(&self, b: BoxKind, keys: &[LineKey]) -> AdminResult<Vec<LineKey>>;
+}
+
+/// The explicit-id checks shared by both engines: `found` holds (id, status) of the ids
+/// that exist.
+pub(crate) fn check_ids(
+    ids: &[EventId],
+    found: &[(EventId, Status)],
+    wanted: Status,
+    verb: &str,
+) -> AdminResult<()> {
+    let missing: Vec<String> = ids
+        .iter()
+        .filter(|id| !found.iter().any(|(f, _)| f == *id))
+        .map(ToString::to_string)
+        .collect();
+    if !missing.is_empty() {
+        return Err(Error::NotFound(format!(
+            "no event with id {}; nothing was changed",
+            missing.join(", ")
+        )));
+    }
+    let wrong: Vec<String> = found
+        .iter()
+        .filter(|(_, s)| *s != wanted)
+        .map(|(id, s)| format!("{id} is {}", s.as_str()))
+        .collect();
+    if !wrong.is_empty() {
+        return Err(Error::FailedPrecondition(format!(
+            "only {} events can be {verb}: {}; nothing was changed",
+            wanted.as_str(),
+            wrong.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+/// The keys of a set of events, sorted and distinct (the lock order enqueue uses).
+pub(crate) fn sorted_keys<'a>(
+    keys: impl Iterator<Item = (&'a str, Option<&'a str>)>,
+) -> Vec<(&'a str, &'a str)> {
+    let set: std::collections::BTreeSet<(&str, &str)> =
+        keys.filter_map(|(t, k)| k.map(|k| (t, k))).collect();
+    set.into_iter().collect()
+}
