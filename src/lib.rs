@@ -3,6 +3,7 @@
 //! per key, with retries, equal-jitter backoff and bounded attempts.
 //!
 //! # Layout
+//! - `cli`     — `mailroom admin …`: the operator's gRPC client.
 //! - `config`  — typed settings: flags > `MAILROOM_*` env > TOML file > defaults.
 //! - `app`     — wires store, intake, sink, relays, health and the gRPC server; owns shutdown.
 //! - `admin`   — operator queries: backlog by key, requeue, cancel, audit, stats.
@@ -20,6 +21,7 @@
 pub mod admin;
 pub mod api;
 pub mod app;
+pub mod cli;
 pub mod config;
 pub mod domain;
 pub mod error;

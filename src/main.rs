@@ -27,6 +27,8 @@ enum Command {
     Serve,
     /// Apply database migrations and exit.
     Migrate,
+    /// Operate a running server: backlog, failed events, requeue, cancel, stats, audit.
+    Admin(mailroom::cli::AdminArgs),
 }
 
 /// Exit code for a configuration error (EX_USAGE).
@@ -71,6 +73,16 @@ fn shutdown_signal() -> CancellationToken {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::Admin(args)) = cli.command {
+        // A client of a running server: the server's own settings do not apply.
+        return match mailroom::cli::run(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mailroom admin: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let config = match Config::load(cli.settings) {
         Ok(c) => c,
         Err(e) => {
@@ -84,6 +96,7 @@ async fn main() -> ExitCode {
             Ok(app) => app.wait().await,
             Err(e) => Err(e),
         },
+        Command::Admin(_) => unreachable!("handled before the configuration is loaded"),
         Command::Migrate => {
             let config = Config {
                 migrate: true,
