@@ -28,7 +28,7 @@ enum Command {
     /// Apply database migrations and exit.
     Migrate,
     /// Operate a running server: backlog, failed events, requeue, cancel, stats, audit.
-    Admin(mailroom::cli::AdminArgs),
+    Admin(Box<mailroom::cli::AdminArgs>),
 }
 
 /// Exit code for a configuration error (EX_USAGE).
@@ -75,7 +75,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(Command::Admin(args)) = cli.command {
         // A client of a running server: the server's own settings do not apply.
-        return match mailroom::cli::run(args).await {
+        return match mailroom::cli::run(*args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("mailroom admin: {e:#}");
