@@ -32,7 +32,7 @@ fn unique(prefix: &str) -> String {
     format!(
         "{prefix}_{}_{}",
         std::process::id(),
-        uuid::Uuid::new_v4().simple().to_string()[..12].to_string()
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
     )
 }
 
