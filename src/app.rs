@@ -17,7 +17,7 @@ use crate::api::RpcLogLayer;
 use crate::api::admin::AdminApi;
 use crate::api::outbox::OutboxApi;
 use crate::config::{Config, SinkConfig, redact_url};
-use crate::domain::BoxKind;
+use crate::domain::Queue;
 use crate::health::Health;
 use crate::intake::{Intake, Wakeup};
 use crate::pb;
@@ -132,7 +132,7 @@ impl App {
         let wakeup = Wakeup::default();
         let mut relay_stats = Vec::new();
         for _ in 0..config.relays {
-            let relay = Relay::new(store.clone(), sink.clone(), BoxKind::Outbox, config.relay);
+            let relay = Relay::new(store.clone(), sink.clone(), Queue::Outbox, config.relay);
             wakeup.register(relay.waker());
             relay_stats.push(relay.stats());
             tasks.push(tokio::spawn(relay.run(background.clone())));

@@ -25,6 +25,30 @@ impl BoxKind {
     }
 }
 
+/// What a relay works on: the outbox, or one subscription's part of the inbox. Claims
+/// and settles are scoped to it, so each subscription's dispatcher sees only its messages.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Queue {
+    Outbox,
+    Inbox { subscription: String },
+}
+
+impl Queue {
+    pub fn box_kind(&self) -> BoxKind {
+        match self {
+            Queue::Outbox => BoxKind::Outbox,
+            Queue::Inbox { .. } => BoxKind::Inbox,
+        }
+    }
+
+    pub fn subscription(&self) -> Option<&str> {
+        match self {
+            Queue::Outbox => None,
+            Queue::Inbox { subscription } => Some(subscription),
+        }
+    }
+}
+
 /// Lifecycle of an event: `Pending` until published, then `Completed`; `Failed` is
 /// terminal until an operator requeues it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use mailroom::domain::{BoxKind, EventId, Status, StoredEvent};
+use mailroom::domain::{BoxKind, EventId, Queue, Status, StoredEvent};
 use mailroom::pb;
 use mailroom::relay::backoff::RetryPolicy;
 use mailroom::relay::{Relay, RelayConfig};
@@ -156,7 +156,7 @@ async fn a_transient_failure_on_the_head_keeps_the_key_in_order() {
     let mut relay = Relay::new(
         s.app.store.clone(),
         sink.clone(),
-        BoxKind::Outbox,
+        Queue::Outbox,
         relay_config(Duration::from_secs(10)),
     );
     for _ in 0..2 {
@@ -212,7 +212,7 @@ async fn a_counted_failure_on_the_head_holds_the_key_then_keeps_order() {
         let mut relay = Relay::new(
             s.app.store.clone(),
             sink.clone(),
-            BoxKind::Outbox,
+            Queue::Outbox,
             relay_config(base),
         );
         let r = relay.cycle().await.unwrap();
@@ -260,7 +260,7 @@ async fn an_oversized_record_is_a_real_counted_failure_and_failed_does_not_block
     let mut relay = Relay::new(
         s.app.store.clone(),
         sink,
-        BoxKind::Outbox,
+        Queue::Outbox,
         relay_config(Duration::ZERO),
     );
     let r = relay.cycle().await.unwrap();
@@ -310,7 +310,7 @@ async fn other_keys_delayed_events_and_failed_events_do_not_block() {
     let mut relay = Relay::new(
         s.app.store.clone(),
         sink.clone(),
-        BoxKind::Outbox,
+        Queue::Outbox,
         relay_config(Duration::from_secs(60)),
     );
     for _ in 0..3 {
@@ -379,7 +379,7 @@ async fn two_relays_never_share_a_key() {
     });
     let mut cfg = relay_config(Duration::from_secs(10));
     cfg.batch_size = 1; // relay 1 takes exactly A's head
-    let mut r1 = Relay::new(s.app.store.clone(), gated.clone(), BoxKind::Outbox, cfg);
+    let mut r1 = Relay::new(s.app.store.clone(), gated.clone(), Queue::Outbox, cfg);
     let held = tokio::spawn(async move { (r1.cycle().await.unwrap(), r1) });
     gated.entered.notified().await;
     // Relay 1 is publishing A's head. B arrives; relay 2 may take B only.
@@ -388,7 +388,7 @@ async fn two_relays_never_share_a_key() {
     let mut r2 = Relay::new(
         s.app.store.clone(),
         seen2.clone(),
-        BoxKind::Outbox,
+        Queue::Outbox,
         relay_config(Duration::from_secs(10)),
     );
     for _ in 0..3 {
@@ -429,7 +429,7 @@ async fn a_broker_outage_costs_no_attempts_and_drains_by_itself() {
     let mut relay = Relay::new(
         s.app.store.clone(),
         sink,
-        BoxKind::Outbox,
+        Queue::Outbox,
         relay_config(Duration::from_secs(10)),
     );
     for _ in 0..4 {
@@ -483,12 +483,7 @@ async fn counted_failures_back_off_within_the_jitter_window_then_fail() {
     let sink = ScriptedSink::new(kafka(&broker.addr(), &[]));
     sink.fail(id, 100, counted());
     let base = Duration::from_millis(200);
-    let mut relay = Relay::new(
-        s.app.store.clone(),
-        sink,
-        BoxKind::Outbox,
-        relay_config(base),
-    );
+    let mut relay = Relay::new(s.app.store.clone(), sink, Queue::Outbox, relay_config(base));
     for attempt in 1..=3u32 {
         loop {
             let r = relay.cycle().await.unwrap();
@@ -528,7 +523,7 @@ async fn counted_failures_back_off_within_the_jitter_window_then_fail() {
     let mut relay = Relay::new(
         s.app.store.clone(),
         sink,
-        BoxKind::Outbox,
+        Queue::Outbox,
         relay_config(Duration::ZERO),
     );
     for _ in 0..5 {
@@ -557,7 +552,7 @@ async fn one_deep_key_drains_in_runs_and_claims_cost_the_same_at_any_depth() {
     let mut relay = Relay::new(
         s.app.store.clone(),
         kafka(&broker.addr(), &[]),
-        BoxKind::Outbox,
+        Queue::Outbox,
         relay_config(Duration::ZERO),
     );
     let stats = relay.stats();

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::*;
 use mailroom::app::open_store;
-use mailroom::domain::{BoxKind, NewEvent, Status};
+use mailroom::domain::{BoxKind, NewEvent, Queue, Status};
 use mailroom::store::{Admission, ClaimLimits, EventUpdate, KeyRelease, Readiness, Store};
 
 fn new_event(key: Option<&str>, payload: &str) -> NewEvent {
@@ -52,6 +52,7 @@ async fn claims_lease_keys_and_settles_apply_once() {
     for engine in [Engine::Postgres, Engine::Sqlite] {
         let (store, _dir) = store_for(&engine).await;
         let b = BoxKind::Outbox;
+        let q = &Queue::Outbox;
         let keyed = ids(&store
             .enqueue(
                 &[
@@ -66,7 +67,7 @@ async fn claims_lease_keys_and_settles_apply_once() {
         let unkeyed = ids(&store.enqueue(&[new_event(None, "u")], false).await.unwrap());
 
         let c1 = store
-            .claim(b, 1, limits(Duration::from_secs(30)))
+            .claim(q, 1, limits(Duration::from_secs(30)))
             .await
             .unwrap();
         assert_eq!(c1.keyed.len(), 1);
@@ -76,7 +77,7 @@ async fn claims_lease_keys_and_settles_apply_once() {
 
         // While claim 1 holds them, another claim gets neither the key nor the event.
         let c2 = store
-            .claim(b, 2, limits(Duration::from_secs(30)))
+            .claim(q, 2, limits(Duration::from_secs(30)))
             .await
             .unwrap();
         assert!(c2.keyed.is_empty() && c2.unkeyed.is_empty());
@@ -101,11 +102,11 @@ async fn claims_lease_keys_and_settles_apply_once() {
         };
         // A settle with the wrong token changes nothing.
         let wrong = store
-            .settle(b, 99, &updates, std::slice::from_ref(&release))
+            .settle(q, 99, &updates, std::slice::from_ref(&release))
             .await
             .unwrap();
         assert_eq!(wrong.applied, 0);
-        let r = store.settle(b, 1, &updates, &[release]).await.unwrap();
+        let r = store.settle(q, 1, &updates, &[release]).await.unwrap();
         assert_eq!((r.applied, r.stale), (4, 0));
         let e = store.get_event(b, keyed[0]).await.unwrap().unwrap();
         assert_eq!(e.status, Status::Completed);
@@ -117,7 +118,7 @@ async fn claims_lease_keys_and_settles_apply_once() {
 
         // The key waits for its retry; the released unkeyed event is claimable at once.
         let c3 = store
-            .claim(b, 3, limits(Duration::from_secs(30)))
+            .claim(q, 3, limits(Duration::from_secs(30)))
             .await
             .unwrap();
         assert!(c3.keyed.is_empty(), "a waiting key is not handed out");
@@ -130,23 +131,24 @@ async fn an_expired_claim_cannot_settle() {
     for engine in [Engine::Postgres, Engine::Sqlite] {
         let (store, _dir) = store_for(&engine).await;
         let b = BoxKind::Outbox;
+        let q = &Queue::Outbox;
         let id = ids(&store
             .enqueue(&[new_event(Some("k"), "1")], false)
             .await
             .unwrap())[0];
         let c1 = store
-            .claim(b, 1, limits(Duration::from_millis(100)))
+            .claim(q, 1, limits(Duration::from_millis(100)))
             .await
             .unwrap();
         assert_eq!(c1.keyed.len(), 1);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let c2 = store
-            .claim(b, 2, limits(Duration::from_secs(30)))
+            .claim(q, 2, limits(Duration::from_secs(30)))
             .await
             .unwrap();
         assert_eq!(c2.keyed.len(), 1, "an expired lease is taken over");
         let r = store
-            .settle(b, 1, &[EventUpdate::Completed { id }], &[])
+            .settle(q, 1, &[EventUpdate::Completed { id }], &[])
             .await
             .unwrap();
         assert_eq!((r.applied, r.stale), (0, 1));
@@ -155,7 +157,7 @@ async fn an_expired_claim_cannot_settle() {
             Status::Pending
         );
         let r = store
-            .settle(b, 2, &[EventUpdate::Completed { id }], &[])
+            .settle(q, 2, &[EventUpdate::Completed { id }], &[])
             .await
             .unwrap();
         assert_eq!(r.applied, 1);
@@ -166,13 +168,13 @@ async fn an_expired_claim_cannot_settle() {
 async fn an_event_enqueued_during_a_claim_wakes_its_key() {
     for engine in [Engine::Postgres, Engine::Sqlite] {
         let (store, _dir) = store_for(&engine).await;
-        let b = BoxKind::Outbox;
+        let q = &Queue::Outbox;
         let first = ids(&store
             .enqueue(&[new_event(Some("k"), "1")], false)
             .await
             .unwrap())[0];
         let c = store
-            .claim(b, 1, limits(Duration::from_secs(30)))
+            .claim(q, 1, limits(Duration::from_secs(30)))
             .await
             .unwrap();
         let late = ids(&store
@@ -188,11 +190,11 @@ async fn an_event_enqueued_during_a_claim_wakes_its_key() {
             },
         };
         store
-            .settle(b, 1, &[EventUpdate::Completed { id: first }], &[release])
+            .settle(q, 1, &[EventUpdate::Completed { id: first }], &[release])
             .await
             .unwrap();
         let c = store
-            .claim(b, 2, limits(Duration::from_secs(30)))
+            .claim(q, 2, limits(Duration::from_secs(30)))
             .await
             .unwrap();
         assert_eq!(c.keyed.len(), 1, "the late event's key is ready at once");

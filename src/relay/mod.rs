@@ -18,7 +18,7 @@ use rand::RngExt;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::domain::BoxKind;
+use crate::domain::Queue;
 use crate::sink::Sink;
 use crate::store::{ClaimLimits, KeyRelease, Store, StoreError};
 use backoff::{ProbeBackoff, RetryPolicy};
@@ -83,7 +83,7 @@ pub struct CycleReport {
 pub struct Relay {
     store: Arc<dyn Store>,
     sink: Arc<dyn Sink>,
-    box_kind: BoxKind,
+    queue: Queue,
     config: RelayConfig,
     wake: Arc<Notify>,
     stats: Arc<RelayStats>,
@@ -94,13 +94,13 @@ impl Relay {
     pub fn new(
         store: Arc<dyn Store>,
         sink: Arc<dyn Sink>,
-        box_kind: BoxKind,
+        queue: Queue,
         config: RelayConfig,
     ) -> Self {
         Relay {
             store,
             sink,
-            box_kind,
+            queue,
             config,
             wake: Arc::new(Notify::new()),
             stats: Arc::new(RelayStats::default()),
@@ -142,7 +142,7 @@ impl Relay {
     pub async fn cycle(&mut self) -> Result<CycleReport, StoreError> {
         let token: i64 = rand::rng().random();
         let limits = self.limits();
-        let claim = self.store.claim(self.box_kind, token, limits).await?;
+        let claim = self.store.claim(&self.queue, token, limits).await?;
         self.stats.cycles.fetch_add(1, Ordering::Relaxed);
         let mut report = CycleReport {
             keys: claim.keyed.len(),
@@ -168,7 +168,7 @@ impl Relay {
         plans.extend(claim.unkeyed.iter().map(plan_single));
         // Keys with nothing to publish go back at once, not after the delivery.
         if !idle.is_empty() {
-            self.store.settle(self.box_kind, token, &[], &idle).await?;
+            self.store.settle(&self.queue, token, &[], &idle).await?;
         }
         if plans.is_empty() {
             return Ok(report);
@@ -198,7 +198,7 @@ impl Relay {
         }
         let settled = self
             .store
-            .settle(self.box_kind, token, &updates, &releases)
+            .settle(&self.queue, token, &updates, &releases)
             .await?;
         report.stale = settled.stale;
         if settled.stale > 0 {

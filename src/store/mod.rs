@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::domain::{BoxKind, EventId, NewEvent, Status, StoredEvent};
+use crate::domain::{BoxKind, EventId, NewEvent, Queue, Status, StoredEvent};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -222,15 +222,14 @@ pub trait Store: admin::AdminStore + Send + Sync + 'static {
     async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>>;
 
     /// Leases ready keys, reads their lines and claims due unkeyed events of `box_kind`.
-    async fn claim(&self, box_kind: BoxKind, token: i64, limits: ClaimLimits)
-    -> StoreResult<Claim>;
+    async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim>;
 
     /// Applies the relay's decisions for a claim and releases its keys, in one
     /// transaction. Updates for keys or events whose lease is no longer held by `token`
     /// are dropped (counted as stale): another relay owns them now.
     async fn settle(
         &self,
-        box_kind: BoxKind,
+        queue: &Queue,
         token: i64,
         updates: &[EventUpdate],
         releases: &[KeyRelease],

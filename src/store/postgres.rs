@@ -17,7 +17,7 @@ use super::{
     Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
     Store, StoreError, StoreResult,
 };
-use crate::domain::{BoxKind, EventId, NewEvent, Status, StoredEvent};
+use crate::domain::{BoxKind, EventId, NewEvent, Queue, Status, StoredEvent};
 
 /// Columns read into a `StoredEvent`, in `decode_event` order.
 const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers::text AS headers, event_type, \
@@ -36,18 +36,36 @@ struct Sql {
 }
 
 impl Sql {
-    fn new(events: &str, keys: &str) -> Self {
+    /// `scoped`: the tables carry a `subscription` column (the inbox), and every claim
+    /// and settle statement takes the subscription as its last parameter.
+    fn new(events: &str, keys: &str, scoped: bool) -> Self {
         let c = EVENT_COLUMNS;
+        // Extra predicates for scoped tables; `$S` is replaced by the parameter number.
+        let scope = |frag: &str, n: u8| {
+            if scoped {
+                frag.replace("$S", &format!("${n}"))
+            } else {
+                String::new()
+            }
+        };
+        let lease_scope = scope(" AND subscription = $S", 4);
+        let lease_join = scope(" AND k.subscription = $S", 4);
+        let window_scope = scope(" AND e.subscription = $S", 4);
+        let unkeyed_scope = scope(" AND subscription = $S", 4);
+        let lock_scope = scope(" AND k.subscription = $S", 4);
+        let settle_scope = scope(" AND k.subscription = e.subscription", 0);
+        let release_scope = scope(" AND k.subscription = $S", 7);
+        let release_exists = scope(" AND e.subscription = k.subscription", 0);
         Sql {
             lease_keys: format!(
                 "WITH picked AS (
                     SELECT topic, event_key FROM {keys}
-                    WHERE ready_at <= now() AND (lease_until IS NULL OR lease_until <= now())
+                    WHERE ready_at <= now() AND (lease_until IS NULL OR lease_until <= now()){lease_scope}
                     ORDER BY ready_at LIMIT $1 FOR UPDATE SKIP LOCKED)
                  UPDATE {keys} k SET lease_token = $2,
                         lease_until = now() + $3 * interval '1 millisecond',
                         ready_at = now() + $3 * interval '1 millisecond'
-                 FROM picked WHERE k.topic = picked.topic AND k.event_key = picked.event_key
+                 FROM picked WHERE k.topic = picked.topic AND k.event_key = picked.event_key{lease_join}
                  RETURNING k.topic, k.event_key"
             )
             .into(),
@@ -55,7 +73,7 @@ impl Sql {
                 "SELECT e.* FROM unnest($1::text[], $2::text[]) AS k(topic, event_key)
                  CROSS JOIN LATERAL (
                     SELECT {c} FROM {events} e
-                    WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key
+                    WHERE e.status = 'pending'{window_scope} AND e.topic = k.topic AND e.event_key = k.event_key
                     ORDER BY e.id LIMIT $3) e"
             )
             .into(),
@@ -64,7 +82,7 @@ impl Sql {
                         claimed_until = now() + $3 * interval '1 millisecond'
                  WHERE id IN (
                     SELECT id FROM {events}
-                    WHERE status = 'pending' AND event_key IS NULL AND scheduled_at <= now()
+                    WHERE status = 'pending'{unkeyed_scope} AND event_key IS NULL AND scheduled_at <= now()
                       AND (claimed_until IS NULL OR claimed_until <= now())
                     ORDER BY scheduled_at, id LIMIT $1 FOR UPDATE SKIP LOCKED)
                  RETURNING {c}"
@@ -74,7 +92,7 @@ impl Sql {
                 "SELECT k.topic, k.event_key FROM {keys} k
                  JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
                    ON k.topic = u.topic AND k.event_key = u.event_key
-                 WHERE k.lease_token = $3 AND k.lease_until > now()
+                 WHERE k.lease_token = $3 AND k.lease_until > now(){lock_scope}
                  ORDER BY k.topic, k.event_key FOR UPDATE OF k"
             )
             .into(),
@@ -96,7 +114,7 @@ impl Sql {
                    AND ((e.event_key IS NULL AND e.claim_token = $7 AND e.claimed_until > now())
                         OR (e.event_key IS NOT NULL AND EXISTS (
                             SELECT 1 FROM {keys} k WHERE k.topic = e.topic
-                              AND k.event_key = e.event_key AND k.lease_token = $7
+                              AND k.event_key = e.event_key AND k.lease_token = $7{settle_scope}
                               AND k.lease_until > now())))"
             )
             .into(),
@@ -107,12 +125,12 @@ impl Sql {
                         COALESCE(now() + u.after_ms * interval '1 millisecond', 'infinity'),
                         CASE WHEN u.seen IS NOT NULL AND EXISTS (
                                 SELECT 1 FROM {events} e WHERE e.status = 'pending'
-                                  AND e.topic = k.topic AND e.event_key = k.event_key AND e.id > u.seen)
+                                  AND e.topic = k.topic AND e.event_key = k.event_key{release_exists} AND e.id > u.seen)
                              THEN now() ELSE 'infinity' END)
                  FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[])
                       AS u(topic, event_key, at, after_ms, seen)
                  WHERE k.topic = u.topic AND k.event_key = u.event_key AND k.lease_token = $6
-                   AND k.lease_until > now()"
+                   AND k.lease_until > now(){release_scope}"
             )
             .into(),
             get_event: format!("SELECT {c} FROM {events} WHERE id = $1").into(),
@@ -144,8 +162,8 @@ impl PgStore {
     pub fn from_pool(pool: PgPool) -> Self {
         PgStore {
             pool,
-            outbox: Sql::new("outbox_events", "outbox_keys"),
-            inbox: Sql::new("inbox_events", "inbox_keys"),
+            outbox: Sql::new("outbox_events", "outbox_keys", false),
+            inbox: Sql::new("inbox_events", "inbox_keys", true),
         }
     }
 
@@ -185,6 +203,17 @@ impl PgStore {
 
 fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
     sqlx::query(AssertSqlSafe(sql.clone()))
+}
+
+/// Binds the subscription as the last parameter of a scoped (inbox) statement.
+fn scoped(
+    query: sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    queue: &Queue,
+) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    match queue.subscription() {
+        Some(s) => query.bind(s.to_string()),
+        None => query,
+    }
 }
 
 fn millis(d: Duration) -> i64 {
@@ -416,18 +445,21 @@ impl Store for PgStore {
         Ok(result)
     }
 
-    async fn claim(&self, b: BoxKind, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
-        let sql = self.sql(b);
+    async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
+        let sql = self.sql(queue.box_kind());
         let lease_ms = millis(limits.lease);
         let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
             .fetch_one(&self.pool)
             .await?;
-        let leased = q(&sql.lease_keys)
-            .bind(limits.max_keys as i64)
-            .bind(token)
-            .bind(lease_ms)
-            .fetch_all(&self.pool)
-            .await?;
+        let leased = scoped(
+            q(&sql.lease_keys)
+                .bind(limits.max_keys as i64)
+                .bind(token)
+                .bind(lease_ms),
+            queue,
+        )
+        .fetch_all(&self.pool)
+        .await?;
         let mut keyed = Vec::with_capacity(leased.len());
         if !leased.is_empty() {
             let mut topics = Vec::with_capacity(leased.len());
@@ -448,12 +480,15 @@ impl Store for PgStore {
                 });
             }
             let per_key = limits.per_key(leased.len());
-            let rows = q(&sql.windows)
-                .bind(&topics)
-                .bind(&names)
-                .bind(per_key as i64)
-                .fetch_all(&self.pool)
-                .await?;
+            let rows = scoped(
+                q(&sql.windows)
+                    .bind(topics)
+                    .bind(names)
+                    .bind(per_key as i64),
+                queue,
+            )
+            .fetch_all(&self.pool)
+            .await?;
             for r in &rows {
                 let e = decode_event(r)?;
                 let line = LineKey {
@@ -468,15 +503,18 @@ impl Store for PgStore {
             }
         }
         let unkeyed = if limits.max_unkeyed > 0 {
-            let mut v = q(&sql.claim_unkeyed)
-                .bind(limits.max_unkeyed as i64)
-                .bind(token)
-                .bind(lease_ms)
-                .fetch_all(&self.pool)
-                .await?
-                .iter()
-                .map(decode_event)
-                .collect::<StoreResult<Vec<_>>>()?;
+            let mut v = scoped(
+                q(&sql.claim_unkeyed)
+                    .bind(limits.max_unkeyed as i64)
+                    .bind(token)
+                    .bind(lease_ms),
+                queue,
+            )
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(decode_event)
+            .collect::<StoreResult<Vec<_>>>()?;
             v.sort_by_key(|e| (e.scheduled_at, e.id));
             v
         } else {
@@ -492,12 +530,12 @@ impl Store for PgStore {
 
     async fn settle(
         &self,
-        b: BoxKind,
+        queue: &Queue,
         token: i64,
         updates: &[EventUpdate],
         releases: &[KeyRelease],
     ) -> StoreResult<SettleReport> {
-        let sql = self.sql(b);
+        let sql = self.sql(queue.box_kind());
         let mut tx = self.pool.begin().await?;
         if !releases.is_empty() {
             // Lock our still-valid keys in sorted order (enqueue locks in the same order).
@@ -505,12 +543,14 @@ impl Store for PgStore {
             sorted.sort();
             let topics: Vec<&str> = sorted.iter().map(|l| l.topic.as_str()).collect();
             let names: Vec<&str> = sorted.iter().map(|l| l.key.as_str()).collect();
-            q(&sql.lock_keys)
-                .bind(&topics)
-                .bind(&names)
-                .bind(token)
-                .fetch_all(&mut *tx)
-                .await?;
+            let topics: Vec<String> = topics.into_iter().map(str::to_string).collect();
+            let names: Vec<String> = names.into_iter().map(str::to_string).collect();
+            scoped(
+                q(&sql.lock_keys).bind(topics).bind(names).bind(token),
+                queue,
+            )
+            .fetch_all(&mut *tx)
+            .await?;
         }
         let mut applied = 0;
         if !updates.is_empty() {
@@ -592,15 +632,20 @@ impl Store for PgStore {
                 after.push(r.ready.after.map(millis));
                 seen.push(r.ready.seen_up_to);
             }
-            q(&sql.release_keys)
-                .bind(&topics)
-                .bind(&names)
-                .bind(&at)
-                .bind(&after)
-                .bind(&seen)
-                .bind(token)
-                .execute(&mut *tx)
-                .await?;
+            let topics: Vec<String> = topics.into_iter().map(str::to_string).collect();
+            let names: Vec<String> = names.into_iter().map(str::to_string).collect();
+            scoped(
+                q(&sql.release_keys)
+                    .bind(topics)
+                    .bind(names)
+                    .bind(at)
+                    .bind(after)
+                    .bind(seen)
+                    .bind(token),
+                queue,
+            )
+            .execute(&mut *tx)
+            .await?;
         }
         tx.commit().await?;
         Ok(SettleReport {

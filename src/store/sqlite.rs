@@ -18,7 +18,7 @@ use super::{
     Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
     Store, StoreError, StoreResult,
 };
-use crate::domain::{BoxKind, EventId, NewEvent, Status, StoredEvent};
+use crate::domain::{BoxKind, EventId, NewEvent, Queue, Status, StoredEvent};
 
 const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers, event_type, \
      idempotency_key, status, attempts, max_attempts, scheduled_at, created_at, updated_at, \
@@ -47,6 +47,15 @@ fn tables(b: BoxKind) -> (&'static str, &'static str) {
     match b {
         BoxKind::Outbox => ("outbox_events", "outbox_keys"),
         BoxKind::Inbox => ("inbox_events", "inbox_keys"),
+    }
+}
+
+/// `" AND <frag>"` for the inbox's subscription-scoped statements, empty for the outbox.
+fn scope(queue: &Queue, frag: &str) -> String {
+    if queue.subscription().is_some() {
+        format!(" AND {frag}")
+    } else {
+        String::new()
     }
 }
 
@@ -194,8 +203,11 @@ impl Store for SqliteStore {
         Ok(result)
     }
 
-    async fn claim(&self, b: BoxKind, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
-        let (events, keys) = tables(b);
+    async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
+        let (events, keys) = tables(queue.box_kind());
+        let sub = queue.subscription();
+        let lease_scope = scope(queue, "subscription = ?5");
+        let window_scope = scope(queue, "subscription = ?4");
         let now_t = Utc::now();
         let now = micros(now_t);
         let until = now.saturating_add(dur_micros(limits.lease));
@@ -204,7 +216,7 @@ impl Store for SqliteStore {
             "UPDATE {keys} SET lease_token = ?1, lease_until = ?2, ready_at = ?2
              WHERE rowid IN (
                 SELECT rowid FROM {keys}
-                WHERE ready_at <= ?3 AND (lease_until IS NULL OR lease_until <= ?3)
+                WHERE ready_at <= ?3 AND (lease_until IS NULL OR lease_until <= ?3){lease_scope}
                 ORDER BY ready_at LIMIT ?4)
              RETURNING topic, event_key"
         )))
@@ -212,11 +224,13 @@ impl Store for SqliteStore {
         .bind(until)
         .bind(now)
         .bind(limits.max_keys as i64)
+        .bind(sub)
         .fetch_all(&mut *tx)
         .await?;
         let window_sql = format!(
             "SELECT {EVENT_COLUMNS} FROM {events}
-             WHERE status = 'pending' AND topic = ?1 AND event_key = ?2 ORDER BY id LIMIT ?3"
+             WHERE status = 'pending' AND topic = ?1 AND event_key = ?2{window_scope}
+             ORDER BY id LIMIT ?3"
         );
         let mut keyed = Vec::with_capacity(leased.len());
         let per_key = limits.per_key(leased.len());
@@ -229,6 +243,7 @@ impl Store for SqliteStore {
                 .bind(&line.topic)
                 .bind(&line.key)
                 .bind(per_key as i64)
+                .bind(sub)
                 .fetch_all(&mut *tx)
                 .await?
                 .iter()
@@ -243,7 +258,7 @@ impl Store for SqliteStore {
                  WHERE id IN (
                     SELECT id FROM {events}
                     WHERE status = 'pending' AND event_key IS NULL AND scheduled_at <= ?3
-                      AND (claimed_until IS NULL OR claimed_until <= ?3)
+                      AND (claimed_until IS NULL OR claimed_until <= ?3){lease_scope}
                     ORDER BY scheduled_at, id LIMIT ?4)
                  RETURNING {EVENT_COLUMNS}"
             )))
@@ -251,6 +266,7 @@ impl Store for SqliteStore {
             .bind(until)
             .bind(now)
             .bind(limits.max_unkeyed as i64)
+            .bind(sub)
             .fetch_all(&mut *tx)
             .await?
             .iter()
@@ -272,12 +288,16 @@ impl Store for SqliteStore {
 
     async fn settle(
         &self,
-        b: BoxKind,
+        queue: &Queue,
         token: i64,
         updates: &[EventUpdate],
         releases: &[KeyRelease],
     ) -> StoreResult<SettleReport> {
-        let (events, keys) = tables(b);
+        let (events, keys) = tables(queue.box_kind());
+        let sub = queue.subscription();
+        let settle_scope = scope(queue, &format!("k.subscription = {events}.subscription"));
+        let release_scope = scope(queue, "subscription = ?7");
+        let release_exists = scope(queue, "e.subscription = ?7");
         let now = micros(Utc::now());
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let update_sql = format!(
@@ -291,7 +311,7 @@ impl Store for SqliteStore {
                     OR (event_key IS NOT NULL AND EXISTS (
                         SELECT 1 FROM {keys} k WHERE k.topic = {events}.topic
                           AND k.event_key = {events}.event_key AND k.lease_token = ?8
-                          AND k.lease_until > ?6)))"
+                          AND k.lease_until > ?6{settle_scope})))"
         );
         let mut applied = 0;
         for u in updates {
@@ -342,8 +362,8 @@ impl Store for SqliteStore {
             "UPDATE {keys} SET lease_token = NULL, lease_until = NULL,
                 ready_at = MIN(?4, CASE WHEN ?5 IS NOT NULL AND EXISTS (
                     SELECT 1 FROM {events} e WHERE e.status = 'pending' AND e.topic = ?1
-                      AND e.event_key = ?2 AND e.id > ?5) THEN ?6 ELSE ?4 END)
-             WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3 AND lease_until > ?6"
+                      AND e.event_key = ?2{release_exists} AND e.id > ?5) THEN ?6 ELSE ?4 END)
+             WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3 AND lease_until > ?6{release_scope}"
         );
         for r in releases {
             let at = r.ready.at.map(micros).unwrap_or(NEVER);
@@ -359,6 +379,7 @@ impl Store for SqliteStore {
                 .bind(at.min(after))
                 .bind(r.ready.seen_up_to)
                 .bind(now)
+                .bind(sub)
                 .execute(&mut *tx)
                 .await?;
         }

@@ -250,7 +250,8 @@ pub struct Record {
     pub offset: i64,
 }
 
-/// Reads a topic from the beginning until `expected` records arrived or `timeout` passed.
+/// Reads a topic from the beginning until `expected` distinct records (by `ce_id`, so
+/// redeliveries do not count) arrived or `timeout` passed.
 pub fn consume(brokers: &str, topic: &str, expected: usize, timeout: Duration) -> Vec<Record> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
@@ -263,7 +264,8 @@ pub fn consume(brokers: &str, topic: &str, expected: usize, timeout: Duration) -
     consumer.subscribe(&[topic]).expect("subscribe");
     let deadline = Instant::now() + timeout;
     let mut out = Vec::new();
-    while out.len() < expected && Instant::now() < deadline {
+    let mut distinct: std::collections::HashSet<String> = std::collections::HashSet::new();
+    while distinct.len() < expected && Instant::now() < deadline {
         if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
             let mut headers = HashMap::new();
             if let Some(h) = m.headers() {
@@ -274,6 +276,12 @@ pub fn consume(brokers: &str, topic: &str, expected: usize, timeout: Duration) -
                     );
                 }
             }
+            distinct.insert(
+                headers
+                    .get("ce_id")
+                    .cloned()
+                    .unwrap_or_else(|| format!("{}:{}", m.partition(), m.offset())),
+            );
             out.push(Record {
                 key: m
                     .key()
