@@ -10,6 +10,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &[
                 "proto/mailroom/v1/outbox.proto",
                 "proto/mailroom/v1/admin.proto",
+                "proto/mailroom/v1/inbox.proto",
+                "proto/mailroom/v1/handler.proto",
             ],
             &["proto"],
         )?;

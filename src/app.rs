@@ -94,6 +94,8 @@ pub struct App {
     pub addr: SocketAddr,
     pub store: Arc<dyn Store>,
     pub relay_stats: Vec<Arc<RelayStats>>,
+    /// The inbox's dispatchers and consumers, by subscription.
+    pub inbox: crate::inbox::InboxHandles,
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
 }
@@ -157,6 +159,16 @@ impl App {
             )));
         }
         let intake = Intake::start(store.clone(), config.intake, wakeup);
+        let (inbox_handles, inbox_tasks) =
+            crate::inbox::start(store.clone(), &config, background.clone())?;
+        tasks.extend(inbox_tasks);
+        let inbox =
+            pb::inbox_service_server::InboxServiceServer::new(crate::api::inbox::InboxApi::new(
+                store.clone(),
+                config.subscriptions.clone(),
+                config.limits,
+                inbox_handles.clone(),
+            ));
 
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
@@ -205,6 +217,7 @@ impl App {
                 .add_service(reflection)
                 .add_service(outbox)
                 .add_service(admin)
+                .add_service(inbox)
                 .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal);
             let mut server = std::pin::pin!(server);
             // The server runs until the signal, then gets `grace` to finish in-flight RPCs.
@@ -227,6 +240,7 @@ impl App {
             addr,
             store,
             relay_stats,
+            inbox: inbox_handles,
             shutdown,
             task,
         })

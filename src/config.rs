@@ -131,6 +131,109 @@ pub struct Settings {
         hide_env_values = true
     )]
     pub admin_token: Option<String>,
+    /// Inbox subscriptions (`[[subscriptions]]` tables; file only).
+    #[arg(skip)]
+    pub subscriptions: Option<Vec<SubscriptionSettings>>,
+}
+
+/// One `[[subscriptions]]` table of the configuration file.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SubscriptionSettings {
+    /// Name, `[a-zA-Z0-9._-]`, unique.
+    pub name: String,
+    /// Kafka topics to consume (none: the subscription takes `InboxService.Receive` only).
+    #[serde(default)]
+    pub topics: Vec<String>,
+    /// Kafka consumer group [default: mailroom-NAME].
+    pub group: Option<String>,
+    /// The subscriber's `HandlerService` endpoint, e.g. `http://127.0.0.1:7000`.
+    pub handler: String,
+    /// Timeout of one Handle call in ms [default: 10000].
+    pub handler_timeout_ms: Option<u64>,
+    /// Keys handled concurrently [default: 8].
+    pub concurrency: Option<usize>,
+    /// Attempt budget per message [default: the outbox's].
+    pub max_attempts: Option<u32>,
+    /// Backoff base in ms [default: the outbox's].
+    pub retry_base_ms: Option<u64>,
+    /// Backoff cap in ms [default: the outbox's].
+    pub retry_cap_ms: Option<u64>,
+}
+
+/// A validated subscription.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SubscriptionConfig {
+    pub name: String,
+    pub topics: Vec<String>,
+    pub group: String,
+    pub handler: String,
+    pub handler_timeout: Duration,
+    pub concurrency: usize,
+    pub retry: RetryPolicy,
+}
+
+fn subscription(
+    s: SubscriptionSettings,
+    outbox: RetryPolicy,
+) -> Result<SubscriptionConfig, ConfigError> {
+    const SETTING: &str = "subscriptions";
+    let name_ok = !s.name.is_empty()
+        && s.name.len() <= 100
+        && s.name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if !name_ok {
+        return Err(bad(
+            SETTING,
+            format!(
+                "name {:?} must be 1-100 characters of [a-zA-Z0-9._-]",
+                s.name
+            ),
+        ));
+    }
+    for t in &s.topics {
+        crate::api::convert::check_topic(t)
+            .map_err(|why| bad(SETTING, format!("{}: topic {t:?} {why}", s.name)))?;
+    }
+    if !(s.handler.starts_with("http://") || s.handler.starts_with("https://"))
+        || s.handler.parse::<tonic::codegen::http::Uri>().is_err()
+    {
+        return Err(bad(
+            SETTING,
+            format!("{}: handler {:?} is not an http(s) URL", s.name, s.handler),
+        ));
+    }
+    let retry = RetryPolicy {
+        base: s.retry_base_ms.map_or(outbox.base, Duration::from_millis),
+        cap: s.retry_cap_ms.map_or(outbox.cap, Duration::from_millis),
+        max_attempts: s.max_attempts.unwrap_or(outbox.max_attempts),
+    };
+    if retry.max_attempts == 0 || retry.max_attempts > 100 || retry.cap < retry.base {
+        return Err(bad(
+            SETTING,
+            format!(
+                "{}: max_attempts must be 1..=100 and retry_cap_ms >= retry_base_ms",
+                s.name
+            ),
+        ));
+    }
+    let concurrency = s.concurrency.unwrap_or(8);
+    if concurrency == 0 || concurrency > 1024 {
+        return Err(bad(
+            SETTING,
+            format!("{}: concurrency must be 1..=1024", s.name),
+        ));
+    }
+    Ok(SubscriptionConfig {
+        group: s.group.unwrap_or_else(|| format!("mailroom-{}", s.name)),
+        handler_timeout: Duration::from_millis(s.handler_timeout_ms.unwrap_or(10_000).max(1)),
+        topics: s.topics,
+        handler: s.handler,
+        name: s.name,
+        concurrency,
+        retry,
+    })
 }
 
 fn parse_properties(s: &str) -> Result<BTreeMap<String, String>, String> {
@@ -198,6 +301,8 @@ pub struct Config {
     pub faults: (f64, f64),
     /// Token the AdminService requires; `None`: no token.
     pub admin_token: Option<String>,
+    /// Inbox subscriptions.
+    pub subscriptions: Vec<SubscriptionConfig>,
 }
 
 impl Default for Config {
@@ -242,7 +347,8 @@ impl Settings {
             health_interval_ms,
             fault_counted_rate,
             fault_transient_rate,
-            admin_token
+            admin_token,
+            subscriptions
         )
     }
 }
@@ -409,6 +515,22 @@ impl Config {
                 f
             },
             admin_token: s.admin_token.filter(|t| !t.is_empty()),
+            subscriptions: {
+                let subs = s
+                    .subscriptions
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|sub| subscription(sub, retry))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let mut names = std::collections::HashSet::new();
+                if let Some(dup) = subs.iter().find(|s| !names.insert(s.name.as_str())) {
+                    return Err(bad(
+                        "subscriptions",
+                        format!("name {:?} appears twice", dup.name),
+                    ));
+                }
+                subs
+            },
         })
     }
 

@@ -149,6 +149,19 @@ impl Fnv {
     }
 }
 
+/// A message arriving for a subscription's inbox (from Kafka or `InboxService.Receive`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InboundMessage {
+    /// Deduplication id: the `ce_id` header, the producer's id, or topic:partition:offset.
+    pub message_id: String,
+    pub topic: String,
+    pub key: Option<String>,
+    pub payload: Vec<u8>,
+    pub headers: BTreeMap<String, String>,
+    pub event_type: Option<String>,
+    pub max_attempts: u32,
+}
+
 /// What storing one event did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {

@@ -12,7 +12,12 @@ use tonic_health::server::HealthReporter;
 use crate::store::Store;
 
 /// Services whose status follows the database.
-pub const SERVICES: &[&str] = &["", "mailroom.v1.OutboxService", "mailroom.v1.AdminService"];
+pub const SERVICES: &[&str] = &[
+    "",
+    "mailroom.v1.OutboxService",
+    "mailroom.v1.AdminService",
+    "mailroom.v1.InboxService",
+];
 
 #[derive(Clone)]
 pub struct Health {

@@ -26,6 +26,7 @@ pub mod config;
 pub mod domain;
 pub mod error;
 pub mod health;
+pub mod inbox;
 pub mod intake;
 pub mod notify;
 pub mod pb;

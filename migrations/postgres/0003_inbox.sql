@@ -11,7 +11,7 @@ CREATE TABLE inbox_events (
     payload         BYTEA       NOT NULL,
     headers         JSONB       NOT NULL DEFAULT '{}'::jsonb,
     event_type      TEXT,
-    idempotency_key TEXT,                       -- unused in the inbox; kept for symmetry
+    idempotency_key TEXT,                       -- the message id again, so StoredEvent carries it
     content_hash    BIGINT,
     status          TEXT        NOT NULL DEFAULT 'pending'
                     CHECK (status IN ('pending', 'completed', 'failed')),

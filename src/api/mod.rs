@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod convert;
+pub mod inbox;
 pub mod outbox;
 pub mod status;
 

@@ -4,6 +4,7 @@
 //!
 //! Per (topic, key), walking the line in id order:
 //! - a never-tried event scheduled for later is not in line: skipped, it holds nothing;
+//!   (tried = an attempt spent or an error recorded: an uncounted retry still holds);
 //! - a due event joins the run;
 //! - an event that has been tried and waits for its retry blocks the key: the walk stops.
 //!
@@ -52,7 +53,9 @@ pub fn plan_line<'a>(w: &'a KeyWindow, now: DateTime<Utc>, budget: usize) -> Lin
     };
     for e in &w.rows {
         if e.scheduled_at > now {
-            if e.attempts == 0 {
+            // Never tried: no attempt spent and no error recorded. (An uncounted retry
+            // leaves attempts at 0 but records why, so it still holds the key.)
+            if e.attempts == 0 && e.last_error.is_none() {
                 plan.delayed_min = Some(
                     plan.delayed_min
                         .map_or(e.scheduled_at, |m| m.min(e.scheduled_at)),
@@ -424,6 +427,39 @@ mod tests {
         assert!(out.updates.is_empty());
         assert!(out.transient);
         assert_eq!(out.ready, Readiness::now());
+    }
+
+    #[test]
+    fn an_uncounted_retry_still_holds_its_key() {
+        let now = Utc::now();
+        let mut head = ev(1, 0, 60, now);
+        head.last_error = Some("handler asked for later".into());
+        let w = window(vec![head, ev(2, 0, -1, now)], false);
+        let p = plan_line(&w, now, 100);
+        assert!(p.run.is_empty());
+        assert!(matches!(p.stop, Stop::Blocked(_)));
+    }
+
+    #[test]
+    fn a_deferral_spends_no_attempt() {
+        let now = Utc::now();
+        let w = window(vec![ev(1, 2, -1, now)], false);
+        let p = plan_line(&w, now, 100);
+        let at = now + chrono::Duration::seconds(30);
+        let d = Delivery::Failed(Failure::Deferred {
+            error: "later".into(),
+            retry_at: at,
+        });
+        let out = p.settle(&[d], &RetryPolicy::default(), &mut rng());
+        assert!(matches!(
+            out.updates[0],
+            EventUpdate::RetryAt {
+                id: 1,
+                attempts: 2,
+                ..
+            }
+        ));
+        assert_eq!(out.ready.at, Some(at));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::domain::{BoxKind, EventId, NewEvent, Queue, Status, StoredEvent};
+use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -220,6 +220,14 @@ pub trait Store: admin::AdminStore + Send + Sync + 'static {
     /// key). With `atomic`, a `Conflict` anywhere rolls everything back: the returned
     /// outcomes then say which event conflicted and nothing is stored.
     async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>>;
+
+    /// Stores inbound messages in a subscription's inbox in one transaction; a message id
+    /// already present is a `Duplicate` (of the stored id) and stores nothing.
+    async fn receive(
+        &self,
+        subscription: &str,
+        messages: &[InboundMessage],
+    ) -> StoreResult<Vec<Admission>>;
 
     /// Leases ready keys, reads their lines and claims due unkeyed events of `box_kind`.
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim>;

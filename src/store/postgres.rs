@@ -17,7 +17,7 @@ use super::{
     Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
     Store, StoreError, StoreResult,
 };
-use crate::domain::{BoxKind, EventId, NewEvent, Queue, Status, StoredEvent};
+use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
 /// Columns read into a `StoredEvent`, in `decode_event` order.
 const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers::text AS headers, event_type, \
@@ -266,6 +266,26 @@ pub(crate) fn batch_keys(events: &[NewEvent]) -> BTreeMap<(&str, &str), Option<D
     keys
 }
 
+/// Inserted for the first message of each id that the insert returned; everything else
+/// is a duplicate of the stored id.
+pub(crate) fn inbox_admissions(
+    messages: &[InboundMessage],
+    inserted: &HashMap<String, EventId>,
+    existing: &HashMap<String, EventId>,
+) -> Vec<Admission> {
+    let mut first = std::collections::HashSet::new();
+    messages
+        .iter()
+        .map(|m| match inserted.get(&m.message_id) {
+            Some(&id) if first.insert(m.message_id.as_str()) => Admission::Inserted(id),
+            Some(&id) => Admission::Duplicate(id),
+            None => existing
+                .get(&m.message_id)
+                .map_or(Admission::Conflict, |&id| Admission::Duplicate(id)),
+        })
+        .collect()
+}
+
 /// Resolves which events were inserted, which were idempotent duplicates and which
 /// conflicted, from the ids the insert returned and the rows already holding the keys.
 pub(crate) fn admissions(
@@ -443,6 +463,97 @@ impl Store for PgStore {
             tx.commit().await?;
         }
         Ok(result)
+    }
+
+    async fn receive(
+        &self,
+        subscription: &str,
+        messages: &[InboundMessage],
+    ) -> StoreResult<Vec<Admission>> {
+        let mut tx = self.pool.begin().await?;
+        // Key rows first, sorted: the same ordering invariant as the outbox.
+        let keys: std::collections::BTreeSet<(&str, &str)> = messages
+            .iter()
+            .filter_map(|m| m.key.as_deref().map(|k| (m.topic.as_str(), k)))
+            .collect();
+        if !keys.is_empty() {
+            let (topics, names): (Vec<&str>, Vec<&str>) = keys.into_iter().unzip();
+            sqlx::query(
+                "INSERT INTO inbox_keys (subscription, topic, event_key, ready_at)
+                 SELECT $1, t, k, now()
+                 FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS u(t, k, o) ORDER BY o
+                 ON CONFLICT (subscription, topic, event_key)
+                 DO UPDATE SET ready_at = LEAST(inbox_keys.ready_at, EXCLUDED.ready_at)",
+            )
+            .bind(subscription)
+            .bind(&topics)
+            .bind(&names)
+            .execute(&mut *tx)
+            .await?;
+        }
+        let n = messages.len();
+        let (mut mid, mut topic, mut key, mut payload, mut headers, mut etype, mut max) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for m in messages {
+            mid.push(m.message_id.as_str());
+            topic.push(m.topic.as_str());
+            key.push(m.key.as_deref());
+            payload.push(m.payload.as_slice());
+            headers.push(headers_json(&m.headers));
+            etype.push(m.event_type.as_deref());
+            max.push(m.max_attempts as i32);
+        }
+        let rows = sqlx::query(
+            "INSERT INTO inbox_events (subscription, message_id, idempotency_key, topic, event_key,
+                 payload, headers, event_type, max_attempts, scheduled_at)
+             SELECT $1, i, i, t, k, p, h::jsonb, ty, m, now()
+             FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[], $8::int4[])
+                  WITH ORDINALITY AS u(i, t, k, p, h, ty, m, o)
+             ORDER BY o
+             ON CONFLICT (subscription, message_id) DO NOTHING
+             RETURNING id, message_id",
+        )
+        .bind(subscription)
+        .bind(&mid)
+        .bind(&topic)
+        .bind(&key)
+        .bind(&payload)
+        .bind(&headers)
+        .bind(&etype)
+        .bind(&max)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut inserted = HashMap::new();
+        for r in &rows {
+            inserted.insert(r.try_get::<String, _>(1)?, r.try_get::<i64, _>(0)?);
+        }
+        let missing: Vec<&str> = mid
+            .iter()
+            .copied()
+            .filter(|m| !inserted.contains_key(*m))
+            .collect();
+        let mut existing = HashMap::new();
+        if !missing.is_empty() {
+            for r in sqlx::query(
+                "SELECT message_id, id FROM inbox_events WHERE subscription = $1 AND message_id = ANY($2)",
+            )
+            .bind(subscription)
+            .bind(&missing)
+            .fetch_all(&mut *tx)
+            .await?
+            {
+                existing.insert(r.try_get::<String, _>(0)?, r.try_get::<i64, _>(1)?);
+            }
+        }
+        tx.commit().await?;
+        Ok(inbox_admissions(messages, &inserted, &existing))
     }
 
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {

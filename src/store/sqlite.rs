@@ -13,12 +13,12 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Row};
 
-use super::postgres::{admissions, batch_keys, headers_json};
+use super::postgres::{admissions, batch_keys, headers_json, inbox_admissions};
 use super::{
     Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
     Store, StoreError, StoreResult,
 };
-use crate::domain::{BoxKind, EventId, NewEvent, Queue, Status, StoredEvent};
+use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
 const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers, event_type, \
      idempotency_key, status, attempts, max_attempts, scheduled_at, created_at, updated_at, \
@@ -201,6 +201,70 @@ impl Store for SqliteStore {
             tx.commit().await?;
         }
         Ok(result)
+    }
+
+    async fn receive(
+        &self,
+        subscription: &str,
+        messages: &[InboundMessage],
+    ) -> StoreResult<Vec<Admission>> {
+        let now = micros(Utc::now());
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let keys: std::collections::BTreeSet<(&str, &str)> = messages
+            .iter()
+            .filter_map(|m| m.key.as_deref().map(|k| (m.topic.as_str(), k)))
+            .collect();
+        for (topic, key) in keys {
+            sqlx::query(
+                "INSERT INTO inbox_keys (subscription, topic, event_key, ready_at) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (subscription, topic, event_key) DO UPDATE SET ready_at = MIN(ready_at, excluded.ready_at)",
+            )
+            .bind(subscription)
+            .bind(topic)
+            .bind(key)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
+        let mut inserted = HashMap::new();
+        let mut existing = HashMap::new();
+        for m in messages {
+            let row = sqlx::query(
+                "INSERT INTO inbox_events (subscription, message_id, idempotency_key, topic, event_key,
+                     payload, headers, event_type, max_attempts, scheduled_at, created_at, updated_at)
+                 VALUES (?1, ?2, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?9)
+                 ON CONFLICT (subscription, message_id) DO NOTHING
+                 RETURNING id",
+            )
+            .bind(subscription)
+            .bind(&m.message_id)
+            .bind(&m.topic)
+            .bind(&m.key)
+            .bind(&m.payload)
+            .bind(headers_json(&m.headers))
+            .bind(&m.event_type)
+            .bind(m.max_attempts as i64)
+            .bind(now)
+            .fetch_optional(&mut *tx)
+            .await?;
+            match row {
+                Some(r) => {
+                    inserted.insert(m.message_id.clone(), r.try_get::<i64, _>(0)?);
+                }
+                None => {
+                    let id: i64 = sqlx::query_scalar(
+                        "SELECT id FROM inbox_events WHERE subscription = ?1 AND message_id = ?2",
+                    )
+                    .bind(subscription)
+                    .bind(&m.message_id)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                    existing.entry(m.message_id.clone()).or_insert(id);
+                }
+            }
+        }
+        tx.commit().await?;
+        Ok(inbox_admissions(messages, &inserted, &existing))
     }
 
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {

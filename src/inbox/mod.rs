@@ -1,0 +1,108 @@
+//! The inbox: per subscription, a Kafka consumer (`consumer`) stores records deduplicated
+//! by message id, and a dispatcher — the relay engine, with the subscriber's handler as
+//! its sink (`handler`) — hands them over with the outbox's ordering and retry rules.
+
+pub mod consumer;
+pub mod handler;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, SinkConfig};
+use crate::domain::Queue;
+use crate::relay::{Relay, RelayConfig, RelayStats};
+use crate::store::Store;
+
+/// Handles of the running inbox, shared with the API.
+#[derive(Clone, Default)]
+pub struct InboxHandles {
+    /// Wakes a subscription's dispatcher.
+    pub wakers: Arc<HashMap<String, Arc<Notify>>>,
+    pub dispatch_stats: Arc<HashMap<String, Arc<RelayStats>>>,
+    pub intake_stats: Arc<HashMap<String, Arc<consumer::IntakeStats>>>,
+}
+
+impl InboxHandles {
+    pub fn wake(&self, subscription: &str) {
+        if let Some(w) = self.wakers.get(subscription) {
+            w.notify_one();
+        }
+    }
+}
+
+/// Starts a dispatcher per subscription, and a Kafka consumer for those with topics
+/// when brokers are configured.
+pub fn start(
+    store: Arc<dyn Store>,
+    config: &Config,
+    shutdown: CancellationToken,
+) -> anyhow::Result<(InboxHandles, Vec<JoinHandle<()>>)> {
+    let mut wakers = HashMap::new();
+    let mut dispatch_stats = HashMap::new();
+    let mut intake_stats = HashMap::new();
+    let mut tasks = Vec::new();
+    for sub in &config.subscriptions {
+        let sink = handler::HandlerSink::new(
+            &sub.name,
+            &sub.handler,
+            sub.handler_timeout,
+            sub.concurrency,
+        )?;
+        let relay_config = RelayConfig {
+            retry: sub.retry,
+            // A claim must outlive the slowest run of handler calls it can hold.
+            lease: config
+                .relay
+                .lease
+                .max(sub.handler_timeout * (config.relay.max_run.min(100) + 1)),
+            ..config.relay
+        };
+        let relay = Relay::new(
+            store.clone(),
+            Arc::new(sink),
+            Queue::Inbox {
+                subscription: sub.name.clone(),
+            },
+            relay_config,
+        );
+        wakers.insert(sub.name.clone(), relay.waker());
+        dispatch_stats.insert(sub.name.clone(), relay.stats());
+        let stats = Arc::new(consumer::IntakeStats::default());
+        intake_stats.insert(sub.name.clone(), stats.clone());
+        let waker = relay.waker();
+        tasks.push(tokio::spawn(relay.run(shutdown.clone())));
+        if let (
+            SinkConfig::Kafka {
+                brokers,
+                properties,
+                ..
+            },
+            false,
+        ) = (&config.sink, sub.topics.is_empty())
+        {
+            let cc = consumer::consumer_config(brokers, &sub.group, properties);
+            tasks.push(tokio::spawn(consumer::run(
+                store.clone(),
+                sub.clone(),
+                cc,
+                waker,
+                stats,
+                shutdown.clone(),
+            )));
+        } else if !sub.topics.is_empty() {
+            tracing::warn!(subscription = %sub.name, "topics configured but no MAILROOM_KAFKA_BROKERS: Receive only");
+        }
+    }
+    Ok((
+        InboxHandles {
+            wakers: Arc::new(wakers),
+            dispatch_stats: Arc::new(dispatch_stats),
+            intake_stats: Arc::new(intake_stats),
+        },
+        tasks,
+    ))
+}
