@@ -17,5 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )?;
     // tonic-prost-build does not make cargo rebuild on a .proto change by itself.
     println!("cargo:rerun-if-changed=proto");
+    // sqlx::migrate! embeds the migration files: a new file must rebuild the crate.
+    println!("cargo:rerun-if-changed=migrations");
     Ok(())
 }

@@ -15,11 +15,14 @@ use tonic_health::ServingStatus;
 use crate::admin::Admin;
 use crate::api::RpcLogLayer;
 use crate::api::admin::AdminApi;
+use crate::api::auth::{Auth, AuthLayer};
 use crate::api::outbox::OutboxApi;
+use crate::api::overload::OverloadLayer;
 use crate::config::{Config, SinkConfig, redact_url};
 use crate::domain::Queue;
 use crate::health::Health;
 use crate::intake::{Intake, Wakeup};
+use crate::metrics::{Metrics, RpcMetricsLayer};
 use crate::pb;
 use crate::relay::{Relay, RelayStats};
 use crate::sink::Sink;
@@ -33,11 +36,21 @@ use crate::store::sqlite::SqliteStore;
 /// Opens the configured store (and migrates it when asked).
 pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     let store: Arc<dyn Store> = if config.is_postgres() {
-        Arc::new(
-            PgStore::connect(&config.database_url, config.database_max_connections)
-                .await
-                .with_context(|| format!("connecting to {}", redact_url(&config.database_url)))?,
-        )
+        let redacted = redact_url(&config.database_url);
+        let opts: sqlx::postgres::PgConnectOptions = config
+            .database_url
+            .parse()
+            .map_err(|_| anyhow::anyhow!("{redacted} is not a valid PostgreSQL URL"))?;
+        // A request that cannot get a connection within the acquire timeout fails as
+        // UNAVAILABLE instead of waiting behind an exhausted pool.
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(config.database_max_connections)
+            .acquire_timeout(config.database_acquire_timeout)
+            .connect_with(opts)
+            .await
+            .map_err(crate::store::StoreError::from)
+            .with_context(|| format!("connecting to {redacted}"))?;
+        Arc::new(PgStore::from_pool(pool))
     } else {
         Arc::new(
             SqliteStore::connect(&config.database_url)
@@ -96,6 +109,9 @@ pub struct App {
     pub relay_stats: Vec<Arc<RelayStats>>,
     /// The inbox's dispatchers and consumers, by subscription.
     pub inbox: crate::inbox::InboxHandles,
+    pub metrics: Metrics,
+    /// Where `/metrics` is served, when `metrics_listen` is set.
+    pub metrics_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
 }
@@ -170,25 +186,54 @@ impl App {
                 inbox_handles.clone(),
             ));
 
+        let metrics = Metrics::new(relay_stats.clone());
+        let mut metrics_addr = None;
+        if let Some(listen) = config.metrics_listen {
+            let l = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("binding the metrics address {listen}"))?;
+            metrics_addr = Some(l.local_addr()?);
+            tasks.push(tokio::spawn(metrics.clone().serve(l, background.clone())));
+            tasks.push(tokio::spawn(metrics.clone().poll_stats(
+                store.clone(),
+                config.metrics_stats_interval,
+                background.clone(),
+            )));
+        }
+        tasks.push(tokio::spawn(crate::retention::run(
+            store.clone(),
+            config.retention,
+            Some(metrics.clone()),
+            background.clone(),
+        )));
+        let auth = Auth::new(
+            config.tokens.clone(),
+            !config.tokens.is_empty(),
+            config.admin_token.as_deref(),
+        );
+        let tls = match &config.tls {
+            None => None,
+            Some(t) => Some(tls_config(t)?),
+        };
+
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .context("building reflection service")?;
-        let outbox = pb::outbox_service_server::OutboxServiceServer::new(OutboxApi::new(
-            intake,
-            config.limits,
-        ))
+        let outbox = pb::outbox_service_server::OutboxServiceServer::new(
+            OutboxApi::new(intake, config.limits).with_metrics(metrics.clone()),
+        )
         .max_decoding_message_size(config.limits.max_payload_bytes * 2 + 1024 * 1024);
         let max_batch_bytes =
             (config.limits.max_payload_bytes + config.limits.max_header_bytes + 4096)
                 .saturating_mul(config.limits.max_batch)
                 .min(256 * 1024 * 1024);
         let outbox = outbox.max_decoding_message_size(max_batch_bytes);
-        let admin = pb::admin_service_server::AdminServiceServer::new(AdminApi::new(
-            Admin::new(store.clone(), config.relay.lease),
-            config.admin_token.clone(),
-        ));
+        let admin = pb::admin_service_server::AdminServiceServer::new(
+            AdminApi::new(Admin::new(store.clone(), config.relay.lease))
+                .with_metrics(metrics.clone()),
+        );
 
         let stop = shutdown.clone();
         let grace = config.shutdown_grace;
@@ -198,9 +243,15 @@ impl App {
             database = %redact_url(&config.database_url),
             sink = match &config.sink { SinkConfig::Kafka { .. } => "kafka", SinkConfig::Local { .. } => "local" },
             relays = config.relays,
+            tls = config.tls.is_some(),
+            mtls = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
+            tokens = auth.enabled(),
+            metrics = ?metrics_addr,
             "mailroom serving"
         );
         let server_health = health.clone();
+        let overload = OverloadLayer::new(config.overload);
+        let rpc_metrics = RpcMetricsLayer::new(metrics.clone());
         let task = tokio::spawn(async move {
             let signal = {
                 let stop = stop.clone();
@@ -211,8 +262,17 @@ impl App {
                     health.set_all(ServingStatus::NotServing).await;
                 }
             };
-            let server = tonic::transport::Server::builder()
+            let mut builder = tonic::transport::Server::builder();
+            if let Some(tls) = tls {
+                builder = builder.tls_config(tls).context("TLS configuration")?;
+            }
+            // Outermost first: log and count every answer, then authenticate, then
+            // admit (concurrency limit, timeout) only what is allowed.
+            let server = builder
                 .layer(RpcLogLayer)
+                .layer(rpc_metrics)
+                .layer(AuthLayer::new(auth))
+                .layer(overload)
                 .add_service(health_service)
                 .add_service(reflection)
                 .add_service(outbox)
@@ -241,6 +301,8 @@ impl App {
             store,
             relay_stats,
             inbox: inbox_handles,
+            metrics,
+            metrics_addr,
             shutdown,
             task,
         })
@@ -261,4 +323,18 @@ impl App {
         self.shutdown();
         self.wait().await
     }
+}
+
+/// Reads the TLS files; errors name the file, never its content.
+fn tls_config(t: &crate::config::TlsConfig) -> anyhow::Result<tonic::transport::ServerTlsConfig> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let read = |p: &std::path::Path, what: &str| {
+        std::fs::read(p).with_context(|| format!("reading the TLS {what} {}", p.display()))
+    };
+    let identity = Identity::from_pem(read(&t.cert, "certificate")?, read(&t.key, "key")?);
+    let mut c = ServerTlsConfig::new().identity(identity);
+    if let Some(ca) = &t.client_ca {
+        c = c.client_ca_root(Certificate::from_pem(read(ca, "client CA")?));
+    }
+    Ok(c)
 }

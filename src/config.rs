@@ -28,7 +28,12 @@ pub struct Settings {
     #[arg(long, env = "MAILROOM_LISTEN", global = true)]
     pub listen: Option<String>,
     /// Database URL: `sqlite://FILE` (embedded) or `postgres://…` [default: sqlite://mailroom.db].
-    #[arg(long, env = "MAILROOM_DATABASE_URL", global = true)]
+    #[arg(
+        long,
+        env = "MAILROOM_DATABASE_URL",
+        global = true,
+        hide_env_values = true
+    )]
     pub database_url: Option<String>,
     /// Database connection pool size (PostgreSQL) [default: 16].
     #[arg(long, env = "MAILROOM_DATABASE_MAX_CONNECTIONS", global = true)]
@@ -45,7 +50,7 @@ pub struct Settings {
     pub kafka_brokers: Option<String>,
     /// Extra librdkafka properties, `key=value[,key=value…]` (security.protocol,
     /// sasl.*, ssl.*, linger.ms, …). Idempotence and acks=all are always kept.
-    #[arg(long, env = "MAILROOM_KAFKA_PROPERTIES", global = true, value_parser = parse_properties)]
+    #[arg(long, env = "MAILROOM_KAFKA_PROPERTIES", global = true, value_parser = parse_properties, hide_env_values = true)]
     pub kafka_properties: Option<BTreeMap<String, String>>,
     /// Kafka delivery timeout in ms; a delivery not acknowledged by then is a transient
     /// failure [default: 15000].
@@ -134,6 +139,54 @@ pub struct Settings {
     /// Inbox subscriptions (`[[subscriptions]]` tables; file only).
     #[arg(skip)]
     pub subscriptions: Option<Vec<SubscriptionSettings>>,
+    /// Token file (TOML, `[[token]]` entries with name, token, scopes, optional topics):
+    /// set, every RPC except health and reflection needs a token of the right scope.
+    #[arg(long, env = "MAILROOM_TOKENS_FILE", global = true)]
+    pub tokens_file: Option<PathBuf>,
+    /// Prometheus metrics address (HTTP, path /metrics); unset or empty: no metrics
+    /// endpoint [default: off].
+    #[arg(long, env = "MAILROOM_METRICS_LISTEN", global = true)]
+    pub metrics_listen: Option<String>,
+    /// How often the backlog gauges (pending, blocked keys, oldest age) are refreshed
+    /// from the database, in ms [default: 15000].
+    #[arg(long, env = "MAILROOM_METRICS_STATS_INTERVAL_MS", global = true)]
+    pub metrics_stats_interval_ms: Option<u64>,
+    /// TLS certificate chain (PEM) for the gRPC port; needs tls_key [default: plaintext].
+    #[arg(long, env = "MAILROOM_TLS_CERT", global = true)]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM) for the gRPC port.
+    #[arg(long, env = "MAILROOM_TLS_KEY", global = true)]
+    pub tls_key: Option<PathBuf>,
+    /// CA certificates (PEM) for client certificates: set, clients must present a
+    /// certificate it signed (mTLS).
+    #[arg(long, env = "MAILROOM_TLS_CLIENT_CA", global = true)]
+    pub tls_client_ca: Option<PathBuf>,
+    /// RPCs served at once (health excluded); beyond it RESOURCE_EXHAUSTED at once;
+    /// 0 = no limit [default: 1024].
+    #[arg(long, env = "MAILROOM_MAX_CONCURRENT_RPCS", global = true)]
+    pub max_concurrent_rpcs: Option<usize>,
+    /// Server-side time limit of an RPC in ms, answered UNAVAILABLE; 0 = none
+    /// [default: 30000].
+    #[arg(long, env = "MAILROOM_RPC_TIMEOUT_MS", global = true)]
+    pub rpc_timeout_ms: Option<u64>,
+    /// How long a request waits for a database connection before UNAVAILABLE, in ms
+    /// (PostgreSQL) [default: 3000].
+    #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
+    pub database_acquire_timeout_ms: Option<u64>,
+    /// Completed events are deleted this many hours after publication; 0 = keep
+    /// forever [default: 168].
+    #[arg(long, env = "MAILROOM_RETENTION_COMPLETED_HOURS", global = true)]
+    pub retention_completed_hours: Option<u64>,
+    /// Failed events are deleted this many hours after they failed; 0 = keep until
+    /// requeued [default: 0].
+    #[arg(long, env = "MAILROOM_RETENTION_FAILED_HOURS", global = true)]
+    pub retention_failed_hours: Option<u64>,
+    /// How often the retention task runs, in ms; 0 = never [default: 60000].
+    #[arg(long, env = "MAILROOM_RETENTION_INTERVAL_MS", global = true)]
+    pub retention_interval_ms: Option<u64>,
+    /// Rows one retention DELETE removes at most [default: 1000].
+    #[arg(long, env = "MAILROOM_RETENTION_BATCH", global = true)]
+    pub retention_batch: Option<u32>,
 }
 
 /// One `[[subscriptions]]` table of the configuration file.
@@ -303,6 +356,23 @@ pub struct Config {
     pub admin_token: Option<String>,
     /// Inbox subscriptions.
     pub subscriptions: Vec<SubscriptionConfig>,
+    /// Tokens from `tokens_file` (the admin token is added to them by the app).
+    pub tokens: Vec<crate::api::auth::TokenEntry>,
+    pub metrics_listen: Option<SocketAddr>,
+    pub metrics_stats_interval: Duration,
+    pub tls: Option<TlsConfig>,
+    pub overload: crate::api::overload::OverloadConfig,
+    pub database_acquire_timeout: Duration,
+    pub retention: crate::retention::RetentionConfig,
+}
+
+/// TLS for the gRPC port: PEM files.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// Set: clients must present a certificate signed by one of these CAs.
+    pub client_ca: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -348,7 +418,20 @@ impl Settings {
             fault_counted_rate,
             fault_transient_rate,
             admin_token,
-            subscriptions
+            subscriptions,
+            tokens_file,
+            metrics_listen,
+            metrics_stats_interval_ms,
+            tls_cert,
+            tls_key,
+            tls_client_ca,
+            max_concurrent_rpcs,
+            rpc_timeout_ms,
+            database_acquire_timeout_ms,
+            retention_completed_hours,
+            retention_failed_hours,
+            retention_interval_ms,
+            retention_batch
         )
     }
 }
@@ -485,6 +568,63 @@ impl Config {
             writers: s.intake_writers.unwrap_or(if is_pg { 4 } else { 1 }).max(1),
             max_group: limits.max_batch.max(1000),
         };
+        let metrics_listen = match s.metrics_listen.as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some(a) => Some(a.parse::<SocketAddr>().map_err(|_| {
+                bad(
+                    "metrics_listen (MAILROOM_METRICS_LISTEN)",
+                    format!("{a:?} is not host:port with an IP host"),
+                )
+            })?),
+        };
+        let tls = match (s.tls_cert, s.tls_key) {
+            (None, None) => {
+                if s.tls_client_ca.is_some() {
+                    return Err(bad(
+                        "tls_client_ca (MAILROOM_TLS_CLIENT_CA)",
+                        "needs tls_cert and tls_key",
+                    ));
+                }
+                None
+            }
+            (Some(cert), Some(key)) => Some(TlsConfig {
+                cert,
+                key,
+                client_ca: s.tls_client_ca,
+            }),
+            _ => {
+                return Err(bad(
+                    "tls_cert/tls_key (MAILROOM_TLS_CERT, MAILROOM_TLS_KEY)",
+                    "set both or neither",
+                ));
+            }
+        };
+        let tokens = match &s.tokens_file {
+            None => Vec::new(),
+            Some(path) => crate::api::auth::load_tokens(path)
+                .map_err(|why| bad("tokens_file (MAILROOM_TOKENS_FILE)", why))?,
+        };
+        let hours = |h: u64| (h > 0).then(|| Duration::from_secs(h.saturating_mul(3600)));
+        let retention = crate::retention::RetentionConfig {
+            completed: hours(s.retention_completed_hours.unwrap_or(168)),
+            failed: hours(s.retention_failed_hours.unwrap_or(0)),
+            interval: Some(Duration::from_millis(
+                s.retention_interval_ms.unwrap_or(60_000),
+            ))
+            .filter(|d| !d.is_zero()),
+            batch: s.retention_batch.unwrap_or(1000),
+        };
+        if retention.batch == 0 || retention.batch > 100_000 {
+            return Err(bad(
+                "retention_batch (MAILROOM_RETENTION_BATCH)",
+                "must be 1..=100000",
+            ));
+        }
+        let overload = crate::api::overload::OverloadConfig {
+            max_concurrent_rpcs: s.max_concurrent_rpcs.unwrap_or(1024),
+            rpc_timeout: Some(Duration::from_millis(s.rpc_timeout_ms.unwrap_or(30_000)))
+                .filter(|d| !d.is_zero()),
+        };
         let relays = s.relays.unwrap_or(2);
         if relays > 64 {
             return Err(bad("relays (MAILROOM_RELAYS)", "must be at most 64"));
@@ -531,6 +671,17 @@ impl Config {
                 }
                 subs
             },
+            tokens,
+            metrics_listen,
+            metrics_stats_interval: Duration::from_millis(
+                s.metrics_stats_interval_ms.unwrap_or(15_000).max(100),
+            ),
+            tls,
+            overload,
+            database_acquire_timeout: Duration::from_millis(
+                s.database_acquire_timeout_ms.unwrap_or(3000).max(10),
+            ),
+            retention,
         })
     }
 

@@ -17,6 +17,8 @@
 //! - `sink`    — destinations: Kafka (rdkafka), the local JSON-lines sink, fault injection.
 //! - `health`  — `grpc.health.v1` statuses driven by a database check.
 //! - `notify`  — PostgreSQL LISTEN/NOTIFY wake-ups between processes.
+//! - `metrics` — Prometheus metrics on their own HTTP port.
+//! - `retention` — batched deletion of completed (and expired failed) events, idle keys.
 
 pub mod admin;
 pub mod api;
@@ -28,8 +30,10 @@ pub mod error;
 pub mod health;
 pub mod inbox;
 pub mod intake;
+pub mod metrics;
 pub mod notify;
 pub mod pb;
 pub mod relay;
+pub mod retention;
 pub mod sink;
 pub mod store;

@@ -1,35 +1,37 @@
-//! `mailroom.v1.AdminService`: the operator surface. Each RPC checks the bearer token
-//! (when one is configured), converts and validates its request into an operator query
+//! `mailroom.v1.AdminService`: the operator surface. Each RPC (its token already checked
+//! by `api::auth::AuthLayer`) converts and validates its request into an operator query
 //! (`crate::admin`), runs it and converts the result back. Validation lives here.
 
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
-use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
+use super::auth::{LEGACY_ADMIN_TOKEN, Principal};
 use super::convert::{check_topic, timestamp, to_timestamp};
 use crate::admin::{
-    self, Admin, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter, EventsQuery,
+    Admin, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter, EventsQuery,
     KeyBacklog, MAX_CANCEL, MAX_REQUEUE, PendingCursor, PendingOrder, PendingQuery, RequeueRequest,
     Selection, decode_token, encode_token,
 };
 use crate::domain::{BoxKind, Status as EventStatus};
 use crate::error::{Error, FieldViolation};
+use crate::metrics::Metrics;
 use crate::pb;
 
 const DEFAULT_PAGE: u32 = 100;
 const MAX_PAGE: u32 = 1000;
 
+/// The admin RPCs. Tokens and scopes are checked before a call reaches it
+/// (`api::auth::AuthLayer`); the caller arrives as a `Principal` for the audit log.
 pub struct AdminApi {
     admin: Admin,
-    /// When set, every call must carry `authorization: Bearer <token>`.
-    token: Option<String>,
+    metrics: Option<Metrics>,
 }
 
 /// Who made a call, for the audit log.
 struct Caller {
-    authenticated: bool,
+    principal: Principal,
 }
 
 impl Caller {
@@ -39,50 +41,33 @@ impl Caller {
         } else {
             operator.trim()
         };
-        if self.authenticated {
-            format!("{name} (token)")
-        } else {
-            name.to_string()
+        match self.principal.name.as_deref() {
+            None => name.to_string(),
+            Some(LEGACY_ADMIN_TOKEN) => format!("{name} (token)"),
+            Some(token) => format!("{name} (token {token})"),
         }
     }
 }
 
 impl AdminApi {
-    pub fn new(admin: Admin, token: Option<String>) -> Self {
+    pub fn new(admin: Admin) -> Self {
         AdminApi {
             admin,
-            token: token.filter(|t| !t.is_empty()),
+            metrics: None,
         }
     }
 
-    fn authorize(&self, md: &MetadataMap) -> Result<Caller, Error> {
-        let Some(expected) = &self.token else {
-            return Ok(Caller {
-                authenticated: false,
-            });
-        };
-        let given = md
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(bearer)
-            .ok_or(Error::Unauthenticated)?;
-        if admin::secrets_equal(given.as_bytes(), expected.as_bytes()) {
-            Ok(Caller {
-                authenticated: true,
-            })
-        } else {
-            Err(Error::Unauthenticated)
-        }
+    /// Counts requeues and cancels in `metrics`.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
-}
 
-/// The credentials of an `Authorization: Bearer …` value.
-fn bearer(v: &str) -> Option<&str> {
-    let (scheme, rest) = v.trim().split_once(' ')?;
-    scheme
-        .eq_ignore_ascii_case("bearer")
-        .then(|| rest.trim())
-        .filter(|t| !t.is_empty())
+    fn authorize(&self, ext: &tonic::Extensions) -> Result<Caller, Error> {
+        Ok(Caller {
+            principal: Principal::of(ext),
+        })
+    }
 }
 
 /// The box a request names. The inbox does not exist yet.
@@ -380,7 +365,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         &self,
         request: Request<pb::ListPendingRequest>,
     ) -> Result<Response<pb::ListPendingResponse>, Status> {
-        self.authorize(request.metadata())?;
+        self.authorize(request.extensions())?;
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
         let q = pending_query(r)?;
@@ -398,7 +383,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         &self,
         request: Request<pb::RequeueFailedRequest>,
     ) -> Result<Response<pb::RequeueFailedResponse>, Status> {
-        let caller = self.authorize(request.metadata())?;
+        let caller = self.authorize(request.extensions())?;
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
         let actor = caller.actor(&r.operator);
@@ -406,6 +391,9 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let out = self.admin.requeue(b, &req).await?;
         if let Some(id) = out.audit_id {
             tracing::info!(audit_id = id, count = out.count, actor = %req.actor, "requeued failed events");
+            if let Some(m) = &self.metrics {
+                m.requeued(out.count.max(0) as u64);
+            }
         }
         Ok(Response::new(pb::RequeueFailedResponse {
             count: out.count,
@@ -419,7 +407,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         &self,
         request: Request<pb::GetEventRequest>,
     ) -> Result<Response<pb::GetEventResponse>, Status> {
-        self.authorize(request.metadata())?;
+        self.authorize(request.extensions())?;
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
         let d = self.admin.get_event(b, r.id, r.include_payload).await?;
@@ -432,7 +420,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         &self,
         request: Request<pb::ListEventsRequest>,
     ) -> Result<Response<pb::ListEventsResponse>, Status> {
-        self.authorize(request.metadata())?;
+        self.authorize(request.extensions())?;
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
         let q = EventsQuery {
@@ -452,7 +440,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         &self,
         request: Request<pb::CancelEventsRequest>,
     ) -> Result<Response<pb::CancelEventsResponse>, Status> {
-        let caller = self.authorize(request.metadata())?;
+        let caller = self.authorize(request.extensions())?;
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
         let actor = caller.actor(&r.operator);
@@ -460,6 +448,9 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let out = self.admin.cancel(b, &req).await?;
         if let Some(id) = out.audit_id {
             tracing::info!(audit_id = id, count = out.ids.len(), actor = %req.actor, "cancelled events");
+            if let Some(m) = &self.metrics {
+                m.cancelled(out.ids.len() as u64);
+            }
         }
         Ok(Response::new(pb::CancelEventsResponse {
             count: out.ids.len() as i64,
@@ -472,7 +463,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         &self,
         request: Request<pb::ListAuditRequest>,
     ) -> Result<Response<pb::ListAuditResponse>, Status> {
-        self.authorize(request.metadata())?;
+        self.authorize(request.extensions())?;
         let r = request.into_inner();
         let page = self
             .admin
@@ -488,7 +479,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         &self,
         request: Request<pb::GetStatsRequest>,
     ) -> Result<Response<pb::GetStatsResponse>, Status> {
-        self.authorize(request.metadata())?;
+        self.authorize(request.extensions())?;
         let b = box_kind(request.into_inner().r#box)?;
         let s = self.admin.stats(b).await?;
         Ok(Response::new(pb::GetStatsResponse {
@@ -517,6 +508,7 @@ mod tests {
 
     #[test]
     fn bearer_values_parse() {
+        use crate::api::auth::bearer;
         assert_eq!(bearer("Bearer abc"), Some("abc"));
         assert_eq!(bearer("bearer  abc "), Some("abc"));
         assert_eq!(bearer("Basic abc"), None);

@@ -2,9 +2,11 @@
 //! `status`. `serve` assembles them with health, reflection and per-RPC logging.
 
 pub mod admin;
+pub mod auth;
 pub mod convert;
 pub mod inbox;
 pub mod outbox;
+pub mod overload;
 pub mod status;
 
 use std::task::{Context, Poll};

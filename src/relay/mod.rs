@@ -65,6 +65,12 @@ pub struct RelayStats {
     pub transient: AtomicU64,
     pub stale: AtomicU64,
     pub delivered_after_failure: AtomicU64,
+    /// Events handed to the sink that came back with a transient failure (no attempt spent).
+    pub transient_events: AtomicU64,
+    /// Cycles that attempted deliveries, claim to settle.
+    pub cycle_latency: crate::metrics::Latency,
+    /// The sink's delivery of one cycle's runs.
+    pub publish_latency: crate::metrics::Latency,
 }
 
 /// What one cycle did.
@@ -176,11 +182,14 @@ impl Relay {
 
         let lines: Vec<Vec<&_>> = plans.iter().map(|p| p.run.clone()).collect();
         report.attempted = lines.iter().map(Vec::len).sum();
+        let started = std::time::Instant::now();
         let deliveries = self.sink.deliver(&lines).await;
+        self.stats.publish_latency.observe(started.elapsed());
 
         let mut updates = Vec::new();
         let mut releases = Vec::new();
         let mut out_of_order = 0;
+        let mut transient_events = 0;
         for (p, d) in plans.iter().zip(&deliveries) {
             let o = p.settle(d, &self.config.retry, &mut rand::rng());
             report.delivered += o.delivered;
@@ -188,6 +197,12 @@ impl Relay {
             report.failed += o.failed;
             report.transient |= o.transient;
             out_of_order += o.delivered_after_failure;
+            if o.transient {
+                transient_events += p
+                    .run
+                    .len()
+                    .saturating_sub(o.delivered + o.retried + o.failed);
+            }
             updates.extend(o.updates);
             if let Some(line) = p.line {
                 releases.push(KeyRelease {
@@ -222,6 +237,8 @@ impl Relay {
         s.stale.fetch_add(report.stale as u64, Ordering::Relaxed);
         s.delivered_after_failure
             .fetch_add(out_of_order as u64, Ordering::Relaxed);
+        s.transient_events
+            .fetch_add(transient_events as u64, Ordering::Relaxed);
         if report.transient {
             s.transient.fetch_add(1, Ordering::Relaxed);
         }
@@ -233,8 +250,12 @@ impl Relay {
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut db_backoff = ProbeBackoff::new(self.config.probe_min, self.config.probe_max);
         while !shutdown.is_cancelled() {
+            let cycle_start = std::time::Instant::now();
             let pause = match self.cycle().await {
                 Ok(r) => {
+                    if r.attempted > 0 {
+                        self.stats.cycle_latency.observe(cycle_start.elapsed());
+                    }
                     db_backoff.succeeded();
                     if r.transient {
                         let d = self.probe.failed(&mut rand::rng());

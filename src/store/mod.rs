@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod postgres;
 mod postgres_admin;
+pub mod retention;
 pub mod sqlite;
 mod sqlite_admin;
 
@@ -206,7 +207,7 @@ pub struct SettleReport {
 
 /// Durable storage for both boxes.
 #[async_trait::async_trait]
-pub trait Store: admin::AdminStore + Send + Sync + 'static {
+pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + 'static {
     /// The engine's name, for logs and health ("postgres", "sqlite").
     fn engine(&self) -> &'static str;
 

@@ -1,0 +1,448 @@
+//! Bearer tokens with scopes, checked in one place: `AuthLayer`, a tower layer in front
+//! of every gRPC service. It authenticates the `authorization: Bearer <token>` header,
+//! checks that the token's scopes cover the service called, and hands the caller on to
+//! the handlers as a `Principal` in the request extensions. The one check that needs
+//! the decoded request, a producer token's topic list, is `Principal::check_topic`,
+//! called by the OutboxService before anything is stored.
+//!
+//! - No token configured at all: everything is open (the loopback default).
+//! - Only the legacy `admin_token`: the AdminService needs it, Enqueue and the
+//!   InboxService stay open.
+//! - A token file: every service except health and reflection needs a token.
+//!
+//! Wrong or missing token: `UNAUTHENTICATED`; a valid token without the scope, or a
+//! topic outside its list: `PERMISSION_DENIED`. Tokens are compared in constant time
+//! and never logged (`TokenEntry`'s `Debug` hides them).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use serde::Deserialize;
+use tonic::Status;
+use tonic::codegen::http;
+use tower::{Layer, Service};
+
+use crate::admin::secrets_equal;
+
+/// The name the legacy `admin_token` goes by (audit entries say "(token)").
+pub const LEGACY_ADMIN_TOKEN: &str = "admin-token";
+
+/// What a token may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// `OutboxService`: Enqueue and EnqueueBatch (optionally only to listed topics).
+    Enqueue,
+    /// `AdminService`: the operator RPCs.
+    Admin,
+    /// `InboxService`: Receive and ListSubscriptions (no topic lists: the inbox does not
+    /// check them).
+    Inbox,
+}
+
+/// One configured token.
+#[derive(Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenEntry {
+    /// Who holds it: logged and written to the audit log, unlike the token.
+    pub name: String,
+    pub token: String,
+    pub scopes: Vec<Scope>,
+    /// Enqueue only to these topics; absent: any topic.
+    #[serde(default)]
+    pub topics: Option<Vec<String>>,
+}
+
+impl std::fmt::Debug for TokenEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenEntry")
+            .field("name", &self.name)
+            .field("token", &"***")
+            .field("scopes", &self.scopes)
+            .field("topics", &self.topics)
+            .finish()
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenFile {
+    #[serde(default)]
+    token: Vec<TokenEntry>,
+}
+
+/// Reads a token file:
+///
+/// ```toml
+/// [[token]]
+/// name = "checkout"
+/// token = "…"
+/// scopes = ["enqueue"]
+/// topics = ["orders", "payments"]   # optional
+/// ```
+///
+/// Errors name the file and the problem, never a token.
+pub fn load_tokens(path: &Path) -> Result<Vec<TokenEntry>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let file: TokenFile = toml::from_str(&text).map_err(|e| {
+        // toml's message quotes the offending line, which may hold a token.
+        format!(
+            "{}: not a token file ({})",
+            path.display(),
+            e.message().lines().next().unwrap_or("parse error")
+        )
+    })?;
+    let mut names = std::collections::HashSet::new();
+    for t in &file.token {
+        if t.name.trim().is_empty() {
+            return Err(format!("{}: a token has an empty name", path.display()));
+        }
+        if !names.insert(t.name.clone()) {
+            return Err(format!(
+                "{}: token name {:?} repeats",
+                path.display(),
+                t.name
+            ));
+        }
+        if t.token.len() < 16 {
+            return Err(format!(
+                "{}: token {:?} is shorter than 16 characters",
+                path.display(),
+                t.name
+            ));
+        }
+        if t.scopes.is_empty() {
+            return Err(format!(
+                "{}: token {:?} has no scopes",
+                path.display(),
+                t.name
+            ));
+        }
+    }
+    let tokens = file.token;
+    for (i, a) in tokens.iter().enumerate() {
+        if tokens[i + 1..].iter().any(|b| a.token == b.token) {
+            return Err(format!(
+                "{}: token {:?} has the same secret as another",
+                path.display(),
+                a.name
+            ));
+        }
+    }
+    Ok(tokens)
+}
+
+/// The caller of an RPC, as the handlers see it (request extension).
+#[derive(Debug, Clone)]
+pub struct Principal {
+    /// The token's name; `None`: no token was needed and none checked.
+    pub name: Option<String>,
+    topics: Option<Arc<[String]>>,
+}
+
+impl Principal {
+    pub fn anonymous() -> Self {
+        Principal {
+            name: None,
+            topics: None,
+        }
+    }
+
+    pub fn authenticated(&self) -> bool {
+        self.name.is_some()
+    }
+
+    /// `PERMISSION_DENIED` unless this caller may enqueue to `topic`.
+    pub fn check_topic(&self, topic: &str) -> Result<(), Status> {
+        match &self.topics {
+            Some(list) if !list.iter().any(|t| t == topic) => Err(Status::permission_denied(
+                format!("this token may not enqueue to topic {topic:?}"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The principal of a request (anonymous when no layer put one there).
+    pub fn of(ext: &http::Extensions) -> Principal {
+        ext.get::<Principal>()
+            .cloned()
+            .unwrap_or_else(Principal::anonymous)
+    }
+}
+
+/// The scope an RPC path needs; `None`: open to all (health checks, reflection).
+/// Services not listed here need the admin scope, so a new service is closed until it
+/// is given its own scope.
+pub fn required_scope(path: &str) -> Option<Scope> {
+    let service = path.trim_start_matches('/').split('/').next().unwrap_or("");
+    match service {
+        "grpc.health.v1.Health"
+        | "grpc.reflection.v1.ServerReflection"
+        | "grpc.reflection.v1alpha.ServerReflection" => None,
+        "mailroom.v1.OutboxService" => Some(Scope::Enqueue),
+        "mailroom.v1.InboxService" => Some(Scope::Inbox),
+        _ => Some(Scope::Admin),
+    }
+}
+
+/// The token table and which scopes it protects.
+#[derive(Debug, Clone, Default)]
+pub struct Auth {
+    tokens: Vec<TokenEntry>,
+    /// Scopes anyone may use without a token.
+    open: Vec<Scope>,
+}
+
+impl Auth {
+    /// `tokens` from the token file (`file` says one was given) plus the legacy admin
+    /// token.
+    pub fn new(mut tokens: Vec<TokenEntry>, file: bool, admin_token: Option<&str>) -> Auth {
+        if let Some(t) = admin_token.filter(|t| !t.is_empty()) {
+            tokens.push(TokenEntry {
+                name: LEGACY_ADMIN_TOKEN.into(),
+                token: t.to_string(),
+                scopes: vec![Scope::Admin],
+                topics: None,
+            });
+        }
+        let mut open = Vec::new();
+        if tokens.is_empty() {
+            open = vec![Scope::Enqueue, Scope::Admin, Scope::Inbox];
+        } else if !file {
+            // Only the admin token: producers stay open, as before token files existed.
+            open = vec![Scope::Enqueue, Scope::Inbox];
+        }
+        Auth { tokens, open }
+    }
+
+    /// Whether any scope is protected.
+    pub fn enabled(&self) -> bool {
+        !self.tokens.is_empty()
+    }
+
+    /// Authenticates `authorization` for a call that needs `scope`.
+    pub fn check(
+        &self,
+        scope: Option<Scope>,
+        authorization: Option<&http::HeaderValue>,
+    ) -> Result<Principal, Status> {
+        let Some(scope) = scope else {
+            return Ok(Principal::anonymous());
+        };
+        if self.open.contains(&scope) {
+            return Ok(Principal::anonymous());
+        }
+        let given = authorization
+            .and_then(|v| v.to_str().ok())
+            .and_then(bearer)
+            .ok_or_else(|| Status::unauthenticated("missing or invalid token"))?;
+        // Compare against every token (no early exit) so timing says nothing about which.
+        let mut found: Option<&TokenEntry> = None;
+        for t in &self.tokens {
+            if secrets_equal(given.as_bytes(), t.token.as_bytes()) {
+                found = Some(t);
+            }
+        }
+        let t = found.ok_or_else(|| Status::unauthenticated("missing or invalid token"))?;
+        if !t.scopes.contains(&scope) {
+            tracing::info!(token = %t.name, ?scope, "token lacks the scope");
+            return Err(Status::permission_denied(format!(
+                "this token does not have the {scope:?} scope"
+            )));
+        }
+        Ok(Principal {
+            name: Some(t.name.clone()),
+            topics: t.topics.clone().map(Into::into),
+        })
+    }
+}
+
+/// The credentials of an `Authorization: Bearer …` value.
+pub fn bearer(v: &str) -> Option<&str> {
+    let (scheme, rest) = v.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| rest.trim())
+        .filter(|t| !t.is_empty())
+}
+
+/// Checks every RPC against the token table before any handler runs.
+#[derive(Clone)]
+pub struct AuthLayer {
+    auth: Arc<Auth>,
+}
+
+impl AuthLayer {
+    pub fn new(auth: Auth) -> Self {
+        AuthLayer {
+            auth: Arc::new(auth),
+        }
+    }
+}
+
+impl<S> Layer<S> for AuthLayer {
+    type Service = AuthService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        AuthService {
+            inner,
+            auth: self.auth.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct AuthService<S> {
+    inner: S,
+    auth: Arc<Auth>,
+}
+
+impl<S, B, RB> Service<http::Request<B>> for AuthService<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
+    S::Future: Send + 'static,
+    RB: Default + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        let scope = required_scope(req.uri().path());
+        match self.auth.check(scope, req.headers().get("authorization")) {
+            Ok(principal) => {
+                req.extensions_mut().insert(principal);
+                Box::pin(self.inner.call(req))
+            }
+            Err(status) => Box::pin(async move { Ok(status.into_http()) }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, token: &str, scopes: &[Scope], topics: Option<&[&str]>) -> TokenEntry {
+        TokenEntry {
+            name: name.into(),
+            token: token.into(),
+            scopes: scopes.to_vec(),
+            topics: topics.map(|t| t.iter().map(|s| s.to_string()).collect()),
+        }
+    }
+
+    fn header(v: &str) -> http::HeaderValue {
+        http::HeaderValue::from_str(v).unwrap()
+    }
+
+    #[test]
+    fn scopes_and_tokens() {
+        let auth = Auth::new(
+            vec![
+                entry(
+                    "p",
+                    "producer-token-0001",
+                    &[Scope::Enqueue],
+                    Some(&["orders"]),
+                ),
+                entry("a", "admin-token-000001", &[Scope::Admin], None),
+            ],
+            true,
+            None,
+        );
+        let enq = Some(Scope::Enqueue);
+        let adm = Some(Scope::Admin);
+        let p = auth
+            .check(enq, Some(&header("Bearer producer-token-0001")))
+            .unwrap();
+        assert_eq!(p.name.as_deref(), Some("p"));
+        assert!(p.check_topic("orders").is_ok());
+        assert_eq!(
+            p.check_topic("other").unwrap_err().code(),
+            tonic::Code::PermissionDenied
+        );
+        let code = |s, h: Option<&str>| {
+            auth.check(s, h.map(header).as_ref())
+                .map(|_| tonic::Code::Ok)
+                .unwrap_or_else(|e| e.code())
+        };
+        assert_eq!(
+            code(adm, Some("Bearer producer-token-0001")),
+            tonic::Code::PermissionDenied
+        );
+        assert_eq!(code(adm, None), tonic::Code::Unauthenticated);
+        assert_eq!(code(adm, Some("Bearer nope")), tonic::Code::Unauthenticated);
+        assert_eq!(
+            code(adm, Some("Basic admin-token-000001")),
+            tonic::Code::Unauthenticated
+        );
+        assert_eq!(
+            code(adm, Some("bearer admin-token-000001")),
+            tonic::Code::Ok
+        );
+        assert_eq!(code(None, None), tonic::Code::Ok);
+    }
+
+    #[test]
+    fn legacy_admin_token_leaves_enqueue_open() {
+        let auth = Auth::new(vec![], false, Some("legacy"));
+        assert!(auth.check(Some(Scope::Enqueue), None).is_ok());
+        assert!(auth.check(Some(Scope::Admin), None).is_err());
+        let open = Auth::new(vec![], false, None);
+        assert!(!open.enabled());
+        assert!(open.check(Some(Scope::Admin), None).is_ok());
+    }
+
+    #[test]
+    fn unknown_services_need_admin() {
+        assert_eq!(required_scope("/grpc.health.v1.Health/Check"), None);
+        assert_eq!(
+            required_scope("/mailroom.v1.OutboxService/Enqueue"),
+            Some(Scope::Enqueue)
+        );
+        assert_eq!(
+            required_scope("/mailroom.v1.AdminService/GetStats"),
+            Some(Scope::Admin)
+        );
+        assert_eq!(
+            required_scope("/mailroom.v1.InboxService/Receive"),
+            Some(Scope::Inbox)
+        );
+        assert_eq!(required_scope("/x.Y/Z"), Some(Scope::Admin));
+    }
+
+    #[test]
+    fn token_files_are_checked_and_never_echoed() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("tokens.toml");
+        std::fs::write(
+            &p,
+            "[[token]]\nname = \"a\"\ntoken = \"0123456789abcdef\"\nscopes = [\"enqueue\"]\n",
+        )
+        .unwrap();
+        let t = load_tokens(&p).unwrap();
+        assert_eq!(t[0].scopes, vec![Scope::Enqueue]);
+        assert!(!format!("{t:?}").contains("0123456789abcdef"));
+        std::fs::write(
+            &p,
+            "[[token]]\nname = \"a\"\ntoken = \"0123456789abcdef-secret\"\nscopes = [\"root\"]\n",
+        )
+        .unwrap();
+        let e = load_tokens(&p).unwrap_err();
+        assert!(!e.contains("secret"), "{e}");
+        std::fs::write(
+            &p,
+            "[[token]]\nname = \"a\"\ntoken = \"short\"\nscopes = [\"admin\"]\n",
+        )
+        .unwrap();
+        assert!(load_tokens(&p).unwrap_err().contains("shorter"));
+    }
+}

@@ -1,0 +1,129 @@
+//! Overload protection in front of the gRPC services: a concurrency limit shared by all
+//! connections that sheds load instead of queueing it, and a server-side time limit.
+//!
+//! - More than `max_concurrent_rpcs` RPCs in flight: the next is answered
+//!   `RESOURCE_EXHAUSTED` at once, before its body is read (tower's `load_shed` over a
+//!   global `concurrency_limit`, folded into one layer so that the refusal is a gRPC
+//!   status rather than a transport error).
+//! - An RPC still running after `rpc_timeout`: answered `UNAVAILABLE`. An enqueue whose
+//!   commit was already under way may still commit: the client retries with its
+//!   idempotency key and gets the stored id back.
+//!
+//! Health checks bypass both, so that probes keep working while the server sheds load.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+use tonic::Status;
+use tonic::codegen::http;
+use tower::{Layer, Service};
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OverloadConfig {
+    /// RPCs in flight at once; 0 = no limit.
+    pub max_concurrent_rpcs: usize,
+    /// Longest an RPC may run in the server.
+    pub rpc_timeout: Option<Duration>,
+}
+
+impl Default for OverloadConfig {
+    fn default() -> Self {
+        OverloadConfig {
+            max_concurrent_rpcs: 1024,
+            rpc_timeout: Some(Duration::from_secs(30)),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct OverloadLayer {
+    permits: Option<Arc<Semaphore>>,
+    timeout: Option<Duration>,
+}
+
+impl OverloadLayer {
+    pub fn new(c: OverloadConfig) -> Self {
+        OverloadLayer {
+            permits: (c.max_concurrent_rpcs > 0)
+                .then(|| Arc::new(Semaphore::new(c.max_concurrent_rpcs))),
+            timeout: c.rpc_timeout,
+        }
+    }
+}
+
+impl<S> Layer<S> for OverloadLayer {
+    type Service = Overload<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        Overload {
+            inner,
+            permits: self.permits.clone(),
+            timeout: self.timeout,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Overload<S> {
+    inner: S,
+    permits: Option<Arc<Semaphore>>,
+    timeout: Option<Duration>,
+}
+
+fn exempt(path: &str) -> bool {
+    path.starts_with("/grpc.health.v1.Health/")
+}
+
+impl<S, B, RB> Service<http::Request<B>> for Overload<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
+    S::Future: Send + 'static,
+    RB: Default + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if exempt(req.uri().path()) {
+            return Box::pin(self.inner.call(req));
+        }
+        let permit = match &self.permits {
+            None => None,
+            Some(p) => match p.clone().try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    return Box::pin(async {
+                        Ok(Status::resource_exhausted(
+                            "server busy: too many requests in flight; retry with backoff",
+                        )
+                        .into_http())
+                    });
+                }
+            },
+        };
+        let fut = self.inner.call(req);
+        let timeout = self.timeout;
+        Box::pin(async move {
+            let res = match timeout {
+                None => fut.await,
+                Some(t) => match tokio::time::timeout(t, fut).await {
+                    Ok(r) => r,
+                    Err(_) => Ok(Status::unavailable(
+                        "request timed out in the server; retry with backoff",
+                    )
+                    .into_http()),
+                },
+            };
+            drop(permit);
+            res
+        })
+    }
+}

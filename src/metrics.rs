@@ -1,0 +1,572 @@
+//! Prometheus metrics, served as text on a separate HTTP port (`metrics_listen`, path
+//! `/metrics`). Labels are bounded: topic (capped, see `TOPIC_LABELS`), gRPC method and
+//! code, failure class, status. Never a key or an event id.
+//!
+//! Sources:
+//! - counters the API bumps as requests are answered (enqueued, duplicates, requeued,
+//!   cancelled, gRPC requests by method and code via `RpcMetricsLayer`);
+//! - the relays' own counters and latency histograms (`RelayStats`), read at scrape time;
+//! - backlog gauges (pending and failed per topic, blocked keys, oldest pending age),
+//!   refreshed every `metrics_stats_interval` from the store's `stats` query;
+//! - retention counters (rows deleted).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+use tonic::codegen::http;
+use tower::{Layer, Service};
+
+use crate::domain::BoxKind;
+use crate::relay::RelayStats;
+use crate::store::Store;
+
+/// Distinct topic label values at most; later topics are counted under `_other`.
+pub const TOPIC_LABELS: usize = 1000;
+
+/// Upper bounds (seconds) of the latency histograms.
+const LATENCY_BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 15.0,
+];
+
+/// A lock-free latency histogram with fixed buckets, cheap enough for the relay's hot
+/// path. Part of `RelayStats`; merged over all relays at scrape time.
+#[derive(Debug, Default)]
+pub struct Latency {
+    /// Per bucket (not cumulative); the last one is +Inf.
+    buckets: [AtomicU64; LATENCY_BUCKETS.len() + 1],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Latency {
+    pub fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        let i = LATENCY_BUCKETS
+            .iter()
+            .position(|b| s <= *b)
+            .unwrap_or(LATENCY_BUCKETS.len());
+        self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+}
+
+/// Merges histograms into Prometheus' cumulative form: (sum, count, buckets).
+fn merged<'a>(hs: impl Iterator<Item = &'a Latency>) -> (f64, u64, Vec<(f64, u64)>) {
+    let mut per = [0u64; LATENCY_BUCKETS.len() + 1];
+    let mut sum = 0u64;
+    let mut count = 0u64;
+    for h in hs {
+        for (p, b) in per.iter_mut().zip(&h.buckets) {
+            *p += b.load(Ordering::Relaxed);
+        }
+        sum += h.sum_micros.load(Ordering::Relaxed);
+        count += h.count.load(Ordering::Relaxed);
+    }
+    let mut acc = 0;
+    let buckets = LATENCY_BUCKETS
+        .iter()
+        .copied()
+        .chain([f64::MAX])
+        .zip(per)
+        .map(|(b, n)| {
+            acc += n;
+            (b, acc)
+        })
+        .collect();
+    (sum as f64 / 1e6, count.max(acc), buckets)
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TopicLabel {
+    topic: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RpcLabel {
+    method: String,
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MethodLabel {
+    method: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabel {
+    status: String,
+}
+
+/// The process's metrics. Cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    registry: Registry,
+    topics: Mutex<HashSet<String>>,
+    enqueued: Family<TopicLabel, Counter>,
+    duplicates: Family<TopicLabel, Counter>,
+    requeued: Counter,
+    cancelled: Counter,
+    rpcs: Family<RpcLabel, Counter>,
+    rpc_seconds: Family<MethodLabel, Histogram>,
+    pending: Family<TopicLabel, Gauge>,
+    failed: Family<TopicLabel, Gauge>,
+    blocked_keys: Gauge,
+    oldest_pending_age: Gauge<f64, AtomicU64>,
+    stats_errors: Counter,
+    retention_deleted: Family<StatusLabel, Counter>,
+    keys_pruned: Counter,
+}
+
+/// The relays' counters and histograms, read at scrape time.
+#[derive(Debug)]
+struct RelayCollector {
+    relays: Vec<Arc<RelayStats>>,
+}
+
+impl Collector for RelayCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let sum = |f: fn(&RelayStats) -> &AtomicU64| -> u64 {
+            self.relays
+                .iter()
+                .map(|r| f(r).load(Ordering::Relaxed))
+                .sum()
+        };
+        let counter = |e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64| {
+            e.encode_descriptor(name, help, None, MetricType::Counter)?
+                .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(&v, None)
+        };
+        counter(
+            &mut encoder,
+            "mailroom_outbox_published",
+            "Events the relays published (acknowledged by the destination).",
+            sum(|r| &r.delivered),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_outbox_failed",
+            "Events that used up their attempts (or were rejected) and became failed.",
+            sum(|r| &r.failed),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_cycles",
+            "Relay cycles (claims) run.",
+            sum(|r| &r.cycles),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_stale_updates",
+            "Settle updates dropped because the claim had expired.",
+            sum(|r| &r.stale),
+        )?;
+        {
+            let mut e = encoder.encode_descriptor(
+                "mailroom_outbox_retried",
+                "Failed delivery attempts that will be retried, by class: counted spends an \
+                 attempt and backs off; transient (destination unreachable) spends none.",
+                None,
+                MetricType::Counter,
+            )?;
+            let counted = sum(|r| &r.retried);
+            let transient = sum(|r| &r.transient_events);
+            e.encode_family(&[("class", "counted")])?
+                .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(
+                    &counted, None,
+                )?;
+            e.encode_family(&[("class", "transient")])?
+                .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(
+                    &transient, None,
+                )?;
+        }
+        for (name, help, pick) in [
+            (
+                "mailroom_relay_cycle_seconds",
+                "Duration of relay cycles that published something: claim, delivery, settle.",
+                (|r: &RelayStats| &r.cycle_latency) as fn(&RelayStats) -> &Latency,
+            ),
+            (
+                "mailroom_relay_publish_seconds",
+                "Duration of one cycle's delivery to the destination (all its runs).",
+                |r: &RelayStats| &r.publish_latency,
+            ),
+        ] {
+            let (s, c, b) = merged(self.relays.iter().map(|r| pick(r)));
+            encoder
+                .encode_descriptor(name, help, None, MetricType::Histogram)?
+                .encode_histogram::<prometheus_client::encoding::NoLabelSet>(s, c, &b, None)?;
+        }
+        Ok(())
+    }
+}
+
+impl Metrics {
+    /// Metrics over the given relays' stats.
+    pub fn new(relays: Vec<Arc<RelayStats>>) -> Metrics {
+        let mut registry = Registry::default();
+        let enqueued = Family::<TopicLabel, Counter>::default();
+        let duplicates = Family::<TopicLabel, Counter>::default();
+        let requeued = Counter::default();
+        let cancelled = Counter::default();
+        let rpcs = Family::<RpcLabel, Counter>::default();
+        let rpc_seconds =
+            Family::<MethodLabel, Histogram>::new_with_constructor(rpc_histogram as fn() -> _);
+        let pending = Family::<TopicLabel, Gauge>::default();
+        let failed = Family::<TopicLabel, Gauge>::default();
+        let blocked_keys = Gauge::default();
+        let oldest_pending_age = Gauge::<f64, AtomicU64>::default();
+        let stats_errors = Counter::default();
+        let retention_deleted = Family::<StatusLabel, Counter>::default();
+        let keys_pruned = Counter::default();
+        registry.register(
+            "mailroom_outbox_enqueued",
+            "Events stored by Enqueue/EnqueueBatch, by topic (duplicates not included).",
+            enqueued.clone(),
+        );
+        registry.register(
+            "mailroom_outbox_duplicates",
+            "Enqueued events answered as duplicates of a stored event (idempotency key), by topic.",
+            duplicates.clone(),
+        );
+        registry.register(
+            "mailroom_outbox_requeued",
+            "Failed events put back in line by operators.",
+            requeued.clone(),
+        );
+        registry.register(
+            "mailroom_outbox_cancelled",
+            "Pending events cancelled (made failed) by operators.",
+            cancelled.clone(),
+        );
+        registry.register(
+            "mailroom_grpc_requests",
+            "gRPC requests answered, by method and status code.",
+            rpcs.clone(),
+        );
+        registry.register(
+            "mailroom_grpc_request_seconds",
+            "gRPC request latency in the server, by method.",
+            rpc_seconds.clone(),
+        );
+        registry.register(
+            "mailroom_outbox_pending",
+            "Pending events by topic (refreshed every metrics_stats_interval).",
+            pending.clone(),
+        );
+        registry.register(
+            "mailroom_outbox_failed_events",
+            "Failed events kept in the outbox by topic (refreshed every metrics_stats_interval).",
+            failed.clone(),
+        );
+        registry.register(
+            "mailroom_outbox_blocked_keys",
+            "Keys whose head event waits out a retry backoff.",
+            blocked_keys.clone(),
+        );
+        registry.register(
+            "mailroom_outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending event (0 when none).",
+            oldest_pending_age.clone(),
+        );
+        registry.register(
+            "mailroom_stats_errors",
+            "Failed refreshes of the backlog gauges.",
+            stats_errors.clone(),
+        );
+        registry.register(
+            "mailroom_retention_deleted",
+            "Events deleted by retention, by status.",
+            retention_deleted.clone(),
+        );
+        registry.register(
+            "mailroom_retention_keys_pruned",
+            "Idle key rows deleted by retention.",
+            keys_pruned.clone(),
+        );
+        registry.register_collector(Box::new(RelayCollector { relays }));
+        Metrics {
+            inner: Arc::new(Inner {
+                registry,
+                topics: Mutex::new(HashSet::new()),
+                enqueued,
+                duplicates,
+                requeued,
+                cancelled,
+                rpcs,
+                rpc_seconds,
+                pending,
+                failed,
+                blocked_keys,
+                oldest_pending_age,
+                stats_errors,
+                retention_deleted,
+                keys_pruned,
+            }),
+        }
+    }
+
+    /// The label for a topic: itself while fewer than `TOPIC_LABELS` are known.
+    fn topic(&self, topic: &str) -> TopicLabel {
+        let mut known = self.inner.topics.lock().expect("topics lock");
+        let topic = if known.contains(topic) {
+            topic.to_string()
+        } else if known.len() < TOPIC_LABELS {
+            known.insert(topic.to_string());
+            topic.to_string()
+        } else {
+            "_other".to_string()
+        };
+        TopicLabel { topic }
+    }
+
+    pub fn enqueued(&self, topic: &str, inserted: u64, duplicates: u64) {
+        let t = self.topic(topic);
+        if inserted > 0 {
+            self.inner.enqueued.get_or_create(&t).inc_by(inserted);
+        }
+        if duplicates > 0 {
+            self.inner.duplicates.get_or_create(&t).inc_by(duplicates);
+        }
+    }
+
+    pub fn requeued(&self, n: u64) {
+        self.inner.requeued.inc_by(n);
+    }
+
+    pub fn cancelled(&self, n: u64) {
+        self.inner.cancelled.inc_by(n);
+    }
+
+    pub fn retention_deleted(&self, status: &str, n: u64) {
+        self.inner
+            .retention_deleted
+            .get_or_create(&StatusLabel {
+                status: status.into(),
+            })
+            .inc_by(n);
+    }
+
+    pub fn keys_pruned(&self, n: u64) {
+        self.inner.keys_pruned.inc_by(n);
+    }
+
+    fn rpc(&self, method: &str, code: tonic::Code, elapsed: Duration) {
+        // Only known methods become labels: an unknown path is answered UNIMPLEMENTED.
+        let method = if code == tonic::Code::Unimplemented {
+            "unknown"
+        } else {
+            method
+        };
+        self.inner
+            .rpcs
+            .get_or_create(&RpcLabel {
+                method: method.to_string(),
+                code: format!("{code:?}"),
+            })
+            .inc();
+        self.inner
+            .rpc_seconds
+            .get_or_create(&MethodLabel {
+                method: method.to_string(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Refreshes the backlog gauges from the store.
+    pub async fn refresh_stats(&self, store: &dyn Store) {
+        match store.stats(BoxKind::Outbox).await {
+            Ok(s) => {
+                let i = &self.inner;
+                i.pending.clear();
+                i.failed.clear();
+                for t in &s.topics {
+                    let l = self.topic(&t.topic);
+                    i.pending.get_or_create(&l).inc_by(t.pending);
+                    i.failed.get_or_create(&l).inc_by(t.failed);
+                }
+                i.blocked_keys.set(s.blocked_keys);
+                i.oldest_pending_age
+                    .set(s.oldest_pending_age.map(|d| d.as_secs_f64()).unwrap_or(0.0));
+            }
+            Err(e) => {
+                self.inner.stats_errors.inc();
+                tracing::warn!(error = %e, "refreshing the backlog metrics failed");
+            }
+        }
+    }
+
+    /// The text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.inner.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+
+    /// Serves `/metrics` on `listener` until `shutdown`.
+    pub async fn serve(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) {
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let m = self.clone();
+                async move {
+                    (
+                        [(
+                            http::header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        m.encode(),
+                    )
+                }
+            }),
+        );
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await
+        {
+            tracing::error!(error = %e, "metrics server failed");
+        }
+    }
+
+    /// Refreshes the backlog gauges every `interval` until `shutdown`.
+    pub async fn poll_stats(
+        self,
+        store: Arc<dyn Store>,
+        interval: Duration,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::timeout(interval.max(Duration::from_secs(5)), self.refresh_stats(store.as_ref())) => {}
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+}
+
+fn rpc_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
+}
+
+/// Counts every RPC by method and gRPC code, with its latency.
+#[derive(Clone)]
+pub struct RpcMetricsLayer {
+    metrics: Metrics,
+}
+
+impl RpcMetricsLayer {
+    pub fn new(metrics: Metrics) -> Self {
+        RpcMetricsLayer { metrics }
+    }
+}
+
+impl<S> Layer<S> for RpcMetricsLayer {
+    type Service = RpcMetrics<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        RpcMetrics {
+            inner,
+            metrics: self.metrics.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct RpcMetrics<S> {
+    inner: S,
+    metrics: Metrics,
+}
+
+impl<S, B, RB> Service<http::Request<B>> for RpcMetrics<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let method = req.uri().path().to_string();
+        let start = Instant::now();
+        let fut = self.inner.call(req);
+        let metrics = self.metrics.clone();
+        Box::pin(async move {
+            let res = fut.await;
+            // Unary errors travel as trailers-only responses: the status is in the
+            // headers. A status sent in trailers (streams) counts as OK here.
+            let code = match &res {
+                Ok(r) => r
+                    .headers()
+                    .get("grpc-status")
+                    .map(|c| tonic::Code::from_bytes(c.as_bytes()))
+                    .unwrap_or(tonic::Code::Ok),
+                Err(_) => tonic::Code::Internal,
+            };
+            metrics.rpc(&method, code, start.elapsed());
+            res
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_merge_cumulatively() {
+        let a = Latency::default();
+        let b = Latency::default();
+        a.observe(Duration::from_micros(300));
+        b.observe(Duration::from_millis(3));
+        b.observe(Duration::from_secs(100));
+        let (sum, count, buckets) = merged([&a, &b].into_iter());
+        assert_eq!(count, 3);
+        assert!((sum - 100.0033).abs() < 1e-6, "{sum}");
+        assert_eq!(buckets[0], (0.0005, 1));
+        assert_eq!(buckets[3], (0.005, 2));
+        assert_eq!(buckets.last().unwrap().1, 3);
+    }
+
+    #[test]
+    fn topic_labels_are_bounded() {
+        let m = Metrics::new(vec![]);
+        for i in 0..TOPIC_LABELS + 10 {
+            m.enqueued(&format!("t{i}"), 1, 0);
+        }
+        let text = m.encode();
+        assert!(text.contains("mailroom_outbox_enqueued_total{topic=\"_other\"} 10"));
+        assert!(text.contains("mailroom_outbox_published_total 0"));
+        assert!(text.contains("mailroom_relay_cycle_seconds_bucket"));
+    }
+}
