@@ -68,6 +68,9 @@ pub struct Settings {
     /// Events per relay cycle [default: 1000].
     #[arg(long, env = "MAILROOM_RELAY_BATCH_SIZE", global = true)]
     pub relay_batch_size: Option<u32>,
+    /// Keys leased per relay cycle [default: 250].
+    #[arg(long, env = "MAILROOM_RELAY_MAX_KEYS", global = true)]
+    pub relay_max_keys: Option<u32>,
     /// Longest run of one key per cycle [default: 500].
     #[arg(long, env = "MAILROOM_RELAY_MAX_RUN", global = true)]
     pub relay_max_run: Option<u32>,
@@ -400,6 +403,7 @@ impl Settings {
             source,
             relays,
             relay_batch_size,
+            relay_max_keys,
             relay_max_run,
             relay_lease_ms,
             relay_poll_ms,
@@ -514,6 +518,7 @@ impl Config {
         }
         let relay = RelayConfig {
             batch_size: s.relay_batch_size.unwrap_or(1000),
+            max_keys: s.relay_max_keys.unwrap_or(250).max(1),
             max_run: s.relay_max_run.unwrap_or(500),
             lease: Duration::from_millis(s.relay_lease_ms.unwrap_or(60_000)),
             poll_interval: Duration::from_millis(s.relay_poll_ms.unwrap_or(250)),

@@ -102,8 +102,13 @@ impl NewEvent {
         h.field(self.topic.as_bytes());
         h.opt(self.key.as_deref().map(str::as_bytes));
         h.field(&self.payload);
-        h.field(&(self.headers.len() as u64).to_le_bytes());
-        for (k, v) in &self.headers {
+        // Trace context is not content: a retried request carries a new parent span id.
+        let content = self
+            .headers
+            .iter()
+            .filter(|(k, _)| !matches!(k.as_str(), "traceparent" | "tracestate"));
+        h.field(&(content.clone().count() as u64).to_le_bytes());
+        for (k, v) in content {
             h.field(k.as_bytes());
             h.field(v.as_bytes());
         }
@@ -237,6 +242,10 @@ mod tests {
         let mut e = event();
         e.deliver_after = Some(Utc::now());
         assert_ne!(base, e.fingerprint());
+        // Trace context is not content.
+        let mut e = event();
+        e.headers.insert("traceparent".into(), "00-x".into());
+        assert_eq!(base, e.fingerprint());
         // The idempotency key itself is not content.
         let mut e = event();
         e.idempotency_key = Some("other".into());

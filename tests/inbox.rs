@@ -25,6 +25,8 @@ struct Call {
     key: String,
     payload: String,
     attempt: u32,
+    /// The `traceparent` gRPC metadata of the call.
+    traceparent: Option<String>,
 }
 
 /// A subscriber whose answer depends on the payload's first word.
@@ -40,6 +42,10 @@ impl HandlerService for ScriptedHandler {
         request: Request<pb::HandleRequest>,
     ) -> Result<Response<pb::HandleResponse>, GrpcStatus> {
         use pb::handle_response::Outcome;
+        let traceparent = request
+            .metadata()
+            .get("traceparent")
+            .map(|v| v.to_str().unwrap().to_string());
         let r = request.into_inner();
         let payload = String::from_utf8(r.payload.clone()).unwrap();
         self.calls.lock().unwrap().push(Call {
@@ -47,6 +53,7 @@ impl HandlerService for ScriptedHandler {
             key: r.key.clone(),
             payload: payload.clone(),
             attempt: r.attempt,
+            traceparent,
         });
         let outcome = match payload.split(':').next().unwrap() {
             "retry-counted" => Some(Outcome::Retry(pb::HandleRetry {
@@ -167,6 +174,15 @@ async fn outbox_to_broker_to_handler_once_each_in_order() {
     c.subscriptions = vec![subscription("billing", &["flow"], &url)];
     let mut s = Service::start(c).await;
     let mut sent: HashMap<String, Vec<i64>> = HashMap::new();
+    // The first event carries W3C trace context from its producer.
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut req = tonic::Request::new(pb::EnqueueRequest {
+        event: Some(event("flow", "traced", b"ok:traced")),
+    });
+    req.metadata_mut()
+        .insert("traceparent", tp.parse().unwrap());
+    let traced = s.client.enqueue(req).await.unwrap().into_inner().id;
+    sent.entry("traced".into()).or_default().push(traced);
     for i in 0..100 {
         let key = format!("acct-{}", i % 5);
         let id = enqueue(
@@ -176,12 +192,24 @@ async fn outbox_to_broker_to_handler_once_each_in_order() {
         .await;
         sent.entry(key).or_default().push(id);
     }
-    eventually(Duration::from_secs(60), "100 messages handled", || async {
-        inbox_count(&s, Status::Completed).await == 100
+    eventually(Duration::from_secs(60), "101 messages handled", || async {
+        inbox_count(&s, Status::Completed).await == 101
     })
     .await;
     let calls = handler.calls();
-    assert_eq!(calls.len(), 100, "each message handled once");
+    assert_eq!(calls.len(), 101, "each message handled once");
+    // Trace context: stored with the event, a Kafka header, then handler metadata.
+    let traced_call = calls.iter().find(|c| c.key == "traced").unwrap();
+    assert_eq!(traced_call.traceparent.as_deref(), Some(tp));
+    assert!(
+        calls
+            .iter()
+            .filter(|c| c.key != "traced")
+            .all(|c| c.traceparent.is_none())
+    );
+    let records = consume(&broker.addr(), "flow", 101, Duration::from_secs(30));
+    let rec = records.iter().find(|r| r.key == "traced").unwrap();
+    assert_eq!(rec.headers["traceparent"], tp);
     assert!(calls.iter().all(|c| c.attempt == 1));
     // message_id is the outbox event id (ce_id); per key, handled in enqueue order.
     assert_eq!(successes_by_key(&calls), sent);

@@ -201,3 +201,45 @@ async fn an_event_enqueued_during_a_claim_wakes_its_key() {
         assert_eq!(c.keyed[0].rows[0].id, late);
     }
 }
+
+#[tokio::test]
+async fn a_release_never_erases_the_wake_up_of_an_enqueue_during_the_lease() {
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let b = BoxKind::Outbox;
+        let q = &Queue::Outbox;
+        let first = ids(&store
+            .enqueue(&[new_event(Some("k"), "1")], false)
+            .await
+            .unwrap())[0];
+        let c = store
+            .claim(q, 1, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(c.keyed.len(), 1);
+        let late = ids(&store
+            .enqueue(&[new_event(Some("k"), "2")], false)
+            .await
+            .unwrap())[0];
+        // A release that knows nothing of the late event (no id to compare against) and
+        // believes the key idle: the enqueue's wake-up must survive it.
+        let release = KeyRelease {
+            line: c.keyed[0].line.clone(),
+            ready: Readiness::default(),
+        };
+        store
+            .settle(q, 1, &[EventUpdate::Completed { id: first }], &[release])
+            .await
+            .unwrap();
+        let c = store
+            .claim(q, 2, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(c.keyed.len(), 1, "the late event's key must stay ready");
+        assert_eq!(c.keyed[0].rows[0].id, late);
+        assert_eq!(
+            store.get_event(b, first).await.unwrap().unwrap().status,
+            Status::Completed
+        );
+    }
+}

@@ -177,6 +177,43 @@ pub fn new_event(
     })
 }
 
+/// The W3C `traceparent` of a request, if it is well formed
+/// (`00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>`); a malformed one is ignored,
+/// as the W3C spec asks.
+pub fn traceparent(md: &tonic::metadata::MetadataMap) -> Option<String> {
+    let v = md
+        .get("traceparent")?
+        .to_str()
+        .ok()?
+        .trim()
+        .to_ascii_lowercase();
+    let parts: Vec<&str> = v.split('-').collect();
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let ok = parts.len() >= 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && hex(parts[1], 32)
+        && parts[1] != "0".repeat(32)
+        && hex(parts[2], 16)
+        && parts[2] != "0".repeat(16)
+        && hex(parts[3], 2);
+    ok.then_some(v)
+}
+
+/// Stores the request's trace context with the event, as its `traceparent` header (sent
+/// to Kafka and on to inbox handlers). A header the producer set itself wins.
+pub fn attach_trace(event: &mut NewEvent, traceparent: Option<&str>) {
+    if let Some(tp) = traceparent {
+        event
+            .headers
+            .entry(TRACEPARENT.to_string())
+            .or_insert_with(|| tp.to_string());
+    }
+}
+
+/// The W3C trace context header name.
+pub const TRACEPARENT: &str = "traceparent";
+
 pub fn enqueue_request(req: pb::EnqueueRequest, limits: &Limits) -> Result<NewEvent, Error> {
     let ev = req
         .event
@@ -229,6 +266,26 @@ mod tests {
         assert!(check_topic("a b").is_err());
         assert!(check_topic("é").is_err());
         assert!(check_topic("..").is_err());
+    }
+
+    #[test]
+    fn only_well_formed_traceparents_are_kept() {
+        let md = |v: &str| {
+            let mut m = tonic::metadata::MetadataMap::new();
+            m.insert("traceparent", v.parse().unwrap());
+            m
+        };
+        let good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(traceparent(&md(good)).as_deref(), Some(good));
+        for bad in [
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "zz-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "nonsense",
+        ] {
+            assert_eq!(traceparent(&md(bad)), None, "{bad}");
+        }
+        assert_eq!(traceparent(&tonic::metadata::MetadataMap::new()), None);
     }
 
     #[test]

@@ -53,6 +53,12 @@ impl HandlerSink {
     }
 
     async fn handle(&self, e: &StoredEvent) -> Delivery {
+        let span = tracing::debug_span!(
+            "handle",
+            subscription = %self.subscription,
+            inbox_id = e.id,
+            traceparent = e.headers.get("traceparent").map(String::as_str).unwrap_or("")
+        );
         let req = pb::HandleRequest {
             message_id: e.idempotency_key.clone().unwrap_or_default(),
             inbox_id: e.id,
@@ -64,8 +70,14 @@ impl HandlerSink {
             r#type: e.event_type.clone().unwrap_or_default(),
             attempt: e.attempts + 1,
         };
+        let mut req = tonic::Request::new(req);
+        // Propagate the producer's trace context to the subscriber.
+        if let Some(tp) = e.headers.get("traceparent").and_then(|v| v.parse().ok()) {
+            req.metadata_mut().insert("traceparent", tp);
+        }
         let mut client = self.client.clone();
-        match tokio::time::timeout(self.timeout, client.handle(req)).await {
+        let call = tracing::Instrument::instrument(client.handle(req), span);
+        match tokio::time::timeout(self.timeout, call).await {
             Err(_) => Delivery::Failed(Failure::Counted {
                 error: format!("handler timed out after {} ms", self.timeout.as_millis()),
                 retry_at: None,

@@ -29,6 +29,10 @@ use plan::{LinePlan, plan_line, plan_single};
 pub struct RelayConfig {
     /// Events one cycle may hand to the sink (keyed and unkeyed each).
     pub batch_size: u32,
+    /// Keys one cycle leases. Fewer keys than events lets a cycle carry runs of several
+    /// events per key: every leased key costs row writes (lease, release) whatever it
+    /// carries.
+    pub max_keys: u32,
     /// Longest run of one key in one cycle.
     pub max_run: u32,
     /// Claim lease; longer than any delivery timeout.
@@ -45,6 +49,7 @@ impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
             batch_size: 1000,
+            max_keys: 250,
             max_run: 500,
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_millis(250),
@@ -136,7 +141,7 @@ impl Relay {
             };
         }
         ClaimLimits {
-            max_keys: c.batch_size,
+            max_keys: c.max_keys.clamp(1, c.batch_size),
             max_events: c.batch_size,
             max_run: c.max_run,
             max_unkeyed: c.batch_size,

@@ -49,7 +49,8 @@ pub fn plan_line<'a>(w: &'a KeyWindow, now: DateTime<Utc>, budget: usize) -> Lin
         run: Vec::new(),
         stop: Stop::End { full: w.full },
         delayed_min: None,
-        seen_up_to: w.rows.last().map(|e| e.id),
+        // Zero when nothing was read: any pending event then counts as new.
+        seen_up_to: Some(w.rows.last().map_or(0, |e| e.id)),
     };
     for e in &w.rows {
         if e.scheduled_at > now {

@@ -121,6 +121,9 @@ impl Sql {
             release_keys: format!(
                 "UPDATE {keys} k SET lease_token = NULL, lease_until = NULL,
                     ready_at = LEAST(
+                        -- An enqueue during the lease pulled ready_at below lease_until:
+                        -- its wake-up must survive the release.
+                        CASE WHEN k.ready_at < k.lease_until THEN k.ready_at END,
                         COALESCE(u.at, 'infinity'),
                         COALESCE(now() + u.after_ms * interval '1 millisecond', 'infinity'),
                         CASE WHEN u.seen IS NOT NULL AND EXISTS (
@@ -344,38 +347,16 @@ impl Store for PgStore {
     }
 
     async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>> {
-        let mut tx = self.pool.begin().await?;
-
-        // 1. Lock (or create) the key rows first, in sorted order, and pull each key's
-        //    readiness forward. Taking the lock before drawing ids is what keeps ids and
-        //    commits in the same order within a key.
+        // Sorted distinct keys with the earliest schedule of each.
         let keys = batch_keys(events);
-        if !keys.is_empty() {
-            let (topics, names, ready): (Vec<&str>, Vec<&str>, Vec<Option<DateTime<Utc>>>) = keys
-                .iter()
-                .map(|((t, k), r)| (*t, *k, *r))
-                .fold((vec![], vec![], vec![]), |mut acc, (t, k, r)| {
-                    acc.0.push(t);
-                    acc.1.push(k);
-                    acc.2.push(r);
-                    acc
-                });
-            sqlx::query(
-                "INSERT INTO outbox_keys (topic, event_key, ready_at)
-                 SELECT t, k, COALESCE(r, now())
-                 FROM unnest($1::text[], $2::text[], $3::timestamptz[]) WITH ORDINALITY AS u(t, k, r, o)
-                 ORDER BY o
-                 ON CONFLICT (topic, event_key)
-                 DO UPDATE SET ready_at = LEAST(outbox_keys.ready_at, EXCLUDED.ready_at)",
-            )
-            .bind(&topics)
-            .bind(&names)
-            .bind(&ready)
-            .execute(&mut *tx)
-            .await?;
+        let mut k_topic = Vec::with_capacity(keys.len());
+        let mut k_name = Vec::with_capacity(keys.len());
+        let mut k_ready: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(keys.len());
+        for ((t, k), r) in &keys {
+            k_topic.push(*t);
+            k_name.push(*k);
+            k_ready.push(*r);
         }
-
-        // 2. One multi-row insert; idempotency keys already taken insert nothing.
         let n = events.len();
         let mut topic = Vec::with_capacity(n);
         let mut key = Vec::with_capacity(n);
@@ -397,13 +378,27 @@ impl Store for PgStore {
             max_attempts.push(e.max_attempts as i32);
             sched.push(e.deliver_after);
         }
-        let rows = sqlx::query(
-            "INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
+        // One statement: the CTE upserts (and so locks) the key rows in sorted order; the
+        // uncorrelated `(SELECT count(*) FROM keys)` is an InitPlan, evaluated before the
+        // insert draws its first id. Locking the keys before drawing ids keeps ids and
+        // commits in the same order within a key. Idempotency keys already taken insert
+        // nothing.
+        let insert = sqlx::query(
+            "WITH keys AS (
+                INSERT INTO outbox_keys (topic, event_key, ready_at)
+                SELECT t, k, COALESCE(r, now())
+                FROM unnest($10::text[], $11::text[], $12::timestamptz[]) WITH ORDINALITY AS u(t, k, r, o)
+                ORDER BY o
+                ON CONFLICT (topic, event_key)
+                DO UPDATE SET ready_at = LEAST(outbox_keys.ready_at, EXCLUDED.ready_at)
+                RETURNING 1)
+             INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
                  idempotency_key, content_hash, max_attempts, scheduled_at)
              SELECT t, k, p, h::jsonb, ty, i, c, m, COALESCE(s, now())
              FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::text[],
                          $7::int8[], $8::int4[], $9::timestamptz[])
                   WITH ORDINALITY AS u(t, k, p, h, ty, i, c, m, s, o)
+             WHERE (SELECT count(*) FROM keys) >= 0
              ORDER BY o
              ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
              RETURNING id, idempotency_key",
@@ -417,9 +412,25 @@ impl Store for PgStore {
         .bind(&hash)
         .bind(&max_attempts)
         .bind(&sched)
-        .fetch_all(&mut *tx)
-        .await?;
+        .bind(&k_topic)
+        .bind(&k_name)
+        .bind(&k_ready);
+        let holders_sql = "SELECT idempotency_key, id, content_hash FROM outbox_events
+                           WHERE idempotency_key = ANY($1)";
+        let has_idem = events.iter().any(|e| e.idempotency_key.is_some());
 
+        // An atomic batch that may conflict needs a transaction it can roll back. Anything
+        // else is one statement in autocommit: one round trip, and the holders of taken
+        // idempotency keys are read after the commit (their content never changes).
+        let mut tx = if atomic && has_idem {
+            Some(self.pool.begin().await?)
+        } else {
+            None
+        };
+        let rows = match tx.as_mut() {
+            Some(tx) => insert.fetch_all(&mut **tx).await?,
+            None => insert.fetch_all(&self.pool).await?,
+        };
         let mut plain = Vec::new();
         let mut by_key = HashMap::new();
         for r in &rows {
@@ -431,22 +442,20 @@ impl Store for PgStore {
                 }
             }
         }
-        // 3. For idempotency keys that inserted nothing, fetch the holders to compare.
-        let missing: Vec<&str> = events
+        let missing: Vec<&str> = idem
             .iter()
-            .filter_map(|e| e.idempotency_key.as_deref())
+            .flatten()
+            .copied()
             .filter(|k| !by_key.contains_key(*k))
             .collect();
         let mut existing = HashMap::new();
         if !missing.is_empty() {
-            for r in sqlx::query(
-                "SELECT idempotency_key, id, content_hash FROM outbox_events
-                 WHERE idempotency_key = ANY($1)",
-            )
-            .bind(&missing)
-            .fetch_all(&mut *tx)
-            .await?
-            {
+            let q = sqlx::query(holders_sql).bind(&missing);
+            let holders = match tx.as_mut() {
+                Some(tx) => q.fetch_all(&mut **tx).await?,
+                None => q.fetch_all(&self.pool).await?,
+            };
+            for r in holders {
                 existing.insert(
                     r.try_get::<String, _>(0)?,
                     (
@@ -457,10 +466,12 @@ impl Store for PgStore {
             }
         }
         let result = admissions(events, plain, &by_key, &existing);
-        if atomic && result.contains(&Admission::Conflict) {
-            tx.rollback().await?;
-        } else {
-            tx.commit().await?;
+        if let Some(tx) = tx {
+            if result.contains(&Admission::Conflict) {
+                tx.rollback().await?;
+            } else {
+                tx.commit().await?;
+            }
         }
         Ok(result)
     }

@@ -424,7 +424,10 @@ impl Store for SqliteStore {
         }
         let release_sql = format!(
             "UPDATE {keys} SET lease_token = NULL, lease_until = NULL,
-                ready_at = MIN(?4, CASE WHEN ?5 IS NOT NULL AND EXISTS (
+                ready_at = MIN(?4,
+                    -- An enqueue during the lease pulled ready_at below lease_until.
+                    CASE WHEN ready_at < lease_until THEN ready_at ELSE ?4 END,
+                    CASE WHEN ?5 IS NOT NULL AND EXISTS (
                     SELECT 1 FROM {events} e WHERE e.status = 'pending' AND e.topic = ?1
                       AND e.event_key = ?2{release_exists} AND e.id > ?5) THEN ?6 ELSE ?4 END)
              WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3 AND lease_until > ?6{release_scope}"
