@@ -138,6 +138,7 @@ impl App {
         let (reporter, health_service) = tonic_health::server::health_reporter();
         let health = Health::new(reporter);
         health.set_all(ServingStatus::Serving).await;
+        health.set_live().await;
 
         let background = CancellationToken::new();
         let mut tasks = Vec::new();

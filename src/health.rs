@@ -19,6 +19,10 @@ pub const SERVICES: &[&str] = &[
     "mailroom.v1.InboxService",
 ];
 
+/// A service name for liveness probes: SERVING from start-up until the process exits,
+/// whatever the database does (restarting a process does not bring a database back).
+pub const LIVENESS: &str = "liveness";
+
 #[derive(Clone)]
 pub struct Health {
     reporter: HealthReporter,
@@ -27,6 +31,13 @@ pub struct Health {
 impl Health {
     pub fn new(reporter: HealthReporter) -> Self {
         Health { reporter }
+    }
+
+    /// Marks the process alive (`LIVENESS`).
+    pub async fn set_live(&self) {
+        self.reporter
+            .set_service_status(LIVENESS, ServingStatus::Serving)
+            .await;
     }
 
     pub async fn set_all(&self, status: ServingStatus) {

@@ -1,0 +1,297 @@
+//! deploy/ cannot be run here (no Docker, no cluster), so this checks what can be
+//! checked: every YAML file parses, the manifests hang together (labels, ports, probes,
+//! resources), every MAILROOM_* variable they set is a real setting of the binary (as
+//! `mailroom --help` lists them), the ConfigMap's values pass the binary's own
+//! validation, and the Dockerfile builds and runs the binary it names.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_yaml::Value;
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy")
+}
+
+fn yaml_docs(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| {
+            Value::deserialize(d)
+                .unwrap_or_else(|e| panic!("{} does not parse: {e}", path.display()))
+        })
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+use serde::Deserialize;
+
+fn manifests() -> BTreeMap<String, Value> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(deploy_dir().join("k8s")).unwrap() {
+        let p = entry.unwrap().path();
+        if p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            for doc in yaml_docs(&p) {
+                let kind = doc["kind"]
+                    .as_str()
+                    .expect("every manifest has a kind")
+                    .to_string();
+                assert!(out.insert(kind.clone(), doc).is_none(), "two {kind}s");
+            }
+        }
+    }
+    out
+}
+
+/// MAILROOM_* names the binary knows, from `mailroom --help`.
+fn known_env() -> BTreeSet<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_mailroom"))
+        .arg("--help")
+        .env_clear()
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    let mut names = BTreeSet::new();
+    for part in help.split("[env: ").skip(1) {
+        let name: String = part
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        names.insert(name);
+    }
+    assert!(names.contains("MAILROOM_DATABASE_URL"), "{help}");
+    names
+}
+
+fn port_of(addr: &str) -> u16 {
+    addr.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+fn s(v: &Value) -> &str {
+    v.as_str()
+        .unwrap_or_else(|| panic!("expected a string, got {v:?}"))
+}
+
+#[test]
+fn kubernetes_manifests_hang_together() {
+    let m = manifests();
+    for kind in ["Deployment", "Service", "ConfigMap", "PodDisruptionBudget"] {
+        assert!(m.contains_key(kind), "deploy/k8s has no {kind}");
+    }
+    let known = known_env();
+    let cm = &m["ConfigMap"]["data"];
+    let data: BTreeMap<String, String> = cm
+        .as_mapping()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (s(k).to_string(), s(v).to_string()))
+        .collect();
+    for k in data.keys().filter(|k| k.starts_with("MAILROOM_")) {
+        assert!(
+            known.contains(k),
+            "ConfigMap sets {k}, which mailroom does not know"
+        );
+    }
+    let grpc_port = port_of(&data["MAILROOM_LISTEN"]);
+    let metrics_port = port_of(&data["MAILROOM_METRICS_LISTEN"]);
+
+    let d = &m["Deployment"];
+    let labels = &d["spec"]["template"]["metadata"]["labels"];
+    assert_eq!(&d["spec"]["selector"]["matchLabels"], labels);
+    let pod = &d["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    for e in c["env"].as_sequence().unwrap() {
+        let name = s(&e["name"]);
+        if name.starts_with("MAILROOM_") {
+            assert!(
+                known.contains(name),
+                "Deployment sets {name}, unknown to mailroom"
+            );
+        }
+    }
+    if let Some(args) = c["args"].as_sequence() {
+        for a in args {
+            assert!(
+                ["serve", "migrate"].contains(&s(a)),
+                "unknown subcommand {a:?}"
+            );
+        }
+    }
+    let ports: BTreeMap<String, u16> = c["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                s(&p["name"]).to_string(),
+                p["containerPort"].as_u64().unwrap() as u16,
+            )
+        })
+        .collect();
+    assert_eq!(
+        ports["grpc"], grpc_port,
+        "containerPort grpc vs MAILROOM_LISTEN"
+    );
+    assert_eq!(ports["metrics"], metrics_port);
+    for probe in ["readinessProbe", "livenessProbe"] {
+        let p = &c[probe]["grpc"];
+        assert_eq!(
+            p["port"].as_u64(),
+            Some(u64::from(grpc_port)),
+            "{probe} is a native gRPC probe on the gRPC port"
+        );
+    }
+    // Liveness must not follow the database: it uses the service that stays SERVING.
+    assert_eq!(
+        s(&c["livenessProbe"]["grpc"]["service"]),
+        mailroom::health::LIVENESS
+    );
+    assert!(c["resources"]["requests"]["cpu"].as_str().is_some());
+    assert!(c["resources"]["requests"]["memory"].as_str().is_some());
+    // The token file the ConfigMap names is mounted.
+    if let Some(tokens) = data.get("MAILROOM_TOKENS_FILE") {
+        let dir = Path::new(tokens).parent().unwrap().to_str().unwrap();
+        assert!(
+            c["volumeMounts"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .any(|v| s(&v["mountPath"]) == dir),
+            "{tokens} is not mounted"
+        );
+    }
+    // The grace period outlasts mailroom's own.
+    let grace_ms: u64 = data["MAILROOM_SHUTDOWN_GRACE_MS"].parse().unwrap();
+    assert!(pod["terminationGracePeriodSeconds"].as_u64().unwrap() * 1000 > grace_ms);
+
+    let svc = &m["Service"]["spec"];
+    assert_eq!(&svc["selector"], labels);
+    for p in svc["ports"].as_sequence().unwrap() {
+        let target = &p["targetPort"];
+        let ok = match target.as_str() {
+            Some(name) => ports.contains_key(name),
+            None => ports
+                .values()
+                .any(|v| Some(u64::from(*v)) == target.as_u64()),
+        };
+        assert!(ok, "Service targetPort {target:?} is not a container port");
+    }
+    let pdb = &m["PodDisruptionBudget"]["spec"];
+    assert_eq!(&pdb["selector"]["matchLabels"], labels);
+    let replicas = d["spec"]["replicas"].as_u64().unwrap();
+    assert!(pdb["minAvailable"].as_u64().unwrap() < replicas);
+}
+
+/// The ConfigMap's settings pass mailroom's validation: started with them (and a
+/// database that refuses), it fails connecting (exit 1), not on a setting (exit 64).
+#[test]
+fn the_configmap_settings_are_valid() {
+    let m = manifests();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_mailroom"));
+    cmd.env_clear();
+    for (k, v) in m["ConfigMap"]["data"].as_mapping().unwrap() {
+        cmd.env(s(k), s(v));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.toml");
+    std::fs::write(
+        &tokens,
+        "[[token]]\nname = \"p\"\ntoken = \"0123456789abcdef0123\"\nscopes = [\"enqueue\"]\n",
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    cmd.env("MAILROOM_TOKENS_FILE", &tokens)
+        .env(
+            "MAILROOM_DATABASE_URL",
+            format!("postgres://mailroom@127.0.0.1:{port}/mailroom"),
+        )
+        .env("MAILROOM_LISTEN", "127.0.0.1:0")
+        .env("MAILROOM_METRICS_LISTEN", "127.0.0.1:0")
+        .env("MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", "500");
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("invalid setting"), "{stderr}");
+    assert!(stderr.contains("connecting to"), "{stderr}");
+}
+
+#[test]
+fn compose_file_parses_and_uses_real_settings() {
+    let docs = yaml_docs(&deploy_dir().join("docker-compose.yml"));
+    let compose = &docs[0];
+    let services = compose["services"].as_mapping().unwrap();
+    for name in ["postgres", "kafka", "mailroom"] {
+        assert!(services.contains_key(name), "compose has no {name} service");
+    }
+    let known = known_env();
+    let m = &compose["services"]["mailroom"];
+    let env = m["environment"].as_mapping().unwrap();
+    for (k, v) in env {
+        let k = s(k);
+        if k.starts_with("MAILROOM_") {
+            assert!(known.contains(k), "compose sets {k}, unknown to mailroom");
+        }
+        if k == "MAILROOM_LISTEN" || k == "MAILROOM_METRICS_LISTEN" {
+            let port = port_of(s(v));
+            assert!(
+                m["ports"]
+                    .as_sequence()
+                    .unwrap()
+                    .iter()
+                    .any(|p| s(p).ends_with(&format!(":{port}"))),
+                "{k} port {port} is not published"
+            );
+        }
+    }
+    let brokers = s(&env[&Value::from("MAILROOM_KAFKA_BROKERS")]);
+    assert!(brokers.starts_with("kafka:"), "{brokers}");
+    let db = s(&env[&Value::from("MAILROOM_DATABASE_URL")]);
+    assert!(db.contains("@postgres:5432/"), "{db}");
+    assert_eq!(
+        s(&m["build"]["dockerfile"]),
+        "deploy/Dockerfile",
+        "compose builds the Dockerfile in deploy/"
+    );
+}
+
+#[test]
+fn dockerfile_is_multi_stage_and_runs_the_binary() {
+    let text = std::fs::read_to_string(deploy_dir().join("Dockerfile")).unwrap();
+    let froms: Vec<&str> = text
+        .lines()
+        .filter(|l| l.trim_start().to_ascii_uppercase().starts_with("FROM "))
+        .collect();
+    assert!(froms.len() >= 2, "multi-stage: {froms:?}");
+    assert!(
+        froms.last().unwrap().contains("slim"),
+        "small runtime image: {froms:?}"
+    );
+    assert!(text.contains("cargo build --release --locked --bin mailroom"));
+    assert!(text.contains("ENTRYPOINT [\"/usr/local/bin/mailroom\"]"));
+    let known = known_env();
+    for word in text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+        if word.starts_with("MAILROOM_") {
+            assert!(
+                known.contains(word),
+                "Dockerfile sets {word}, unknown to mailroom"
+            );
+        }
+    }
+    let exposed: BTreeSet<u16> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("EXPOSE "))
+        .flat_map(|l| l.split_whitespace().map(|p| p.parse::<u16>().unwrap()))
+        .collect();
+    assert!(
+        exposed.contains(&50051) && exposed.contains(&9090),
+        "{exposed:?}"
+    );
+    assert!(text.contains("MAILROOM_LISTEN=0.0.0.0:50051"));
+    assert!(text.contains("MAILROOM_METRICS_LISTEN=0.0.0.0:9090"));
+}
