@@ -1,6 +1,10 @@
 //! Operator queries: the domain side of the admin surface. Requests arrive here validated
 //! (by `api::admin`), run against the store's `AdminStore` half, and come back as plain
 //! values. Page tokens are opaque to clients: base64 of a small JSON cursor.
+//!
+//! Both boxes are served by the same queries. The inbox adds one dimension: its lines
+//! are (subscription, topic, key), so backlog groups, key rows and filters carry the
+//! subscription; for the outbox it is empty (`""` / `None`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::domain::{BoxKind, EventId, Status, StoredEvent};
 use crate::error::Error;
-use crate::store::{LineKey, Store};
+use crate::store::Store;
 
 /// Largest requeue in one call.
 pub const MAX_REQUEUE: u32 = 100_000;
@@ -39,12 +43,18 @@ pub struct PendingCursor {
     pub pending: i64,
     /// Microseconds since the epoch of the group's oldest pending event.
     pub oldest_us: i64,
+    /// The inbox's subscription; `""` for the outbox (and in tokens made before the
+    /// inbox existed).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub subscription: String,
     pub topic: String,
     pub key: String,
 }
 
 #[derive(Debug, Clone)]
 pub struct PendingQuery {
+    /// Inbox only: one subscription.
+    pub subscription: Option<String>,
     pub topic: Option<String>,
     pub key_prefix: Option<String>,
     pub only_blocked: bool,
@@ -53,9 +63,12 @@ pub struct PendingQuery {
     pub after: Option<PendingCursor>,
 }
 
-/// The pending backlog of one (topic, key); unkeyed events are grouped under key "".
+/// The pending backlog of one (topic, key) — for the inbox, of one (subscription, topic,
+/// key); unkeyed events are grouped under key "".
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeyBacklog {
+    /// The inbox's subscription; `""` for the outbox.
+    pub subscription: String,
     pub topic: String,
     pub key: String,
     pub pending: i64,
@@ -81,6 +94,9 @@ pub struct PendingPage {
 /// Selects events by their attributes; every set field must match.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EventFilter {
+    /// Inbox only: the subscription, exact.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub subscription: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub topic: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -121,7 +137,17 @@ pub struct RequeueOutcome {
     pub audit_id: Option<i64>,
     /// Keys a relay held at the time: its release may overwrite their readiness, so
     /// they are woken again once released.
-    pub leased_keys: Vec<LineKey>,
+    pub leased_keys: Vec<AdminKey>,
+}
+
+/// A key row of either box: (topic, key) in the outbox, (subscription, topic, key) in
+/// the inbox. Sorted in the lock order: subscription, topic, key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AdminKey {
+    /// `None` for the outbox.
+    pub subscription: Option<String>,
+    pub topic: String,
+    pub key: String,
 }
 
 #[derive(Debug, Clone)]
@@ -136,7 +162,7 @@ pub struct CancelRequest {
 pub struct CancelOutcome {
     pub ids: Vec<EventId>,
     pub audit_id: Option<i64>,
-    pub leased_keys: Vec<LineKey>,
+    pub leased_keys: Vec<AdminKey>,
 }
 
 /// One event with what an operator needs; the payload only on request.
@@ -144,6 +170,9 @@ pub struct CancelOutcome {
 pub struct EventDetail {
     pub event: StoredEvent,
     pub payload_size: i64,
+    /// Inbox messages: the subscription and the message id (dedup key).
+    pub subscription: Option<String>,
+    pub message_id: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -180,6 +209,8 @@ pub struct AuditPage {
 
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct TopicStats {
+    /// The inbox's subscription; `""` for the outbox.
+    pub subscription: String,
     pub topic: String,
     pub pending: i64,
     pub completed: i64,
@@ -272,14 +303,14 @@ impl Admin {
         self.store.list_audit(page_size, before_id).await
     }
 
-    pub async fn stats(&self, b: BoxKind) -> Result<Stats, Error> {
-        self.store.stats(b).await
+    pub async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> Result<Stats, Error> {
+        self.store.stats(b, subscription).await
     }
 
     /// A relay that held a key during a requeue or cancel sets the key's readiness from
     /// what it saw when it releases it, which may park the key although it now has
     /// work. Wake such keys once they are released (waking early is always harmless).
-    fn wake_later(&self, b: BoxKind, mut keys: Vec<LineKey>) {
+    fn wake_later(&self, b: BoxKind, mut keys: Vec<AdminKey>) {
         if keys.is_empty() {
             return;
         }
@@ -316,11 +347,19 @@ mod tests {
             order: PendingOrder::Oldest,
             pending: 3,
             oldest_us: 17,
+            subscription: "billing".into(),
             topic: "t".into(),
             key: "k/é".into(),
         };
         let t = encode_token(&c);
         assert_eq!(decode_token::<PendingCursor>(&t).unwrap(), c);
+        // A token made before the inbox existed has no subscription: still valid.
+        let old = r#"{"order":"MostPending","pending":2,"oldest_us":1,"topic":"t","key":"k"}"#;
+        let old = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(old);
+        assert_eq!(
+            decode_token::<PendingCursor>(&old).unwrap().subscription,
+            ""
+        );
         for bad in ["", "!!", "eyJ4Ijox", &encode_token(&5i64)] {
             match decode_token::<PendingCursor>(bad) {
                 Err(Error::InvalidArgument(v)) => assert_eq!(v[0].field, "page_token"),

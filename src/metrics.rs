@@ -395,7 +395,7 @@ impl Metrics {
 
     /// Refreshes the backlog gauges from the store.
     pub async fn refresh_stats(&self, store: &dyn Store) {
-        match store.stats(BoxKind::Outbox).await {
+        match store.stats(BoxKind::Outbox, None).await {
             Ok(s) => {
                 let i = &self.inner;
                 i.pending.clear();

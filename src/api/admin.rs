@@ -70,12 +70,24 @@ impl AdminApi {
     }
 }
 
-/// The box a request names. The inbox does not exist yet.
+/// The box a request names.
 pub fn box_kind(v: i32) -> Result<BoxKind, Error> {
     match pb::Box::try_from(v) {
         Ok(pb::Box::Unspecified | pb::Box::Outbox) => Ok(BoxKind::Outbox),
-        Ok(pb::Box::Inbox) => Err(Error::FailedPrecondition("inbox not enabled".into())),
+        Ok(pb::Box::Inbox) => Ok(BoxKind::Inbox),
         Err(_) => Err(Error::invalid("box", format!("unknown box {v}"))),
+    }
+}
+
+/// An optional subscription filter: the inbox's alone (the outbox has none, so asking
+/// for one there is a mistake worth saying, not an empty answer).
+fn subscription(b: BoxKind, s: String, field: &str) -> Result<Option<String>, Error> {
+    match (b, non_empty(s)) {
+        (BoxKind::Outbox, Some(_)) => Err(Error::invalid(
+            field,
+            "applies to the inbox only (box = BOX_INBOX)",
+        )),
+        (_, s) => Ok(s),
     }
 }
 
@@ -101,11 +113,21 @@ fn non_empty(s: String) -> Option<String> {
     if s.is_empty() { None } else { Some(s) }
 }
 
-/// Validates a filter; `field` prefixes violation paths.
-pub fn event_filter(f: Option<pb::EventFilter>, field: &str) -> Result<EventFilter, Error> {
+/// Validates a filter for box `b`; `field` prefixes violation paths.
+pub fn event_filter(
+    b: BoxKind,
+    f: Option<pb::EventFilter>,
+    field: &str,
+) -> Result<EventFilter, Error> {
     let f = f.unwrap_or_default();
     let mut v = Vec::new();
     let name = |n: &str| format!("{field}.{n}");
+    if b == BoxKind::Outbox && !f.subscription.is_empty() {
+        v.push(FieldViolation::new(
+            name("subscription"),
+            "applies to the inbox only (box = BOX_INBOX)",
+        ));
+    }
     if !f.topic.is_empty()
         && let Err(why) = check_topic(&f.topic)
     {
@@ -135,6 +157,7 @@ pub fn event_filter(f: Option<pb::EventFilter>, field: &str) -> Result<EventFilt
         return Err(Error::InvalidArgument(v));
     }
     Ok(EventFilter {
+        subscription: non_empty(f.subscription),
         topic: non_empty(f.topic),
         key: non_empty(f.key),
         event_type: non_empty(f.r#type),
@@ -148,7 +171,7 @@ fn filter_is_empty(f: &EventFilter) -> bool {
     *f == EventFilter::default()
 }
 
-pub fn pending_query(r: pb::ListPendingRequest) -> Result<PendingQuery, Error> {
+pub fn pending_query(b: BoxKind, r: pb::ListPendingRequest) -> Result<PendingQuery, Error> {
     let order = match pb::PendingOrder::try_from(r.order) {
         Ok(pb::PendingOrder::Unspecified | pb::PendingOrder::MostPending) => {
             PendingOrder::MostPending
@@ -179,6 +202,7 @@ pub fn pending_query(r: pb::ListPendingRequest) -> Result<PendingQuery, Error> {
         Some(c)
     };
     Ok(PendingQuery {
+        subscription: subscription(b, r.subscription, "subscription")?,
         topic: non_empty(r.topic),
         key_prefix: non_empty(r.key_prefix),
         only_blocked: r.only_blocked,
@@ -189,10 +213,11 @@ pub fn pending_query(r: pb::ListPendingRequest) -> Result<PendingQuery, Error> {
 }
 
 pub fn requeue_request(
+    b: BoxKind,
     r: pb::RequeueFailedRequest,
     actor: String,
 ) -> Result<RequeueRequest, Error> {
-    let filter = event_filter(r.filter, "filter")?;
+    let filter = event_filter(b, r.filter, "filter")?;
     let limit = match r.limit {
         0 => DEFAULT_REQUEUE,
         l if l > MAX_REQUEUE => {
@@ -306,6 +331,8 @@ fn pb_status(s: EventStatus) -> pb::EventStatus {
 
 pub fn event_info(d: EventDetail) -> pb::EventInfo {
     let e = d.event;
+    let subscription = d.subscription.unwrap_or_default();
+    let message_id = d.message_id.unwrap_or_default();
     pb::EventInfo {
         id: e.id,
         topic: e.topic,
@@ -323,6 +350,8 @@ pub fn event_info(d: EventDetail) -> pb::EventInfo {
         headers: e.headers.into_iter().collect::<HashMap<_, _>>(),
         payload: e.payload,
         idempotency_key: e.idempotency_key.unwrap_or_default(),
+        subscription,
+        message_id,
     }
 }
 
@@ -337,6 +366,7 @@ fn key_backlog(k: KeyBacklog) -> pb::KeyBacklog {
         head_next_attempt_at: Some(to_timestamp(k.head_next_attempt_at)),
         head_last_error: k.head_last_error.unwrap_or_default(),
         blocked: k.blocked,
+        subscription: k.subscription,
     }
 }
 
@@ -368,7 +398,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         self.authorize(request.extensions())?;
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
-        let q = pending_query(r)?;
+        let q = pending_query(b, r)?;
         let page = self.admin.list_pending(b, &q).await?;
         Ok(Response::new(pb::ListPendingResponse {
             keys: page.keys.into_iter().map(key_backlog).collect(),
@@ -387,7 +417,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
         let actor = caller.actor(&r.operator);
-        let req = requeue_request(r, actor)?;
+        let req = requeue_request(b, r, actor)?;
         let out = self.admin.requeue(b, &req).await?;
         if let Some(id) = out.audit_id {
             tracing::info!(audit_id = id, count = out.count, actor = %req.actor, "requeued failed events");
@@ -425,7 +455,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let b = box_kind(r.r#box)?;
         let q = EventsQuery {
             status: event_status(r.status)?,
-            filter: event_filter(r.filter, "filter")?,
+            filter: event_filter(b, r.filter, "filter")?,
             page_size: page_size(r.page_size)?,
             before_id: before_id(&r.page_token)?,
         };
@@ -480,8 +510,10 @@ impl pb::admin_service_server::AdminService for AdminApi {
         request: Request<pb::GetStatsRequest>,
     ) -> Result<Response<pb::GetStatsResponse>, Status> {
         self.authorize(request.extensions())?;
-        let b = box_kind(request.into_inner().r#box)?;
-        let s = self.admin.stats(b).await?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let sub = subscription(b, r.subscription, "subscription")?;
+        let s = self.admin.stats(b, sub.as_deref()).await?;
         Ok(Response::new(pb::GetStatsResponse {
             pending: s.pending,
             completed: s.completed,
@@ -492,6 +524,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
                 .topics
                 .into_iter()
                 .map(|t| pb::TopicStats {
+                    subscription: t.subscription,
                     topic: t.topic,
                     pending: t.pending,
                     completed: t.completed,
@@ -526,9 +559,34 @@ mod tests {
             }),
             ..Default::default()
         };
-        match requeue_request(r, "x".into()) {
+        match requeue_request(BoxKind::Inbox, r, "x".into()) {
             Err(Error::InvalidArgument(v)) => assert_eq!(v[0].field, "ids"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_subscription_applies_to_the_inbox_only() {
+        assert_eq!(box_kind(pb::Box::Inbox as i32).unwrap(), BoxKind::Inbox);
+        let f = pb::EventFilter {
+            subscription: "billing".into(),
+            ..Default::default()
+        };
+        let got = event_filter(BoxKind::Inbox, Some(f.clone()), "filter").unwrap();
+        assert_eq!(got.subscription.as_deref(), Some("billing"));
+        match event_filter(BoxKind::Outbox, Some(f), "filter") {
+            Err(Error::InvalidArgument(v)) => assert_eq!(v[0].field, "filter.subscription"),
+            other => panic!("{other:?}"),
+        }
+        let r = pb::ListPendingRequest {
+            subscription: "billing".into(),
+            ..Default::default()
+        };
+        match pending_query(BoxKind::Outbox, r.clone()) {
+            Err(Error::InvalidArgument(v)) => assert_eq!(v[0].field, "subscription"),
+            other => panic!("{other:?}"),
+        }
+        let q = pending_query(BoxKind::Inbox, r).unwrap();
+        assert_eq!(q.subscription.as_deref(), Some("billing"));
     }
 }

@@ -1,12 +1,14 @@
 //! `mailroom admin …`: the operator's command line, a gRPC client of the AdminService of
 //! a running server. Human tables by default, `--json` for scripts. `requeue` and
-//! `cancel` only show what they would do unless given `--yes`.
+//! `cancel` only show what they would do unless given `--yes`. `--inbox` (or
+//! `--box inbox`) points every command at the inbox, `--subscription NAME` narrows it to
+//! one subscription; tables and JSON then show the subscription.
 
 use std::time::Duration;
 
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
-use clap::{Args, Subcommand};
+use clap::{Args, Subcommand, ValueEnum};
 use serde_json::{Value, json};
 use tonic::Request;
 use tonic::metadata::MetadataValue;
@@ -27,8 +29,39 @@ pub struct AdminArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Operate on the inbox (same as --box inbox).
+    #[arg(long, global = true)]
+    pub inbox: bool,
+    /// The box to operate on [default: outbox].
+    #[arg(long = "box", value_enum, global = true)]
+    pub box_kind: Option<BoxArg>,
+    /// Inbox only: only this subscription (implies --inbox). Used by pending, failed,
+    /// requeue by filter, and stats.
+    #[arg(long, global = true)]
+    pub subscription: Option<String>,
     #[command(subcommand)]
     pub command: AdminCommand,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BoxArg {
+    Outbox,
+    Inbox,
+}
+
+impl AdminArgs {
+    /// The box the flags select: `--inbox`, `--box inbox` or `--subscription` mean the
+    /// inbox; `--box outbox` together with either of the others is a mistake.
+    fn target(&self) -> anyhow::Result<pb::Box> {
+        let wants_inbox = self.inbox || self.subscription.is_some();
+        match (self.box_kind, wants_inbox) {
+            (Some(BoxArg::Outbox), true) => {
+                anyhow::bail!("--box outbox contradicts --inbox / --subscription")
+            }
+            (Some(BoxArg::Inbox), _) | (None, true) => Ok(pb::Box::Inbox),
+            (Some(BoxArg::Outbox), false) | (None, false) => Ok(pb::Box::Outbox),
+        }
+    }
 }
 
 #[derive(Debug, Args, Default)]
@@ -54,8 +87,9 @@ pub struct FilterArgs {
 }
 
 impl FilterArgs {
-    fn to_pb(&self) -> pb::EventFilter {
+    fn to_pb(&self, subscription: &str) -> pb::EventFilter {
         pb::EventFilter {
+            subscription: subscription.to_string(),
             topic: self.topic.clone().unwrap_or_default(),
             key: self.key.clone().unwrap_or_default(),
             r#type: self.event_type.clone().unwrap_or_default(),
@@ -68,7 +102,7 @@ impl FilterArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum AdminCommand {
-    /// The backlog grouped by (topic, key).
+    /// The backlog grouped by (topic, key); by (subscription, topic, key) for the inbox.
     Pending {
         /// Only this topic.
         #[arg(long)]
@@ -202,6 +236,10 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
         token,
     };
     let json_out = args.json;
+    let target = args.target()?;
+    let bx = target as i32;
+    let inbox = target == pb::Box::Inbox;
+    let sub = args.subscription.clone().unwrap_or_default();
     match args.command {
         AdminCommand::Pending {
             topic,
@@ -214,7 +252,8 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             let r = c
                 .inner
                 .list_pending(c.req(pb::ListPendingRequest {
-                    r#box: pb::Box::Outbox as i32,
+                    r#box: bx,
+                    subscription: sub,
                     topic: topic.unwrap_or_default(),
                     key_prefix: key_prefix.unwrap_or_default(),
                     only_blocked: blocked,
@@ -230,9 +269,9 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                 .map_err(rpc_error)?
                 .into_inner();
             Ok(if json_out {
-                pending_json(&r)
+                pending_json(&r, inbox)
             } else {
-                pending_table(&r)
+                pending_table(&r, inbox)
             })
         }
         AdminCommand::Failed {
@@ -243,9 +282,9 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             let r = c
                 .inner
                 .list_events(c.req(pb::ListEventsRequest {
-                    r#box: pb::Box::Outbox as i32,
+                    r#box: bx,
                     status: pb::EventStatus::Failed as i32,
-                    filter: Some(filter.to_pb()),
+                    filter: Some(filter.to_pb(&sub)),
                     page_size: limit,
                     page_token: page_token.unwrap_or_default(),
                 }))
@@ -254,18 +293,18 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                 .into_inner();
             Ok(if json_out {
                 lines(&json!({
-                    "events": r.events.iter().map(|e| event_json(e, false)).collect::<Vec<_>>(),
+                    "events": r.events.iter().map(|e| event_json(e, false, inbox)).collect::<Vec<_>>(),
                     "next_page_token": r.next_page_token,
                 }))
             } else {
-                events_table(&r)
+                events_table(&r, inbox)
             })
         }
         AdminCommand::Get { id, payload } => {
             let r = c
                 .inner
                 .get_event(c.req(pb::GetEventRequest {
-                    r#box: pb::Box::Outbox as i32,
+                    r#box: bx,
                     id,
                     include_payload: payload,
                 }))
@@ -274,9 +313,9 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                 .into_inner();
             let e = r.event.context("server sent no event")?;
             Ok(if json_out {
-                lines(&event_json(&e, payload))
+                lines(&event_json(&e, payload, inbox))
             } else {
-                event_text(&e, payload)
+                event_text(&e, payload, inbox)
             })
         }
         AdminCommand::Requeue {
@@ -287,9 +326,10 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             operator: who,
         } => {
             let req = pb::RequeueFailedRequest {
-                r#box: pb::Box::Outbox as i32,
+                r#box: bx,
+                // Ids name events exactly: the filter flags are not sent with them.
                 filter: if ids.is_empty() {
-                    Some(filter.to_pb())
+                    Some(filter.to_pb(&sub))
                 } else {
                     None
                 },
@@ -335,7 +375,7 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             let r = c
                 .inner
                 .cancel_events(c.req(pb::CancelEventsRequest {
-                    r#box: pb::Box::Outbox as i32,
+                    r#box: bx,
                     ids,
                     reason,
                     dry_run: !yes,
@@ -370,15 +410,16 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             let r = c
                 .inner
                 .get_stats(c.req(pb::GetStatsRequest {
-                    r#box: pb::Box::Outbox as i32,
+                    r#box: bx,
+                    subscription: sub,
                 }))
                 .await
                 .map_err(rpc_error)?
                 .into_inner();
             Ok(if json_out {
-                stats_json(&r)
+                stats_json(&r, inbox)
             } else {
-                stats_table(&r)
+                stats_table(&r, inbox)
             })
         }
         AdminCommand::Audit { limit, page_token } => {
@@ -398,19 +439,22 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                         "at": ts(a.at.as_ref()),
                         "actor": a.actor,
                         "action": a.action,
+                        "box": box_name(a.r#box),
                         "selection": serde_json::from_str::<Value>(&a.selection).unwrap_or(Value::String(a.selection.clone())),
                         "count": a.count,
                     })).collect::<Vec<_>>(),
                     "next_page_token": r.next_page_token,
                 }))
             } else {
-                let mut t = Table::new(&["ID", "AT", "ACTOR", "ACTION", "COUNT", "SELECTION"]);
+                let mut t =
+                    Table::new(&["ID", "AT", "ACTOR", "ACTION", "BOX", "COUNT", "SELECTION"]);
                 for a in &r.entries {
                     t.row(vec![
                         a.id.to_string(),
                         ts(a.at.as_ref()).unwrap_or_default(),
                         a.actor.clone(),
                         a.action.clone(),
+                        box_name(a.r#box).into(),
                         a.count.to_string(),
                         truncate(&a.selection, 80),
                     ]);
@@ -506,6 +550,13 @@ fn next_page(token: &str) -> String {
     }
 }
 
+fn box_name(b: i32) -> &'static str {
+    match pb::Box::try_from(b) {
+        Ok(pb::Box::Inbox) => "inbox",
+        _ => "outbox",
+    }
+}
+
 /// A plain text table: left-aligned columns, two spaces apart.
 struct Table {
     rows: Vec<Vec<String>>,
@@ -516,6 +567,22 @@ impl Table {
         Table {
             rows: vec![header.iter().map(ToString::to_string).collect()],
         }
+    }
+    /// The same, led by a SUBSCRIPTION column when `inbox`.
+    fn with_sub(inbox: bool, header: &[&str]) -> Self {
+        let mut h = Vec::with_capacity(header.len() + 1);
+        if inbox {
+            h.push("SUBSCRIPTION");
+        }
+        h.extend_from_slice(header);
+        Table::new(&h)
+    }
+    /// A row, led by `sub` when `inbox`.
+    fn row_with_sub(&mut self, inbox: bool, sub: &str, mut r: Vec<String>) {
+        if inbox {
+            r.insert(0, sub.to_string());
+        }
+        self.rows.push(r);
     }
     fn row(&mut self, r: Vec<String>) {
         self.rows.push(r);
@@ -548,34 +615,41 @@ impl Table {
     }
 }
 
-fn pending_table(r: &pb::ListPendingResponse) -> String {
-    let mut t = Table::new(&[
-        "TOPIC",
-        "KEY",
-        "PENDING",
-        "OLDEST",
-        "HEAD",
-        "ATTEMPTS",
-        "NEXT",
-        "BLOCKED",
-        "LAST ERROR",
-    ]);
+fn pending_table(r: &pb::ListPendingResponse, inbox: bool) -> String {
+    let mut t = Table::with_sub(
+        inbox,
+        &[
+            "TOPIC",
+            "KEY",
+            "PENDING",
+            "OLDEST",
+            "HEAD",
+            "ATTEMPTS",
+            "NEXT",
+            "BLOCKED",
+            "LAST ERROR",
+        ],
+    );
     for k in &r.keys {
-        t.row(vec![
-            k.topic.clone(),
-            if k.key.is_empty() {
-                "(unkeyed)".into()
-            } else {
-                k.key.clone()
-            },
-            k.pending.to_string(),
-            age_since(k.oldest_created_at.as_ref()),
-            k.head_id.to_string(),
-            k.head_attempts.to_string(),
-            due_in(k.head_next_attempt_at.as_ref()),
-            if k.blocked { "yes" } else { "no" }.into(),
-            truncate(&k.head_last_error, 60),
-        ]);
+        t.row_with_sub(
+            inbox,
+            &k.subscription,
+            vec![
+                k.topic.clone(),
+                if k.key.is_empty() {
+                    "(unkeyed)".into()
+                } else {
+                    k.key.clone()
+                },
+                k.pending.to_string(),
+                age_since(k.oldest_created_at.as_ref()),
+                k.head_id.to_string(),
+                k.head_attempts.to_string(),
+                due_in(k.head_next_attempt_at.as_ref()),
+                if k.blocked { "yes" } else { "no" }.into(),
+                truncate(&k.head_last_error, 60),
+            ],
+        );
     }
     format!(
         "{}total: {} pending in {} key(s), {} blocked\n{}",
@@ -587,19 +661,25 @@ fn pending_table(r: &pb::ListPendingResponse) -> String {
     )
 }
 
-fn pending_json(r: &pb::ListPendingResponse) -> String {
+fn pending_json(r: &pb::ListPendingResponse, inbox: bool) -> String {
     lines(&json!({
-        "keys": r.keys.iter().map(|k| json!({
-            "topic": k.topic,
-            "key": k.key,
-            "pending": k.pending,
-            "oldest_created_at": ts(k.oldest_created_at.as_ref()),
-            "head_id": k.head_id,
-            "head_attempts": k.head_attempts,
-            "head_next_attempt_at": ts(k.head_next_attempt_at.as_ref()),
-            "head_last_error": k.head_last_error,
-            "blocked": k.blocked,
-        })).collect::<Vec<_>>(),
+        "keys": r.keys.iter().map(|k| {
+            let mut v = json!({
+                "topic": k.topic,
+                "key": k.key,
+                "pending": k.pending,
+                "oldest_created_at": ts(k.oldest_created_at.as_ref()),
+                "head_id": k.head_id,
+                "head_attempts": k.head_attempts,
+                "head_next_attempt_at": ts(k.head_next_attempt_at.as_ref()),
+                "head_last_error": k.head_last_error,
+                "blocked": k.blocked,
+            });
+            if inbox {
+                v["subscription"] = k.subscription.clone().into();
+            }
+            v
+        }).collect::<Vec<_>>(),
         "total_pending": r.total_pending,
         "total_keys": r.total_keys,
         "total_blocked_keys": r.total_blocked_keys,
@@ -616,7 +696,7 @@ fn status_name(s: i32) -> &'static str {
     }
 }
 
-fn event_json(e: &pb::EventInfo, with_payload: bool) -> Value {
+fn event_json(e: &pb::EventInfo, with_payload: bool, inbox: bool) -> Value {
     use base64::Engine as _;
     let mut v = json!({
         "id": e.id,
@@ -635,6 +715,10 @@ fn event_json(e: &pb::EventInfo, with_payload: bool) -> Value {
         "headers": e.headers,
         "idempotency_key": e.idempotency_key,
     });
+    if inbox {
+        v["subscription"] = e.subscription.clone().into();
+        v["message_id"] = e.message_id.clone().into();
+    }
     if with_payload {
         v["payload_base64"] = base64::engine::general_purpose::STANDARD
             .encode(&e.payload)
@@ -643,12 +727,16 @@ fn event_json(e: &pb::EventInfo, with_payload: bool) -> Value {
     v
 }
 
-fn event_text(e: &pb::EventInfo, with_payload: bool) -> String {
+fn event_text(e: &pb::EventInfo, with_payload: bool, inbox: bool) -> String {
     let mut headers: Vec<_> = e.headers.iter().collect();
     headers.sort();
     let mut out = String::new();
     let mut field = |k: &str, v: String| out.push_str(&format!("{k:<16}{v}\n"));
     field("id", e.id.to_string());
+    if inbox {
+        field("subscription", e.subscription.clone());
+        field("message_id", e.message_id.clone());
+    }
     field("topic", e.topic.clone());
     field("key", e.key.clone());
     field("type", e.r#type.clone());
@@ -683,19 +771,19 @@ fn event_text(e: &pb::EventInfo, with_payload: bool) -> String {
     out
 }
 
-fn events_table(r: &pb::ListEventsResponse) -> String {
-    let mut t = Table::new(&[
-        "ID",
-        "TOPIC",
-        "KEY",
-        "TYPE",
-        "ATTEMPTS",
-        "UPDATED",
-        "LAST ERROR",
-    ]);
+fn events_table(r: &pb::ListEventsResponse, inbox: bool) -> String {
+    let mut header = vec!["ID"];
+    if inbox {
+        header.extend(["SUBSCRIPTION", "MESSAGE ID"]);
+    }
+    header.extend(["TOPIC", "KEY", "TYPE", "ATTEMPTS", "UPDATED", "LAST ERROR"]);
+    let mut t = Table::new(&header);
     for e in &r.events {
-        t.row(vec![
-            e.id.to_string(),
+        let mut row = vec![e.id.to_string()];
+        if inbox {
+            row.extend([e.subscription.clone(), e.message_id.clone()]);
+        }
+        row.extend([
             e.topic.clone(),
             e.key.clone(),
             e.r#type.clone(),
@@ -703,11 +791,12 @@ fn events_table(r: &pb::ListEventsResponse) -> String {
             format!("{} ago", age_since(e.updated_at.as_ref())),
             truncate(&e.last_error, 60),
         ]);
+        t.row(row);
     }
     t.render() + &next_page(&r.next_page_token)
 }
 
-fn stats_json(r: &pb::GetStatsResponse) -> String {
+fn stats_json(r: &pb::GetStatsResponse, inbox: bool) -> String {
     lines(&json!({
         "pending": r.pending,
         "completed": r.completed,
@@ -715,13 +804,20 @@ fn stats_json(r: &pb::GetStatsResponse) -> String {
         "oldest_pending_age_seconds": r.oldest_pending_age.as_ref()
             .map(|d| d.seconds as f64 + f64::from(d.nanos) / 1e9),
         "blocked_keys": r.blocked_keys,
-        "topics": r.topics.iter().map(|t| json!({
-            "topic": t.topic, "pending": t.pending, "completed": t.completed, "failed": t.failed,
-        })).collect::<Vec<_>>(),
+        "topics": r.topics.iter().map(|t| {
+            let mut v = json!({
+                "topic": t.topic, "pending": t.pending, "completed": t.completed,
+                "failed": t.failed,
+            });
+            if inbox {
+                v["subscription"] = t.subscription.clone().into();
+            }
+            v
+        }).collect::<Vec<_>>(),
     }))
 }
 
-fn stats_table(r: &pb::GetStatsResponse) -> String {
+fn stats_table(r: &pb::GetStatsResponse, inbox: bool) -> String {
     let oldest = r
         .oldest_pending_age
         .as_ref()
@@ -732,21 +828,29 @@ fn stats_table(r: &pb::GetStatsResponse) -> String {
             ))
         })
         .unwrap_or_else(|| "-".into());
-    let mut t = Table::new(&["TOPIC", "PENDING", "COMPLETED", "FAILED"]);
+    let mut t = Table::with_sub(inbox, &["TOPIC", "PENDING", "COMPLETED", "FAILED"]);
     for s in &r.topics {
-        t.row(vec![
-            s.topic.clone(),
-            s.pending.to_string(),
-            s.completed.to_string(),
-            s.failed.to_string(),
-        ]);
+        t.row_with_sub(
+            inbox,
+            &s.subscription,
+            vec![
+                s.topic.clone(),
+                s.pending.to_string(),
+                s.completed.to_string(),
+                s.failed.to_string(),
+            ],
+        );
     }
-    t.row(vec![
-        "(all)".into(),
-        r.pending.to_string(),
-        r.completed.to_string(),
-        r.failed.to_string(),
-    ]);
+    t.row_with_sub(
+        inbox,
+        "(all)",
+        vec![
+            "(all)".into(),
+            r.pending.to_string(),
+            r.completed.to_string(),
+            r.failed.to_string(),
+        ],
+    );
     format!(
         "{}oldest pending: {oldest}\nblocked keys: {}\n",
         t.render(),

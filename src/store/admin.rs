@@ -4,12 +4,12 @@
 //! ids, events in the wrong state) are made here and reported as service errors.
 
 use crate::admin::{
-    AuditPage, CancelOutcome, CancelRequest, EventDetail, EventsPage, EventsQuery, PendingPage,
-    PendingQuery, RequeueOutcome, RequeueRequest, Stats,
+    AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventsPage, EventsQuery,
+    PendingPage, PendingQuery, RequeueOutcome, RequeueRequest, Stats,
 };
 use crate::domain::{BoxKind, EventId, Status};
 use crate::error::Error;
-use crate::store::{LineKey, StoreError};
+use crate::store::StoreError;
 
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
@@ -21,7 +21,8 @@ pub type AdminResult<T> = Result<T, Error>;
 
 #[async_trait::async_trait]
 pub trait AdminStore: Send + Sync {
-    /// One page of the backlog grouped by (topic, key), with totals.
+    /// One page of the backlog grouped by (topic, key) — (subscription, topic, key) for
+    /// the inbox — with totals.
     async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> AdminResult<PendingPage>;
 
     /// Puts failed events back in line (or counts them, on dry run), wakes their keys and
@@ -47,12 +48,14 @@ pub trait AdminStore: Send + Sync {
     /// Audit entries newest first.
     async fn list_audit(&self, page_size: u32, before_id: Option<i64>) -> AdminResult<AuditPage>;
 
-    /// Counts by status and topic, oldest pending age, blocked keys.
-    async fn stats(&self, b: BoxKind) -> AdminResult<Stats>;
+    /// Counts by status and topic (by subscription and topic for the inbox), oldest
+    /// pending age, blocked keys; `subscription` narrows the inbox to one subscription.
+    async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> AdminResult<Stats>;
 
     /// Makes the given keys ready now if no relay holds them (and they have pending
     /// events); returns the keys still held.
-    async fn wake_released_keys(&self, b: BoxKind, keys: &[LineKey]) -> AdminResult<Vec<LineKey>>;
+    async fn wake_released_keys(&self, b: BoxKind, keys: &[AdminKey])
+    -> AdminResult<Vec<AdminKey>>;
 }
 
 /// The explicit-id checks shared by both engines: `found` holds (id, status) of the ids
@@ -89,11 +92,25 @@ pub(crate) fn check_ids(
     Ok(())
 }
 
-/// The keys of a set of events, sorted and distinct (the lock order enqueue uses).
+/// The keys of a set of events as (subscription, topic, key), sorted and distinct: the
+/// lock order enqueue and receive use (the subscription is `""` in the outbox, where all
+/// keys share it). Unkeyed events have no key row.
 pub(crate) fn sorted_keys<'a>(
-    keys: impl Iterator<Item = (&'a str, Option<&'a str>)>,
-) -> Vec<(&'a str, &'a str)> {
-    let set: std::collections::BTreeSet<(&str, &str)> =
-        keys.filter_map(|(t, k)| k.map(|k| (t, k))).collect();
+    keys: impl Iterator<Item = (&'a str, &'a str, Option<&'a str>)>,
+) -> Vec<(&'a str, &'a str, &'a str)> {
+    let set: std::collections::BTreeSet<(&str, &str, &str)> =
+        keys.filter_map(|(s, t, k)| k.map(|k| (s, t, k))).collect();
     set.into_iter().collect()
+}
+
+/// A key row as the admin reports it: the subscription is kept for the inbox only.
+pub(crate) fn admin_key(b: BoxKind, subscription: String, topic: String, key: String) -> AdminKey {
+    AdminKey {
+        subscription: match b {
+            BoxKind::Outbox => None,
+            BoxKind::Inbox => Some(subscription),
+        },
+        topic,
+        key,
+    }
 }

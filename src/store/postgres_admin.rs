@@ -5,6 +5,10 @@
 //! its cost follows the number of keys with a backlog, not the number of pending events
 //! (see docs/admin.md for the plan and timings). Requeue and cancel lock the affected key
 //! rows first, in sorted order, like enqueue and settle do, then change the events.
+//!
+//! The same statements serve the inbox: its key rows and lines carry the subscription
+//! (`Shape` adds it to joins, groups, filters and the lock order); for the outbox the
+//! subscription is the constant `''`, so the outbox's plans are unchanged.
 
 use std::time::Duration;
 
@@ -12,31 +16,86 @@ use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 
-use super::LineKey;
-use super::admin::{AdminResult, AdminStore, check_ids, sorted_keys};
+use super::admin::{AdminResult, AdminStore, admin_key, check_ids, sorted_keys};
 use super::postgres::{PgStore, decode_event};
 use crate::admin::{
-    AuditEntry, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter, EventsPage,
-    EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
+    AdminKey, AuditEntry, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter,
+    EventsPage, EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
     RequeueOutcome, RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicStats,
 };
 use crate::domain::{BoxKind, EventId, Status};
 use crate::error::Error;
 
-fn tables(b: BoxKind) -> (&'static str, &'static str) {
-    match b {
-        BoxKind::Outbox => ("outbox_events", "outbox_keys"),
-        BoxKind::Inbox => ("inbox_events", "inbox_keys"),
+/// A box's tables and how its statements name the subscription.
+struct Shape {
+    events: &'static str,
+    keys: &'static str,
+    inbox: bool,
+}
+
+impl Shape {
+    fn of(b: BoxKind) -> Shape {
+        match b {
+            BoxKind::Outbox => Shape {
+                events: "outbox_events",
+                keys: "outbox_keys",
+                inbox: false,
+            },
+            BoxKind::Inbox => Shape {
+                events: "inbox_events",
+                keys: "inbox_keys",
+                inbox: true,
+            },
+        }
+    }
+
+    /// The subscription column `col` (`''` in the outbox, which has none).
+    fn sub(&self, col: &str) -> String {
+        if self.inbox {
+            col.to_string()
+        } else {
+            "''::text".to_string()
+        }
+    }
+
+    /// `AND a.subscription = b.subscription` in the inbox, nothing in the outbox.
+    fn same_sub(&self, a: &str, b: &str) -> String {
+        if self.inbox {
+            format!(" AND {a}.subscription = {b}.subscription")
+        } else {
+            String::new()
+        }
+    }
+
+    /// The optional subscription filter `param` on `col`; in the outbox it only matches
+    /// when no subscription is asked for.
+    fn sub_filter(&self, col: &str, param: &str) -> String {
+        if self.inbox {
+            format!("({param}::text IS NULL OR {col} = {param})")
+        } else {
+            format!("{param}::text IS NULL")
+        }
+    }
+
+    /// `subscription, ` to lead a GROUP BY in the inbox.
+    fn group_sub(&self) -> &'static str {
+        if self.inbox { "subscription, " } else { "" }
     }
 }
 
 /// Event columns for `decode_event`, with the payload only when `$n` is true.
-fn detail_columns(with_payload: &str) -> String {
+fn detail_columns(shape: &Shape, with_payload: &str) -> String {
+    let (sub, mid) = if shape.inbox {
+        ("subscription", "message_id")
+    } else {
+        ("NULL::text", "NULL::text")
+    };
     format!(
         "id, topic, event_key, CASE WHEN {with_payload} THEN payload ELSE ''::bytea END AS payload,
          headers::text AS headers, event_type, idempotency_key, status, attempts, max_attempts,
          scheduled_at, created_at, updated_at, published_at, last_error,
-         octet_length(payload)::int8 AS payload_size"
+         octet_length(payload)::int8 AS payload_size, {sub} AS subscription,
+         {mid} AS message_id"
     )
 }
 
@@ -44,24 +103,28 @@ fn decode_detail(row: &PgRow) -> AdminResult<EventDetail> {
     Ok(EventDetail {
         event: decode_event(row)?,
         payload_size: row.try_get("payload_size")?,
+        subscription: row.try_get("subscription")?,
+        message_id: row.try_get("message_id")?,
     })
 }
 
-/// The filter as SQL conditions over `$first..$first+5`.
-fn filter_sql(first: usize) -> String {
+/// The filter as SQL conditions over `$first..$first+6` (the subscription last).
+fn filter_sql(shape: &Shape, first: usize) -> String {
     let p = |i: usize| format!("${}", first + i);
     format!(
         "({0}::text IS NULL OR topic = {0}) AND ({1}::text IS NULL OR event_key = {1})
          AND ({2}::text IS NULL OR event_type = {2})
          AND ({3}::timestamptz IS NULL OR updated_at >= {3})
          AND ({4}::timestamptz IS NULL OR updated_at < {4})
-         AND ({5}::text IS NULL OR strpos(last_error, {5}) > 0)",
+         AND ({5}::text IS NULL OR strpos(last_error, {5}) > 0)
+         AND {6}",
         p(0),
         p(1),
         p(2),
         p(3),
         p(4),
-        p(5)
+        p(5),
+        shape.sub_filter("subscription", &p(6))
     )
 }
 
@@ -74,11 +137,14 @@ fn bind_filter<'q>(q: PgQuery<'q>, f: &'q EventFilter) -> PgQuery<'q> {
         .bind(f.updated_after)
         .bind(f.updated_before)
         .bind(f.error_contains.as_deref())
+        .bind(f.subscription.as_deref())
 }
 
 /// Rows of the candidates a requeue or cancel would change.
 struct Candidate {
     id: EventId,
+    /// `""` in the outbox.
+    subscription: String,
     topic: String,
     key: Option<String>,
     status: Status,
@@ -88,6 +154,7 @@ fn decode_candidate(r: &PgRow) -> AdminResult<Candidate> {
     let status: String = r.try_get("status")?;
     Ok(Candidate {
         id: r.try_get("id")?,
+        subscription: r.try_get("subscription")?,
         topic: r.try_get("topic")?,
         key: r.try_get("event_key")?,
         status: Status::parse(&status)
@@ -97,11 +164,14 @@ fn decode_candidate(r: &PgRow) -> AdminResult<Candidate> {
 
 async fn candidates_by_id(
     tx: &mut Transaction<'static, Postgres>,
-    events: &str,
+    shape: &Shape,
     ids: &[EventId],
 ) -> AdminResult<Vec<Candidate>> {
     sqlx::query(AssertSqlSafe(format!(
-        "SELECT id, topic, event_key, status FROM {events} WHERE id = ANY($1) ORDER BY id"
+        "SELECT id, {} AS subscription, topic, event_key, status FROM {} WHERE id = ANY($1)
+         ORDER BY id",
+        shape.sub("subscription"),
+        shape.events
     )))
     .bind(ids)
     .fetch_all(&mut **tx)
@@ -111,38 +181,57 @@ async fn candidates_by_id(
     .collect()
 }
 
-/// Locks (creating if missing) the key rows of `cands` in sorted order and makes them
-/// ready now; returns the keys a relay holds at this moment.
+/// Locks (creating if missing) the key rows of `cands` in sorted order — (subscription,
+/// topic, key), as enqueue and receive take them — and makes them ready now; returns
+/// the keys a relay holds at this moment.
 async fn lock_and_wake_keys(
     tx: &mut Transaction<'static, Postgres>,
-    keys_table: &str,
+    b: BoxKind,
     cands: &[Candidate],
-) -> AdminResult<Vec<LineKey>> {
-    let keys = sorted_keys(cands.iter().map(|c| (c.topic.as_str(), c.key.as_deref())));
+) -> AdminResult<Vec<AdminKey>> {
+    let keys = sorted_keys(
+        cands
+            .iter()
+            .map(|c| (c.subscription.as_str(), c.topic.as_str(), c.key.as_deref())),
+    );
     if keys.is_empty() {
         return Ok(Vec::new());
     }
-    let topics: Vec<&str> = keys.iter().map(|k| k.0).collect();
-    let names: Vec<&str> = keys.iter().map(|k| k.1).collect();
-    let rows = sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {keys_table} (topic, event_key, ready_at)
-         SELECT t, k, now() FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS u(t, k, o)
-         ORDER BY o
-         ON CONFLICT (topic, event_key)
-         DO UPDATE SET ready_at = LEAST({keys_table}.ready_at, now())
-         RETURNING topic, event_key, COALESCE(lease_until > now(), false) AS leased"
-    )))
-    .bind(&topics)
-    .bind(&names)
-    .fetch_all(&mut **tx)
-    .await?;
+    let subs: Vec<&str> = keys.iter().map(|k| k.0).collect();
+    let topics: Vec<&str> = keys.iter().map(|k| k.1).collect();
+    let names: Vec<&str> = keys.iter().map(|k| k.2).collect();
+    let rows = match b {
+        BoxKind::Outbox => sqlx::query(
+            "INSERT INTO outbox_keys (topic, event_key, ready_at)
+             SELECT t, k, now() FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS u(t, k, o)
+             ORDER BY o
+             ON CONFLICT (topic, event_key)
+             DO UPDATE SET ready_at = LEAST(outbox_keys.ready_at, now())
+             RETURNING ''::text AS subscription, topic, event_key,
+                       COALESCE(lease_until > now(), false) AS leased",
+        ),
+        BoxKind::Inbox => sqlx::query(
+            "INSERT INTO inbox_keys (subscription, topic, event_key, ready_at)
+             SELECT s, t, k, now()
+             FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS u(s, t, k, o)
+             ORDER BY o
+             ON CONFLICT (subscription, topic, event_key)
+             DO UPDATE SET ready_at = LEAST(inbox_keys.ready_at, now())
+             RETURNING subscription, topic, event_key,
+                       COALESCE(lease_until > now(), false) AS leased",
+        )
+        .bind(&subs),
+    };
+    let rows = rows.bind(&topics).bind(&names).fetch_all(&mut **tx).await?;
     let mut leased = Vec::new();
     for r in &rows {
         if r.try_get::<bool, _>("leased")? {
-            leased.push(LineKey {
-                topic: r.try_get("topic")?,
-                key: r.try_get("event_key")?,
-            });
+            leased.push(admin_key(
+                b,
+                r.try_get("subscription")?,
+                r.try_get("topic")?,
+                r.try_get("event_key")?,
+            ));
         }
     }
     Ok(leased)
@@ -178,31 +267,35 @@ fn changed_concurrently() -> Error {
 #[async_trait::async_trait]
 impl AdminStore for PgStore {
     async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> AdminResult<PendingPage> {
-        let (events, keys) = tables(b);
+        let sh = Shape::of(b);
+        let (events, keys) = (sh.events, sh.keys);
         let order = match q.order {
-            PendingOrder::MostPending => "pending DESC, topic, key",
-            PendingOrder::Oldest => "created_at, topic, key",
+            PendingOrder::MostPending => "pending DESC, subscription, topic, key",
+            PendingOrder::Oldest => "created_at, subscription, topic, key",
         };
         let sql = format!(
             "WITH h AS MATERIALIZED (
-                SELECT k.topic, k.event_key AS key, k.pending, e.id AS head_id, e.created_at,
-                       e.attempts, e.scheduled_at, e.last_error,
+                SELECT {k_sub} AS subscription, k.topic, k.event_key AS key, k.pending,
+                       e.id AS head_id, e.created_at, e.attempts, e.scheduled_at, e.last_error,
                        (e.attempts > 0 AND e.scheduled_at > now()) AS blocked
                 FROM {keys} k
                 CROSS JOIN LATERAL (
                     SELECT id, created_at, attempts, scheduled_at, last_error FROM {events} e
-                    WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key
+                    WHERE e.status = 'pending'{same_sub} AND e.topic = k.topic
+                      AND e.event_key = k.event_key
                     ORDER BY e.id LIMIT 1) e
-                WHERE k.pending > 0
+                WHERE k.pending > 0 AND {k_filter}
                   AND ($1::text IS NULL OR k.topic = $1)
                   AND ($2::text IS NULL OR starts_with(k.event_key, $2))
                 UNION ALL
-                SELECT u.topic, ''::text, u.pending, e.id, e.created_at, e.attempts,
-                       e.scheduled_at, e.last_error, (e.attempts > 0 AND e.scheduled_at > now())
-                FROM (SELECT topic, count(*) AS pending, min(id) AS head_id FROM {events}
+                SELECT u.subscription, u.topic, ''::text, u.pending, e.id, e.created_at,
+                       e.attempts, e.scheduled_at, e.last_error,
+                       (e.attempts > 0 AND e.scheduled_at > now())
+                FROM (SELECT {sub} AS subscription, topic, count(*) AS pending,
+                             min(id) AS head_id FROM {events}
                       WHERE status = 'pending' AND event_key IS NULL AND $2::text IS NULL
-                        AND ($1::text IS NULL OR topic = $1)
-                      GROUP BY topic) u
+                        AND ($1::text IS NULL OR topic = $1) AND {filter}
+                      GROUP BY {group_sub}topic) u
                 JOIN {events} e ON e.id = u.head_id
             ), t AS (
                 SELECT count(*) AS total_keys, coalesce(sum(pending), 0)::int8 AS total_pending,
@@ -213,10 +306,18 @@ impl AdminStore for PgStore {
                 SELECT * FROM h
                 WHERE (NOT $3 OR blocked)
                   AND ($4::int8 IS NULL OR pending < $4
-                       OR (pending = $4 AND (topic, key) > ($6::text, $7::text)))
+                       OR (pending = $4
+                           AND (subscription, topic, key) > ($10::text, $6::text, $7::text)))
                   AND ($5::timestamptz IS NULL
-                       OR (created_at, topic, key) > ($5, $6::text, $7::text))
-                ORDER BY {order} LIMIT $8) p ON true"
+                       OR (created_at, subscription, topic, key)
+                          > ($5, $10::text, $6::text, $7::text))
+                ORDER BY {order} LIMIT $8) p ON true",
+            k_sub = sh.sub("k.subscription"),
+            same_sub = sh.same_sub("e", "k"),
+            k_filter = sh.sub_filter("k.subscription", "$9"),
+            sub = sh.sub("subscription"),
+            filter = sh.sub_filter("subscription", "$9"),
+            group_sub = sh.group_sub(),
         );
         let c = q.after.as_ref();
         let after_pending = c.filter(|c| c.order == PendingOrder::MostPending);
@@ -233,6 +334,8 @@ impl AdminStore for PgStore {
             .bind(c.map(|c| c.topic.as_str()))
             .bind(c.map(|c| c.key.as_str()))
             .bind(i64::from(q.page_size) + 1)
+            .bind(q.subscription.as_deref())
+            .bind(c.map(|c| c.subscription.as_str()))
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -251,6 +354,7 @@ impl AdminStore for PgStore {
                 break; // the empty page: totals only
             };
             page.keys.push(KeyBacklog {
+                subscription: r.try_get("subscription")?,
                 topic,
                 key: r.try_get("key")?,
                 pending: r.try_get("pending")?,
@@ -269,6 +373,7 @@ impl AdminStore for PgStore {
                 order: q.order,
                 pending: last.pending,
                 oldest_us: last.oldest_created_at.timestamp_micros(),
+                subscription: last.subscription.clone(),
                 topic: last.topic.clone(),
                 key: last.key.clone(),
             });
@@ -277,20 +382,22 @@ impl AdminStore for PgStore {
     }
 
     async fn requeue_failed(&self, b: BoxKind, r: &RequeueRequest) -> AdminResult<RequeueOutcome> {
-        let (events, keys) = tables(b);
+        let sh = Shape::of(b);
+        let events = sh.events;
         let mut tx = self.pool().begin().await?;
         let cands = match &r.selection {
             Selection::Ids(ids) => {
-                let c = candidates_by_id(&mut tx, events, ids).await?;
+                let c = candidates_by_id(&mut tx, &sh, ids).await?;
                 let found: Vec<(EventId, Status)> = c.iter().map(|c| (c.id, c.status)).collect();
                 check_ids(ids, &found, Status::Failed, "requeued")?;
                 c
             }
             Selection::Filter(f) => {
                 let sql = format!(
-                    "SELECT id, topic, event_key, status FROM {events}
-                     WHERE status = 'failed' AND {} ORDER BY id LIMIT $7",
-                    filter_sql(1)
+                    "SELECT id, {} AS subscription, topic, event_key, status FROM {events}
+                     WHERE status = 'failed' AND {} ORDER BY id LIMIT $8",
+                    sh.sub("subscription"),
+                    filter_sql(&sh, 1)
                 );
                 bind_filter(sqlx::query(AssertSqlSafe(sql)), f)
                     .bind(i64::from(r.limit))
@@ -312,7 +419,7 @@ impl AdminStore for PgStore {
                 leased_keys: Vec::new(),
             });
         }
-        let leased_keys = lock_and_wake_keys(&mut tx, keys, &cands).await?;
+        let leased_keys = lock_and_wake_keys(&mut tx, b, &cands).await?;
         let changed = sqlx::query(AssertSqlSafe(format!(
             "UPDATE {events} SET status = 'pending', attempts = 0, scheduled_at = now(),
                  updated_at = now(), claim_token = NULL, claimed_until = NULL
@@ -348,9 +455,10 @@ impl AdminStore for PgStore {
     }
 
     async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> AdminResult<CancelOutcome> {
-        let (events, keys) = tables(b);
+        let sh = Shape::of(b);
+        let events = sh.events;
         let mut tx = self.pool().begin().await?;
-        let cands = candidates_by_id(&mut tx, events, &r.ids).await?;
+        let cands = candidates_by_id(&mut tx, &sh, &r.ids).await?;
         let found: Vec<(EventId, Status)> = cands.iter().map(|c| (c.id, c.status)).collect();
         check_ids(&r.ids, &found, Status::Pending, "cancelled")?;
         let ids: Vec<EventId> = cands.iter().map(|c| c.id).collect();
@@ -362,7 +470,7 @@ impl AdminStore for PgStore {
                 leased_keys: Vec::new(),
             });
         }
-        let leased_keys = lock_and_wake_keys(&mut tx, keys, &cands).await?;
+        let leased_keys = lock_and_wake_keys(&mut tx, b, &cands).await?;
         let changed = sqlx::query(AssertSqlSafe(format!(
             "UPDATE {events} SET status = 'failed', last_error = 'cancelled: ' || $2,
                  updated_at = now(), claim_token = NULL, claimed_until = NULL
@@ -392,10 +500,11 @@ impl AdminStore for PgStore {
         id: EventId,
         with_payload: bool,
     ) -> AdminResult<Option<EventDetail>> {
-        let (events, _) = tables(b);
+        let sh = Shape::of(b);
         sqlx::query(AssertSqlSafe(format!(
-            "SELECT {} FROM {events} WHERE id = $1",
-            detail_columns("$2")
+            "SELECT {} FROM {} WHERE id = $1",
+            detail_columns(&sh, "$2"),
+            sh.events
         )))
         .bind(id)
         .bind(with_payload)
@@ -407,13 +516,14 @@ impl AdminStore for PgStore {
     }
 
     async fn list_events(&self, b: BoxKind, q: &EventsQuery) -> AdminResult<EventsPage> {
-        let (events, _) = tables(b);
+        let sh = Shape::of(b);
         let sql = format!(
-            "SELECT {} FROM {events}
+            "SELECT {} FROM {}
              WHERE ($1::text IS NULL OR status = $1) AND ($2::int8 IS NULL OR id < $2) AND {}
-             ORDER BY id DESC LIMIT $9",
-            detail_columns("false"),
-            filter_sql(3)
+             ORDER BY id DESC LIMIT $10",
+            detail_columns(&sh, "false"),
+            sh.events,
+            filter_sql(&sh, 3)
         );
         let q2 = sqlx::query(AssertSqlSafe(sql))
             .bind(q.status.map(Status::as_str))
@@ -474,22 +584,29 @@ impl AdminStore for PgStore {
         })
     }
 
-    async fn stats(&self, b: BoxKind) -> AdminResult<Stats> {
-        let (events, keys) = tables(b);
+    async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> AdminResult<Stats> {
+        let sh = Shape::of(b);
+        let (events, keys) = (sh.events, sh.keys);
+        let sub = sh.sub("subscription");
+        let filter = sh.sub_filter("subscription", "$1");
+        let group_sub = sh.group_sub();
         let mut tx = self.pool().begin().await?;
         sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
         // Pending from the per-key counts (keyed) and the unkeyed index; the other
         // statuses by one scan.
         let rows = sqlx::query(AssertSqlSafe(format!(
-            "SELECT topic, 'pending' AS status, sum(pending)::int8 AS n FROM {keys}
-             WHERE pending > 0 GROUP BY topic
+            "SELECT {sub} AS subscription, topic, 'pending' AS status, sum(pending)::int8 AS n
+             FROM {keys} WHERE pending > 0 AND {filter} GROUP BY {group_sub}topic
              UNION ALL
-             SELECT topic, 'pending', count(*) FROM {events}
-             WHERE status = 'pending' AND event_key IS NULL GROUP BY topic
+             SELECT {sub}, topic, 'pending', count(*) FROM {events}
+             WHERE status = 'pending' AND event_key IS NULL AND {filter}
+             GROUP BY {group_sub}topic
              UNION ALL
-             SELECT topic, status, count(*) FROM {events} WHERE status <> 'pending'
-             GROUP BY topic, status"
+             SELECT {sub}, topic, status, count(*) FROM {events}
+             WHERE status <> 'pending' AND {filter}
+             GROUP BY {group_sub}topic, status"
         )))
+        .bind(subscription)
         .fetch_all(&mut *tx)
         .await?;
         let heads = sqlx::query(AssertSqlSafe(format!(
@@ -497,27 +614,38 @@ impl AdminStore for PgStore {
                     min(h.created_at) AS oldest, now() AS now
              FROM {keys} k CROSS JOIN LATERAL (
                 SELECT attempts, scheduled_at, created_at FROM {events} e
-                WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key
+                WHERE e.status = 'pending'{same_sub} AND e.topic = k.topic
+                  AND e.event_key = k.event_key
                 ORDER BY e.id LIMIT 1) h
-             WHERE k.pending > 0"
+             WHERE k.pending > 0 AND {k_filter}",
+            same_sub = sh.same_sub("e", "k"),
+            k_filter = sh.sub_filter("k.subscription", "$1"),
         )))
+        .bind(subscription)
         .fetch_one(&mut *tx)
         .await?;
         let unkeyed_oldest: Option<DateTime<Utc>> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT min(created_at) FROM {events} WHERE status = 'pending' AND event_key IS NULL"
+            "SELECT min(created_at) FROM {events}
+             WHERE status = 'pending' AND event_key IS NULL AND {filter}"
         )))
+        .bind(subscription)
         .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
-        let mut by_topic: std::collections::BTreeMap<String, TopicStats> = Default::default();
+        let mut by_topic: std::collections::BTreeMap<(String, String), TopicStats> =
+            Default::default();
         for r in &rows {
+            let subscription: String = r.try_get("subscription")?;
             let topic: String = r.try_get("topic")?;
             let status: String = r.try_get("status")?;
             let n: i64 = r.try_get("n")?;
-            let t = by_topic.entry(topic.clone()).or_insert_with(|| TopicStats {
-                topic,
-                ..Default::default()
-            });
+            let t = by_topic
+                .entry((subscription.clone(), topic.clone()))
+                .or_insert_with(|| TopicStats {
+                    subscription,
+                    topic,
+                    ..Default::default()
+                });
             match status.as_str() {
                 "pending" => t.pending += n,
                 "completed" => t.completed += n,
@@ -543,21 +671,32 @@ impl AdminStore for PgStore {
         })
     }
 
-    async fn wake_released_keys(&self, b: BoxKind, keys: &[LineKey]) -> AdminResult<Vec<LineKey>> {
-        let (_, keys_table) = tables(b);
+    async fn wake_released_keys(
+        &self,
+        b: BoxKind,
+        keys: &[AdminKey],
+    ) -> AdminResult<Vec<AdminKey>> {
+        let sh = Shape::of(b);
         // One key per statement: no transaction ever holds two key rows here, so this
         // cannot deadlock with enqueue or settle. Waking a key early is harmless.
         let mut held = Vec::new();
         for k in keys {
             let still_leased: Option<bool> = sqlx::query_scalar(AssertSqlSafe(format!(
-                "UPDATE {keys_table} SET ready_at = CASE
+                "UPDATE {} SET ready_at = CASE
                      WHEN pending > 0 AND (lease_until IS NULL OR lease_until <= now())
                      THEN LEAST(ready_at, now()) ELSE ready_at END
-                 WHERE topic = $1 AND event_key = $2
-                 RETURNING COALESCE(lease_until > now(), false)"
+                 WHERE topic = $1 AND event_key = $2 AND {}
+                 RETURNING COALESCE(lease_until > now(), false)",
+                sh.keys,
+                if sh.inbox {
+                    "subscription = $3"
+                } else {
+                    "$3::text IS NULL"
+                }
             )))
             .bind(&k.topic)
             .bind(&k.key)
+            .bind(k.subscription.as_deref())
             .fetch_optional(self.pool())
             .await?;
             if still_leased == Some(true) {

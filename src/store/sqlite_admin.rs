@@ -1,6 +1,7 @@
 //! The operator queries on SQLite: same semantics as `postgres_admin.rs`. Writes run in
 //! `BEGIN IMMEDIATE` transactions (one writer), so lock order is moot; id lists travel as
-//! JSON arrays (`json_each`), times as microseconds since the epoch.
+//! JSON arrays (`json_each`), times as microseconds since the epoch. The inbox's
+//! subscription dimension is added by `Shape`, as on PostgreSQL.
 
 use std::time::Duration;
 
@@ -8,21 +9,66 @@ use chrono::{DateTime, Utc};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Row, Sqlite, Transaction};
 
-use super::LineKey;
-use super::admin::{AdminResult, AdminStore, check_ids, sorted_keys};
+use super::admin::{AdminResult, AdminStore, admin_key, check_ids, sorted_keys};
 use super::sqlite::{SqliteStore, decode_event};
 use crate::admin::{
-    AuditEntry, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter, EventsPage,
-    EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
+    AdminKey, AuditEntry, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter,
+    EventsPage, EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
     RequeueOutcome, RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicStats,
 };
 use crate::domain::{BoxKind, EventId, Status};
 use crate::error::Error;
 
-fn tables(b: BoxKind) -> (&'static str, &'static str) {
-    match b {
-        BoxKind::Outbox => ("outbox_events", "outbox_keys"),
-        BoxKind::Inbox => ("inbox_events", "inbox_keys"),
+/// A box's tables and how its statements name the subscription (see
+/// `postgres_admin.rs`).
+struct Shape {
+    events: &'static str,
+    keys: &'static str,
+    inbox: bool,
+}
+
+impl Shape {
+    fn of(b: BoxKind) -> Shape {
+        match b {
+            BoxKind::Outbox => Shape {
+                events: "outbox_events",
+                keys: "outbox_keys",
+                inbox: false,
+            },
+            BoxKind::Inbox => Shape {
+                events: "inbox_events",
+                keys: "inbox_keys",
+                inbox: true,
+            },
+        }
+    }
+
+    fn sub(&self, col: &str) -> String {
+        if self.inbox {
+            col.to_string()
+        } else {
+            "''".to_string()
+        }
+    }
+
+    fn same_sub(&self, a: &str, b: &str) -> String {
+        if self.inbox {
+            format!(" AND {a}.subscription = {b}.subscription")
+        } else {
+            String::new()
+        }
+    }
+
+    fn sub_filter(&self, col: &str, param: &str) -> String {
+        if self.inbox {
+            format!("({param} IS NULL OR {col} = {param})")
+        } else {
+            format!("{param} IS NULL")
+        }
+    }
+
+    fn group_sub(&self) -> &'static str {
+        if self.inbox { "subscription, " } else { "" }
     }
 }
 
@@ -34,11 +80,17 @@ fn from_micros(us: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_micros(us).unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
-fn detail_columns(with_payload: &str) -> String {
+fn detail_columns(shape: &Shape, with_payload: &str) -> String {
+    let (sub, mid) = if shape.inbox {
+        ("subscription", "message_id")
+    } else {
+        ("NULL", "NULL")
+    };
     format!(
         "id, topic, event_key, CASE WHEN {with_payload} THEN payload ELSE x'' END AS payload,
          headers, event_type, idempotency_key, status, attempts, max_attempts, scheduled_at,
-         created_at, updated_at, published_at, last_error, length(payload) AS payload_size"
+         created_at, updated_at, published_at, last_error, length(payload) AS payload_size,
+         {sub} AS subscription, {mid} AS message_id"
     )
 }
 
@@ -46,23 +98,26 @@ fn decode_detail(row: &SqliteRow) -> AdminResult<EventDetail> {
     Ok(EventDetail {
         event: decode_event(row)?,
         payload_size: row.try_get("payload_size")?,
+        subscription: row.try_get("subscription")?,
+        message_id: row.try_get("message_id")?,
     })
 }
 
-/// The filter as SQL conditions over `?first..?first+5`.
-fn filter_sql(first: usize) -> String {
+/// The filter as SQL conditions over `?first..?first+6` (the subscription last).
+fn filter_sql(shape: &Shape, first: usize) -> String {
     let p = |i: usize| format!("?{}", first + i);
     format!(
         "({0} IS NULL OR topic = {0}) AND ({1} IS NULL OR event_key = {1})
          AND ({2} IS NULL OR event_type = {2})
          AND ({3} IS NULL OR updated_at >= {3}) AND ({4} IS NULL OR updated_at < {4})
-         AND ({5} IS NULL OR instr(last_error, {5}) > 0)",
+         AND ({5} IS NULL OR instr(last_error, {5}) > 0) AND {6}",
         p(0),
         p(1),
         p(2),
         p(3),
         p(4),
-        p(5)
+        p(5),
+        shape.sub_filter("subscription", &p(6))
     )
 }
 
@@ -75,10 +130,13 @@ fn bind_filter<'q>(q: LiteQuery<'q>, f: &'q EventFilter) -> LiteQuery<'q> {
         .bind(f.updated_after.map(micros))
         .bind(f.updated_before.map(micros))
         .bind(f.error_contains.as_deref())
+        .bind(f.subscription.as_deref())
 }
 
 struct Candidate {
     id: EventId,
+    /// `""` in the outbox.
+    subscription: String,
     topic: String,
     key: Option<String>,
     status: Status,
@@ -88,6 +146,7 @@ fn decode_candidate(r: &SqliteRow) -> AdminResult<Candidate> {
     let status: String = r.try_get("status")?;
     Ok(Candidate {
         id: r.try_get("id")?,
+        subscription: r.try_get("subscription")?,
         topic: r.try_get("topic")?,
         key: r.try_get("event_key")?,
         status: Status::parse(&status)
@@ -101,12 +160,14 @@ fn json_ids(ids: &[EventId]) -> String {
 
 async fn candidates_by_id(
     tx: &mut Transaction<'static, Sqlite>,
-    events: &str,
+    shape: &Shape,
     ids: &[EventId],
 ) -> AdminResult<Vec<Candidate>> {
     sqlx::query(AssertSqlSafe(format!(
-        "SELECT id, topic, event_key, status FROM {events}
-         WHERE id IN (SELECT value FROM json_each(?1)) ORDER BY id"
+        "SELECT id, {} AS subscription, topic, event_key, status FROM {}
+         WHERE id IN (SELECT value FROM json_each(?1)) ORDER BY id",
+        shape.sub("subscription"),
+        shape.events
     )))
     .bind(json_ids(ids))
     .fetch_all(&mut **tx)
@@ -116,29 +177,42 @@ async fn candidates_by_id(
     .collect()
 }
 
+/// Makes the key rows of `cands` ready now (creating missing ones), in (subscription,
+/// topic, key) order; returns the keys a relay holds at this moment.
 async fn lock_and_wake_keys(
     tx: &mut Transaction<'static, Sqlite>,
-    keys_table: &str,
+    b: BoxKind,
     cands: &[Candidate],
     now: i64,
-) -> AdminResult<Vec<LineKey>> {
-    let mut leased = Vec::new();
-    for (topic, key) in sorted_keys(cands.iter().map(|c| (c.topic.as_str(), c.key.as_deref()))) {
-        let held: bool = sqlx::query_scalar(AssertSqlSafe(format!(
-            "INSERT INTO {keys_table} (topic, event_key, ready_at) VALUES (?1, ?2, ?3)
+) -> AdminResult<Vec<AdminKey>> {
+    let sql = match b {
+        BoxKind::Outbox => {
+            "INSERT INTO outbox_keys (topic, event_key, ready_at) VALUES (?1, ?2, ?3)
              ON CONFLICT (topic, event_key) DO UPDATE SET ready_at = MIN(ready_at, excluded.ready_at)
              RETURNING (lease_until IS NOT NULL AND lease_until > ?3)"
-        )))
-        .bind(topic)
-        .bind(key)
-        .bind(now)
-        .fetch_one(&mut **tx)
-        .await?;
+        }
+        BoxKind::Inbox => {
+            "INSERT INTO inbox_keys (subscription, topic, event_key, ready_at)
+             VALUES (?4, ?1, ?2, ?3)
+             ON CONFLICT (subscription, topic, event_key)
+             DO UPDATE SET ready_at = MIN(ready_at, excluded.ready_at)
+             RETURNING (lease_until IS NOT NULL AND lease_until > ?3)"
+        }
+    };
+    let mut leased = Vec::new();
+    let keys = sorted_keys(
+        cands
+            .iter()
+            .map(|c| (c.subscription.as_str(), c.topic.as_str(), c.key.as_deref())),
+    );
+    for (sub, topic, key) in keys {
+        let mut q = sqlx::query_scalar(sql).bind(topic).bind(key).bind(now);
+        if b == BoxKind::Inbox {
+            q = q.bind(sub);
+        }
+        let held: bool = q.fetch_one(&mut **tx).await?;
         if held {
-            leased.push(LineKey {
-                topic: topic.to_string(),
-                key: key.to_string(),
-            });
+            leased.push(admin_key(b, sub.into(), topic.into(), key.into()));
         }
     }
     Ok(leased)
@@ -176,27 +250,29 @@ fn changed_concurrently() -> Error {
 #[async_trait::async_trait]
 impl AdminStore for SqliteStore {
     async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> AdminResult<PendingPage> {
-        let (events, keys) = tables(b);
+        let sh = Shape::of(b);
+        let (events, keys) = (sh.events, sh.keys);
         let order = match q.order {
-            PendingOrder::MostPending => "pending DESC, topic, key",
-            PendingOrder::Oldest => "created_at, topic, key",
+            PendingOrder::MostPending => "pending DESC, subscription, topic, key",
+            PendingOrder::Oldest => "created_at, subscription, topic, key",
         };
         let sql = format!(
             "WITH heads AS (
-                SELECT k.topic, k.event_key AS key, k.pending,
-                       (SELECT id FROM {events} e WHERE e.status = 'pending'
+                SELECT {k_sub} AS subscription, k.topic, k.event_key AS key, k.pending,
+                       (SELECT id FROM {events} e WHERE e.status = 'pending'{same_sub}
                           AND e.topic = k.topic AND e.event_key = k.event_key
                         ORDER BY e.id LIMIT 1) AS head_id
                 FROM {keys} k
-                WHERE k.pending > 0 AND (?1 IS NULL OR k.topic = ?1)
+                WHERE k.pending > 0 AND {k_filter} AND (?1 IS NULL OR k.topic = ?1)
                   AND (?2 IS NULL OR substr(k.event_key, 1, length(?2)) = ?2)
                 UNION ALL
-                SELECT topic, '', count(*), min(id) FROM {events}
+                SELECT {sub}, topic, '', count(*), min(id) FROM {events}
                 WHERE status = 'pending' AND event_key IS NULL AND ?2 IS NULL
-                  AND (?1 IS NULL OR topic = ?1)
-                GROUP BY topic
+                  AND (?1 IS NULL OR topic = ?1) AND {filter}
+                GROUP BY {group_sub}topic
             ), h AS (
-                SELECT heads.topic, heads.key, heads.pending, e.id AS head_id, e.created_at,
+                SELECT heads.subscription, heads.topic, heads.key, heads.pending,
+                       e.id AS head_id, e.created_at,
                        e.attempts, e.scheduled_at, e.last_error,
                        (e.attempts > 0 AND e.scheduled_at > ?9) AS blocked
                 FROM heads JOIN {events} e ON e.id = heads.head_id
@@ -208,9 +284,16 @@ impl AdminStore for SqliteStore {
             LEFT JOIN (
                 SELECT * FROM h
                 WHERE (NOT ?3 OR blocked)
-                  AND (?4 IS NULL OR pending < ?4 OR (pending = ?4 AND (topic, key) > (?6, ?7)))
-                  AND (?5 IS NULL OR (created_at, topic, key) > (?5, ?6, ?7))
-                ORDER BY {order} LIMIT ?8) p ON 1"
+                  AND (?4 IS NULL OR pending < ?4
+                       OR (pending = ?4 AND (subscription, topic, key) > (?11, ?6, ?7)))
+                  AND (?5 IS NULL OR (created_at, subscription, topic, key) > (?5, ?11, ?6, ?7))
+                ORDER BY {order} LIMIT ?8) p ON 1",
+            k_sub = sh.sub("k.subscription"),
+            same_sub = sh.same_sub("e", "k"),
+            k_filter = sh.sub_filter("k.subscription", "?10"),
+            sub = sh.sub("subscription"),
+            filter = sh.sub_filter("subscription", "?10"),
+            group_sub = sh.group_sub(),
         );
         let c = q.after.as_ref();
         let rows = sqlx::query(AssertSqlSafe(sql))
@@ -229,6 +312,8 @@ impl AdminStore for SqliteStore {
             .bind(c.map(|c| c.key.as_str()))
             .bind(i64::from(q.page_size) + 1)
             .bind(micros(Utc::now()))
+            .bind(q.subscription.as_deref())
+            .bind(c.map(|c| c.subscription.as_str()))
             .fetch_all(self.pool())
             .await?;
         let first = rows
@@ -246,6 +331,7 @@ impl AdminStore for SqliteStore {
                 break;
             };
             page.keys.push(KeyBacklog {
+                subscription: r.try_get("subscription")?,
                 topic,
                 key: r.try_get("key")?,
                 pending: r.try_get("pending")?,
@@ -264,6 +350,7 @@ impl AdminStore for SqliteStore {
                 order: q.order,
                 pending: last.pending,
                 oldest_us: micros(last.oldest_created_at),
+                subscription: last.subscription.clone(),
                 topic: last.topic.clone(),
                 key: last.key.clone(),
             });
@@ -272,21 +359,23 @@ impl AdminStore for SqliteStore {
     }
 
     async fn requeue_failed(&self, b: BoxKind, r: &RequeueRequest) -> AdminResult<RequeueOutcome> {
-        let (events, keys) = tables(b);
+        let sh = Shape::of(b);
+        let events = sh.events;
         let now = micros(Utc::now());
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
         let cands = match &r.selection {
             Selection::Ids(ids) => {
-                let c = candidates_by_id(&mut tx, events, ids).await?;
+                let c = candidates_by_id(&mut tx, &sh, ids).await?;
                 let found: Vec<(EventId, Status)> = c.iter().map(|c| (c.id, c.status)).collect();
                 check_ids(ids, &found, Status::Failed, "requeued")?;
                 c
             }
             Selection::Filter(f) => {
                 let sql = format!(
-                    "SELECT id, topic, event_key, status FROM {events}
-                     WHERE status = 'failed' AND {} ORDER BY id LIMIT ?7",
-                    filter_sql(1)
+                    "SELECT id, {} AS subscription, topic, event_key, status FROM {events}
+                     WHERE status = 'failed' AND {} ORDER BY id LIMIT ?8",
+                    sh.sub("subscription"),
+                    filter_sql(&sh, 1)
                 );
                 bind_filter(sqlx::query(AssertSqlSafe(sql)), f)
                     .bind(i64::from(r.limit))
@@ -308,7 +397,7 @@ impl AdminStore for SqliteStore {
                 leased_keys: Vec::new(),
             });
         }
-        let leased_keys = lock_and_wake_keys(&mut tx, keys, &cands, now).await?;
+        let leased_keys = lock_and_wake_keys(&mut tx, b, &cands, now).await?;
         let changed = sqlx::query(AssertSqlSafe(format!(
             "UPDATE {events} SET status = 'pending', attempts = 0, scheduled_at = ?2,
                  updated_at = ?2, claim_token = NULL, claimed_until = NULL
@@ -346,10 +435,11 @@ impl AdminStore for SqliteStore {
     }
 
     async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> AdminResult<CancelOutcome> {
-        let (events, keys) = tables(b);
+        let sh = Shape::of(b);
+        let events = sh.events;
         let now = micros(Utc::now());
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
-        let cands = candidates_by_id(&mut tx, events, &r.ids).await?;
+        let cands = candidates_by_id(&mut tx, &sh, &r.ids).await?;
         let found: Vec<(EventId, Status)> = cands.iter().map(|c| (c.id, c.status)).collect();
         check_ids(&r.ids, &found, Status::Pending, "cancelled")?;
         let ids: Vec<EventId> = cands.iter().map(|c| c.id).collect();
@@ -361,7 +451,7 @@ impl AdminStore for SqliteStore {
                 leased_keys: Vec::new(),
             });
         }
-        let leased_keys = lock_and_wake_keys(&mut tx, keys, &cands, now).await?;
+        let leased_keys = lock_and_wake_keys(&mut tx, b, &cands, now).await?;
         let changed = sqlx::query(AssertSqlSafe(format!(
             "UPDATE {events} SET status = 'failed', last_error = 'cancelled: ' || ?2,
                  updated_at = ?3, claim_token = NULL, claimed_until = NULL
@@ -401,10 +491,11 @@ impl AdminStore for SqliteStore {
         id: EventId,
         with_payload: bool,
     ) -> AdminResult<Option<EventDetail>> {
-        let (events, _) = tables(b);
+        let sh = Shape::of(b);
         sqlx::query(AssertSqlSafe(format!(
-            "SELECT {} FROM {events} WHERE id = ?1",
-            detail_columns("?2")
+            "SELECT {} FROM {} WHERE id = ?1",
+            detail_columns(&sh, "?2"),
+            sh.events
         )))
         .bind(id)
         .bind(with_payload)
@@ -416,13 +507,14 @@ impl AdminStore for SqliteStore {
     }
 
     async fn list_events(&self, b: BoxKind, q: &EventsQuery) -> AdminResult<EventsPage> {
-        let (events, _) = tables(b);
+        let sh = Shape::of(b);
         let sql = format!(
-            "SELECT {} FROM {events}
+            "SELECT {} FROM {}
              WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR id < ?2) AND {}
-             ORDER BY id DESC LIMIT ?9",
-            detail_columns("0"),
-            filter_sql(3)
+             ORDER BY id DESC LIMIT ?10",
+            detail_columns(&sh, "0"),
+            sh.events,
+            filter_sql(&sh, 3)
         );
         let q2 = sqlx::query(AssertSqlSafe(sql))
             .bind(q.status.map(Status::as_str))
@@ -483,47 +575,64 @@ impl AdminStore for SqliteStore {
         })
     }
 
-    async fn stats(&self, b: BoxKind) -> AdminResult<Stats> {
-        let (events, keys) = tables(b);
+    async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> AdminResult<Stats> {
+        let sh = Shape::of(b);
+        let (events, keys) = (sh.events, sh.keys);
+        let sub = sh.sub("subscription");
+        let filter = sh.sub_filter("subscription", "?1");
+        let group_sub = sh.group_sub();
         let now = micros(Utc::now());
         let rows = sqlx::query(AssertSqlSafe(format!(
-            "SELECT topic, 'pending' AS status, sum(pending) AS n FROM {keys}
-             WHERE pending > 0 GROUP BY topic
+            "SELECT {sub} AS subscription, topic, 'pending' AS status, sum(pending) AS n
+             FROM {keys} WHERE pending > 0 AND {filter} GROUP BY {group_sub}topic
              UNION ALL
-             SELECT topic, 'pending', count(*) FROM {events}
-             WHERE status = 'pending' AND event_key IS NULL GROUP BY topic
+             SELECT {sub}, topic, 'pending', count(*) FROM {events}
+             WHERE status = 'pending' AND event_key IS NULL AND {filter}
+             GROUP BY {group_sub}topic
              UNION ALL
-             SELECT topic, status, count(*) FROM {events} WHERE status <> 'pending'
-             GROUP BY topic, status"
+             SELECT {sub}, topic, status, count(*) FROM {events}
+             WHERE status <> 'pending' AND {filter}
+             GROUP BY {group_sub}topic, status"
         )))
+        .bind(subscription)
         .fetch_all(self.pool())
         .await?;
         let heads = sqlx::query(AssertSqlSafe(format!(
-            "SELECT coalesce(sum(e.attempts > 0 AND e.scheduled_at > ?1), 0) AS blocked,
+            "SELECT coalesce(sum(e.attempts > 0 AND e.scheduled_at > ?2), 0) AS blocked,
                     min(e.created_at) AS oldest
-             FROM (SELECT (SELECT id FROM {events} e WHERE e.status = 'pending'
+             FROM (SELECT (SELECT id FROM {events} e WHERE e.status = 'pending'{same_sub}
                              AND e.topic = k.topic AND e.event_key = k.event_key
                            ORDER BY e.id LIMIT 1) AS head_id
-                   FROM {keys} k WHERE k.pending > 0) h
-             JOIN {events} e ON e.id = h.head_id"
+                   FROM {keys} k WHERE k.pending > 0 AND {k_filter}) h
+             JOIN {events} e ON e.id = h.head_id",
+            same_sub = sh.same_sub("e", "k"),
+            k_filter = sh.sub_filter("k.subscription", "?1"),
         )))
+        .bind(subscription)
         .bind(now)
         .fetch_one(self.pool())
         .await?;
         let unkeyed_oldest: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT min(created_at) FROM {events} WHERE status = 'pending' AND event_key IS NULL"
+            "SELECT min(created_at) FROM {events}
+             WHERE status = 'pending' AND event_key IS NULL AND {filter}"
         )))
+        .bind(subscription)
         .fetch_one(self.pool())
         .await?;
-        let mut by_topic: std::collections::BTreeMap<String, TopicStats> = Default::default();
+        let mut by_topic: std::collections::BTreeMap<(String, String), TopicStats> =
+            Default::default();
         for r in &rows {
+            let subscription: String = r.try_get("subscription")?;
             let topic: String = r.try_get("topic")?;
             let status: String = r.try_get("status")?;
             let n: i64 = r.try_get("n")?;
-            let t = by_topic.entry(topic.clone()).or_insert_with(|| TopicStats {
-                topic,
-                ..Default::default()
-            });
+            let t = by_topic
+                .entry((subscription.clone(), topic.clone()))
+                .or_insert_with(|| TopicStats {
+                    subscription,
+                    topic,
+                    ..Default::default()
+                });
             match status.as_str() {
                 "pending" => t.pending += n,
                 "completed" => t.completed += n,
@@ -546,21 +655,28 @@ impl AdminStore for SqliteStore {
         })
     }
 
-    async fn wake_released_keys(&self, b: BoxKind, keys: &[LineKey]) -> AdminResult<Vec<LineKey>> {
-        let (_, keys_table) = tables(b);
+    async fn wake_released_keys(
+        &self,
+        b: BoxKind,
+        keys: &[AdminKey],
+    ) -> AdminResult<Vec<AdminKey>> {
+        let sh = Shape::of(b);
         let now = micros(Utc::now());
         let mut held = Vec::new();
         for k in keys {
             let still_leased: Option<bool> = sqlx::query_scalar(AssertSqlSafe(format!(
-                "UPDATE {keys_table} SET ready_at = CASE
+                "UPDATE {} SET ready_at = CASE
                      WHEN pending > 0 AND (lease_until IS NULL OR lease_until <= ?3)
                      THEN MIN(ready_at, ?3) ELSE ready_at END
-                 WHERE topic = ?1 AND event_key = ?2
-                 RETURNING (lease_until IS NOT NULL AND lease_until > ?3)"
+                 WHERE topic = ?1 AND event_key = ?2 AND {}
+                 RETURNING (lease_until IS NOT NULL AND lease_until > ?3)",
+                sh.keys,
+                sh.sub_filter("subscription", "?4")
             )))
             .bind(&k.topic)
             .bind(&k.key)
             .bind(now)
+            .bind(k.subscription.as_deref())
             .fetch_optional(self.pool())
             .await?;
             if still_leased == Some(true) {
