@@ -68,7 +68,13 @@ const RAW_ROW_CONNECTIONS: usize = 64;
 const RAW_KAFKA_IN_FLIGHT: usize = 10_000;
 const E2E_RATE: u64 = 1000;
 /// Intake writers of the diagnostic rows (the default is 4 on PostgreSQL).
-const DIAG_WRITERS: usize = 16;
+/// Writers of the diagnostic rows (`MAILROOM_BENCH_DIAG_WRITERS` overrides).
+fn diag_writers() -> usize {
+    std::env::var("MAILROOM_BENCH_DIAG_WRITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16)
+}
 
 #[derive(Debug, Parser)]
 #[command(
@@ -945,7 +951,7 @@ impl Bench {
         let levels = ENQUEUE_LEVELS
             .iter()
             .map(|&c| (c, None))
-            .chain([(64, Some(DIAG_WRITERS))]);
+            .chain([(64, Some(diag_writers()))]);
         for (clients, writers) in levels {
             let (db, url) = self.dbs.fresh().await?;
             let mut config = mailroom_config(&url, &self.brokers, 0)?;
@@ -1008,7 +1014,7 @@ impl Bench {
     /// `EnqueueBatch` of 100 events from 16 clients, closed loop, relays off.
     async fn batch(&self) -> anyhow::Result<Vec<Row>> {
         let mut rows = Vec::new();
-        for writers in [None, Some(DIAG_WRITERS)] {
+        for writers in [None, Some(diag_writers())] {
             rows.push(self.batch_with(writers).await?);
         }
         Ok(rows)
