@@ -22,7 +22,7 @@ use crate::config::{Config, SinkConfig, redact_url};
 use crate::domain::Queue;
 use crate::health::Health;
 use crate::intake::{Intake, Wakeup};
-use crate::metrics::{Metrics, RpcMetricsLayer};
+use crate::metrics::Metrics;
 use crate::pb;
 use crate::relay::{Relay, RelayStats};
 use crate::sink::Sink;
@@ -252,7 +252,7 @@ impl App {
         );
         let server_health = health.clone();
         let overload = OverloadLayer::new(config.overload);
-        let rpc_metrics = RpcMetricsLayer::new(metrics.clone());
+        let rpc_log = RpcLogLayer::new(metrics.clone());
         let task = tokio::spawn(async move {
             let signal = {
                 let stop = stop.clone();
@@ -270,8 +270,7 @@ impl App {
             // Outermost first: log and count every answer, then authenticate, then
             // admit (concurrency limit, timeout) only what is allowed.
             let server = builder
-                .layer(RpcLogLayer)
-                .layer(rpc_metrics)
+                .layer(rpc_log)
                 .layer(AuthLayer::new(auth))
                 .layer(overload)
                 .add_service(health_service)

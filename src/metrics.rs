@@ -13,8 +13,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
@@ -26,7 +25,6 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 use tonic::codegen::http;
-use tower::{Layer, Service};
 
 use crate::domain::BoxKind;
 use crate::relay::RelayStats;
@@ -371,7 +369,8 @@ impl Metrics {
         self.inner.keys_pruned.inc_by(n);
     }
 
-    fn rpc(&self, method: &str, code: tonic::Code, elapsed: Duration) {
+    /// Counts one RPC by method and gRPC code, with its latency.
+    pub fn rpc(&self, method: &str, code: tonic::Code, elapsed: Duration) {
         // Only known methods become labels: an unknown path is answered UNIMPLEMENTED.
         let method = if code == tonic::Code::Unimplemented {
             "unknown"
@@ -471,72 +470,6 @@ impl Metrics {
 
 fn rpc_histogram() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
-}
-
-/// Counts every RPC by method and gRPC code, with its latency.
-#[derive(Clone)]
-pub struct RpcMetricsLayer {
-    metrics: Metrics,
-}
-
-impl RpcMetricsLayer {
-    pub fn new(metrics: Metrics) -> Self {
-        RpcMetricsLayer { metrics }
-    }
-}
-
-impl<S> Layer<S> for RpcMetricsLayer {
-    type Service = RpcMetrics<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        RpcMetrics {
-            inner,
-            metrics: self.metrics.clone(),
-        }
-    }
-}
-
-#[derive(Clone)]
-pub struct RpcMetrics<S> {
-    inner: S,
-    metrics: Metrics,
-}
-
-impl<S, B, RB> Service<http::Request<B>> for RpcMetrics<S>
-where
-    S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
-    S::Future: Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
-    >;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let method = req.uri().path().to_string();
-        let start = Instant::now();
-        let fut = self.inner.call(req);
-        let metrics = self.metrics.clone();
-        Box::pin(async move {
-            let res = fut.await;
-            // Unary errors travel as trailers-only responses: the status is in the
-            // headers. A status sent in trailers (streams) counts as OK here.
-            let code = match &res {
-                Ok(r) => r
-                    .headers()
-                    .get("grpc-status")
-                    .map(|c| tonic::Code::from_bytes(c.as_bytes()))
-                    .unwrap_or(tonic::Code::Ok),
-                Err(_) => tonic::Code::Internal,
-            };
-            metrics.rpc(&method, code, start.elapsed());
-            res
-        })
-    }
 }
 
 #[cfg(test)]

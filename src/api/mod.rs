@@ -15,20 +15,35 @@ use std::time::Instant;
 use tonic::codegen::http;
 use tower::{Layer, Service};
 
-/// Logs every RPC once it completes: method, gRPC status and latency, in a span.
-#[derive(Clone, Default)]
-pub struct RpcLogLayer;
+use crate::metrics::Metrics;
+
+/// Observes every RPC once it completes: logs method, gRPC code and latency, and counts
+/// them in the metrics.
+#[derive(Clone)]
+pub struct RpcLogLayer {
+    metrics: Metrics,
+}
+
+impl RpcLogLayer {
+    pub fn new(metrics: Metrics) -> Self {
+        RpcLogLayer { metrics }
+    }
+}
 
 impl<S> Layer<S> for RpcLogLayer {
     type Service = RpcLog<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        RpcLog { inner }
+        RpcLog {
+            inner,
+            metrics: self.metrics.clone(),
+        }
     }
 }
 
 #[derive(Clone)]
 pub struct RpcLog<S> {
     inner: S,
+    metrics: Metrics,
 }
 
 impl<S, B, RB> Service<http::Request<B>> for RpcLog<S>
@@ -51,24 +66,26 @@ where
         let method = req.uri().path().to_string();
         let start = Instant::now();
         let fut = self.inner.call(req);
+        let metrics = self.metrics.clone();
         Box::pin(async move {
             let res = fut.await;
-            let ms = start.elapsed().as_secs_f64() * 1000.0;
-            match &res {
-                Ok(r) => {
-                    // Unary errors travel as trailers-only responses: status in the headers.
-                    let code = r
-                        .headers()
-                        .get("grpc-status")
-                        .and_then(|v| v.to_str().ok())
-                        .map(|c| tonic::Code::from_bytes(c.as_bytes()))
-                        .unwrap_or(tonic::Code::Ok);
-                    tracing::debug!(rpc.method = %method, rpc.code = ?code, latency_ms = ms, "rpc");
-                }
+            let elapsed = start.elapsed();
+            let ms = elapsed.as_secs_f64() * 1000.0;
+            let code = match &res {
+                // Unary errors travel as trailers-only responses: the status is in the
+                // headers. A status sent in trailers (streams) counts as OK here.
+                Ok(r) => r
+                    .headers()
+                    .get("grpc-status")
+                    .map(|c| tonic::Code::from_bytes(c.as_bytes()))
+                    .unwrap_or(tonic::Code::Ok),
                 Err(e) => {
-                    tracing::warn!(rpc.method = %method, error = %e, latency_ms = ms, "rpc failed")
+                    tracing::warn!(rpc.method = %method, error = %e, latency_ms = ms, "rpc failed");
+                    tonic::Code::Internal
                 }
-            }
+            };
+            tracing::debug!(rpc.method = %method, rpc.code = ?code, latency_ms = ms, "rpc");
+            metrics.rpc(&method, code, elapsed);
             res
         })
     }

@@ -1252,7 +1252,10 @@ impl Bench {
             .await?
             < 1
         {
-            anyhow::ensure!(warm.elapsed() < Duration::from_secs(30), "warm-up event not published");
+            anyhow::ensure!(
+                warm.elapsed() < Duration::from_secs(30),
+                "warm-up event not published"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let answered: Arc<Mutex<HashMap<i64, i64>>> = Arc::default();
