@@ -129,6 +129,33 @@ pub fn new_event(
             "header names starting with 'ce_' are reserved for CloudEvents attributes",
         ));
     }
+    // PostgreSQL's text cannot hold NUL: refuse it on every engine rather than fail the
+    // insert (and, with group commit, the other requests sharing its transaction).
+    let nul = |s: &str| s.contains('\0');
+    if nul(&ev.key) {
+        v.push(FieldViolation::new(
+            f("key"),
+            "must not contain NUL characters",
+        ));
+    }
+    if ev.headers.iter().any(|(k, v)| nul(k) || nul(v)) {
+        v.push(FieldViolation::new(
+            f("headers"),
+            "names and values must not contain NUL characters",
+        ));
+    }
+    if nul(&ev.r#type) {
+        v.push(FieldViolation::new(
+            f("type"),
+            "must not contain NUL characters",
+        ));
+    }
+    if nul(&ev.idempotency_key) {
+        v.push(FieldViolation::new(
+            f("idempotency_key"),
+            "must not contain NUL characters",
+        ));
+    }
     if ev.r#type.len() > 256 {
         v.push(FieldViolation::new(f("type"), "must be at most 256 bytes"));
     }
