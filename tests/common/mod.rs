@@ -3,6 +3,8 @@
 //! test (it is never skipped): run the suite through `scripts/test.sh`.
 #![allow(dead_code)]
 
+pub mod faults;
+pub mod probe;
 pub mod proxy;
 
 use std::collections::HashMap;

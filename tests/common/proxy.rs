@@ -1,10 +1,16 @@
 //! A TCP proxy for fault injection: forwards 127.0.0.1:port to a target until `cut`,
 //! which drops every open connection and refuses new ones until `restore`.
+//!
+//! For the fault suite it can also add latency (`set_delay`: every chunk waits that long
+//! before it is forwarded, in both directions, order kept), drop the open connections
+//! while still accepting new ones (`drop_connections`), and forward to another target
+//! (`retarget`). By default none of that happens: it forwards as it always did.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use tokio::io::copy_bidirectional;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, copy_bidirectional};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -13,6 +19,31 @@ pub struct Proxy {
     up: Arc<AtomicBool>,
     generation: watch::Sender<u64>,
     counter: Arc<AtomicU64>,
+    delay_ms: Arc<AtomicU64>,
+    target: Arc<Mutex<String>>,
+}
+
+/// Copies one direction, each chunk held back by the current delay.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay_ms: Arc<AtomicU64>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let d = delay_ms.load(Ordering::Relaxed);
+        if d > 0 {
+            tokio::time::sleep(Duration::from_millis(d)).await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
 }
 
 impl Proxy {
@@ -21,8 +52,12 @@ impl Proxy {
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
         let (generation, _) = watch::channel(0u64);
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let target = Arc::new(Mutex::new(target));
         let gen_tx = generation.clone();
         let up2 = up.clone();
+        let delay2 = delay_ms.clone();
+        let target2 = target.clone();
         tokio::spawn(async move {
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else {
@@ -32,15 +67,31 @@ impl Proxy {
                     drop(inbound);
                     continue;
                 }
-                let target = target.clone();
+                let target = target2.lock().unwrap().clone();
                 let mut cut = gen_tx.subscribe();
+                let delay = delay2.clone();
                 tokio::spawn(async move {
                     let Ok(mut outbound) = TcpStream::connect(&target).await else {
                         return;
                     };
-                    tokio::select! {
-                        _ = copy_bidirectional(&mut inbound, &mut outbound) => {}
-                        _ = cut.changed() => {}
+                    if delay.load(Ordering::Relaxed) == 0 {
+                        tokio::select! {
+                            _ = copy_bidirectional(&mut inbound, &mut outbound) => {}
+                            _ = cut.changed() => {}
+                        }
+                    } else {
+                        let (ir, iw) = inbound.into_split();
+                        let (or, ow) = outbound.into_split();
+                        let up = tokio::spawn(pump(ir, ow, delay.clone()));
+                        let down = tokio::spawn(pump(or, iw, delay));
+                        let (a, b) = (up.abort_handle(), down.abort_handle());
+                        tokio::select! {
+                            _ = async { let _ = up.await; let _ = down.await; } => {}
+                            _ = cut.changed() => {}
+                        }
+                        // Dropping the halves closes both sockets.
+                        a.abort();
+                        b.abort();
                     }
                 });
             }
@@ -50,6 +101,8 @@ impl Proxy {
             up,
             generation,
             counter: Arc::new(AtomicU64::new(0)),
+            delay_ms,
+            target,
         }
     }
 
@@ -60,11 +113,27 @@ impl Proxy {
     /// Drops every connection and refuses new ones.
     pub fn cut(&self) {
         self.up.store(false, Ordering::SeqCst);
-        let n = self.counter.fetch_add(1, Ordering::SeqCst) + 1;
-        let _ = self.generation.send(n);
+        self.drop_connections();
     }
 
     pub fn restore(&self) {
         self.up.store(true, Ordering::SeqCst);
+    }
+
+    /// Drops every open connection; new ones are still accepted (unless cut).
+    pub fn drop_connections(&self) {
+        let n = self.counter.fetch_add(1, Ordering::SeqCst) + 1;
+        let _ = self.generation.send(n);
+    }
+
+    /// Holds every chunk back by `d` before forwarding it, for connections opened from
+    /// now on. Zero (the default) forwards at once.
+    pub fn set_delay(&self, d: Duration) {
+        self.delay_ms.store(d.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Forwards new connections to `target` from now on.
+    pub fn retarget(&self, target: String) {
+        *self.target.lock().unwrap() = target;
     }
 }

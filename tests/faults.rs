@@ -1,0 +1,741 @@
+//! The fault suite (issue 8): nothing acknowledged is ever lost or reordered, under
+//! crashes, outages, a slow and flaky network, several replicas and a faulty inbox
+//! handler. Real PostgreSQL, real brokers (tansu), mailroom processes, loopback only.
+//!
+//! Short by default (CI); `MAILROOM_SOAK=1` multiplies durations and counts by 10
+//! (`MAILROOM_SOAK=N`: by N). Each test prints its figures (`eprintln!`, shown with
+//! `--nocapture`) and its random seed (`MAILROOM_FAULT_SEED` replays it).
+//! Scenario 7 (hostile input) is `tests/hostile.rs`; scenario 6 (overload) is
+//! `tests/production.rs::overload_sheds_fast_and_loses_nothing`.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::faults::*;
+use common::proxy::Proxy;
+use common::*;
+use mailroom::pb;
+use mailroom::pb::handler_service_server::{HandlerService, HandlerServiceServer};
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::Code;
+
+async fn sleep_ms(ms: u64) {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+fn spec(topic: &str, writers: usize, keys: usize, endpoints: Vec<String>) -> WriterSpec {
+    WriterSpec {
+        topic: topic.into(),
+        writers,
+        keys,
+        endpoints,
+        pace: Duration::from_millis(5),
+        timeout: Duration::from_secs(10),
+        slow: Duration::from_secs(5),
+    }
+}
+
+async fn pg_pool(db: &str) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(db)
+        .await
+        .expect("connect")
+}
+
+async fn scalar(pool: &sqlx::PgPool, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql)
+        .fetch_one(pool)
+        .await
+        .expect("query")
+}
+
+/// Scenario 1. Writers enqueue continuously (Enqueue and EnqueueBatch, 50 keys) to a
+/// mailroom process that is SIGKILLed and restarted several times: afterwards every
+/// acknowledged event is on the topic, first deliveries in order per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_loop_sigkill_and_restart_lose_nothing_acknowledged() {
+    let broker = Broker::start();
+    let db = fresh_pg().await;
+    let mut rng = Rng::seeded("crash_loop");
+    let mut m = Mailroom::new(&db, Some(&broker.addr()), &[]);
+    m.start_ready().await;
+    let topic = "crash-loop";
+    let writers = Writers::start(spec(topic, 5, 50, vec![m.addr()]));
+    let pool = pg_pool(&db).await;
+    let kills = 3 * soak();
+    let mut completed_at_kill = Vec::new();
+    for _ in 0..kills {
+        sleep_ms(rng.range(1000, 2500)).await;
+        m.kill();
+        completed_at_kill.push(
+            scalar(
+                &pool,
+                "SELECT count(*) FROM outbox_events WHERE status = 'completed'",
+            )
+            .await,
+        );
+        sleep_ms(rng.range(100, 600)).await;
+        m.start_ready().await;
+    }
+    sleep_ms(1500).await;
+    let log = writers.stop().await;
+    let last_restart = Instant::now();
+    let took = drained(&db, log.acked.len(), scaled(Duration::from_secs(90))).await;
+    let total = scalar(&pool, "SELECT count(*) FROM outbox_events").await as usize;
+    m.kill();
+    let records = consume_all(&broker.addr(), topic, total, Duration::from_secs(60)).await;
+    let v = Verdict::of(&log.acked, &records);
+    eprintln!(
+        "crash loop: {kills} SIGKILLs (completed at each kill: {completed_at_kill:?}), {} requests, \
+         {} failed calls {:?}, {} idempotent replays; {} acknowledged, {} delivered \
+         ({} committed but unacknowledged), {} duplicates, {} keys out of order; \
+         drained {:?} after the writers stopped ({:?} since the last restart)",
+        log.requests,
+        log.error_count(),
+        log.errors,
+        log.replays,
+        v.acked,
+        v.delivered,
+        v.unacknowledged_extra,
+        v.duplicates,
+        v.keys_out_of_order,
+        took,
+        last_restart.elapsed(),
+    );
+    assert_eq!(m.starts, kills + 1);
+    assert!(
+        completed_at_kill.iter().any(|&c| c > 0),
+        "no kill landed while publishing"
+    );
+    assert_eq!(v.delivered, total, "every stored event is on the topic");
+    v.assert_sound("crash loop");
+}
+
+/// Scenario 2. A running service with a backlog loses its broker for longer than several
+/// relay cycles: no attempt is spent, and when the broker returns everything drains by
+/// itself, in order. tansu keeps records in memory, so the backlog is accepted during
+/// the outage (what the broker held before it died is gone with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_outage_spends_no_attempts_and_the_backlog_drains_in_order() {
+    let mut broker = Broker::start();
+    let db = fresh_pg().await;
+    let mut c = config(&db);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(2));
+    c.relays = 2;
+    c.relay.retry.base = Duration::from_millis(100);
+    c.relay.retry.cap = Duration::from_secs(1);
+    let mut s = Service::start(c).await;
+    // The producer is connected and publishing before the outage.
+    let warm = enqueue(&mut s.client, event("warm-up", "k", b"x")).await;
+    let pool = pg_pool(&db).await;
+    eventually(Duration::from_secs(30), "warm-up published", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT status FROM outbox_events WHERE id = $1")
+                .bind(warm)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == "completed"
+        }
+    })
+    .await;
+
+    broker.stop();
+    let outage = Instant::now();
+    let topic = "broker-outage";
+    let n = scaled_n(400);
+    let mut acked = Vec::new();
+    for chunk in 0..n.div_ceil(100) {
+        let events: Vec<pb::Event> = (chunk * 100..((chunk + 1) * 100).min(n))
+            .map(|i| event(topic, &format!("k{}", i % 20), format!("{i}").as_bytes()))
+            .collect();
+        let res = s
+            .client
+            .enqueue_batch(pb::EnqueueBatchRequest {
+                events: events.clone(),
+            })
+            .await
+            .expect("the database is up: enqueue works during a broker outage")
+            .into_inner()
+            .results;
+        for (r, e) in res.into_iter().zip(events) {
+            acked.push((e.key, r.id));
+        }
+    }
+    // Several relay cycles end transient while the broker is gone.
+    let stats = s.app.relay_stats.clone();
+    let transient = || {
+        stats
+            .iter()
+            .map(|s| s.transient.load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
+    let min_outage = scaled(Duration::from_secs(4));
+    eventually(
+        min_outage + Duration::from_secs(30),
+        "several transient relay cycles",
+        || {
+            let t = transient();
+            async move { t >= 6 && outage.elapsed() >= min_outage }
+        },
+    )
+    .await;
+    let (spent, not_pending): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE attempts > 0), count(*) FILTER (WHERE status <> 'pending') \
+         FROM outbox_events WHERE topic = $1",
+    )
+    .bind(topic)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let cycles_during_outage = transient();
+    assert_eq!(spent, 0, "a broker outage spends no attempts");
+    assert_eq!(
+        not_pending, 0,
+        "nothing was published or failed without a broker"
+    );
+
+    broker.resume();
+    let back = Instant::now();
+    let recover = drained(&db, n + 1, scaled(Duration::from_secs(60))).await;
+    let records = consume_all(&broker.addr(), topic, n, Duration::from_secs(30)).await;
+    let v = Verdict::of(&acked, &records);
+    let spent_total = scalar(
+        &pool,
+        "SELECT count(*) FROM outbox_events WHERE attempts > 0",
+    )
+    .await;
+    eprintln!(
+        "broker outage: down {:?}, {cycles_during_outage} transient relay cycles, 0 attempts spent; \
+         {} acknowledged, {} delivered, {} duplicates, {} keys out of order; drained {:?} after \
+         the broker returned ({spent_total} events spent an attempt in all)",
+        back - outage,
+        v.acked,
+        v.delivered,
+        v.duplicates,
+        v.keys_out_of_order,
+        recover.min(back.elapsed()),
+    );
+    v.assert_sound("broker outage");
+    assert_eq!(v.delivered, n);
+    s.app.stop().await.unwrap();
+}
+
+async fn health(addr: std::net::SocketAddr) -> Option<i32> {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .ok()?;
+    HealthClient::new(ch)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .ok()
+        .map(|r| r.into_inner().status)
+}
+
+/// Scenario 3. The PostgreSQL connection is cut (by a proxy) while clients enqueue:
+/// `Enqueue` answers UNAVAILABLE within 5 s and never OK without a commit, health goes
+/// NOT_SERVING, and when the database returns the service recovers by itself and the
+/// relay publishes every acknowledged event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_outage_answers_unavailable_fast_and_recovers_by_itself() {
+    const SERVING: i32 = 1;
+    const NOT_SERVING: i32 = 2;
+    let broker = Broker::start();
+    let db = fresh_pg().await;
+    let pg_proxy = Proxy::start("127.0.0.1:5432".into()).await;
+    let proxied = db.replacen("127.0.0.1:5432", &pg_proxy.addr(), 1);
+    assert_ne!(proxied, db, "the database URL goes through the proxy");
+    let mut c = config(&proxied);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(2));
+    c.relays = 2;
+    let s = Service::start(c).await;
+    let addr = s.app.addr;
+    let topic = "db-outage";
+    let writers = Writers::start(spec(topic, 4, 40, vec![addr.to_string()]));
+    sleep_ms(1500).await;
+    assert_eq!(health(addr).await, Some(SERVING));
+
+    pg_proxy.cut();
+    let cut = Instant::now();
+    eventually(Duration::from_secs(10), "NOT_SERVING", || async {
+        health(addr).await == Some(NOT_SERVING)
+    })
+    .await;
+    let not_serving_after = cut.elapsed();
+    // One measured call while the database is gone.
+    let mut probe = lazy_client(&addr.to_string(), Duration::from_secs(30));
+    let t0 = Instant::now();
+    let err = probe
+        .enqueue(pb::EnqueueRequest {
+            event: Some(event(topic, "probe", b"during the outage")),
+        })
+        .await
+        .expect_err("no OK while the database is unreachable");
+    let probe_latency = t0.elapsed();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(
+        probe_latency < Duration::from_secs(5),
+        "UNAVAILABLE took {probe_latency:?}"
+    );
+    let hold = scaled(Duration::from_secs(4)).saturating_sub(cut.elapsed());
+    tokio::time::sleep(hold).await;
+
+    pg_proxy.restore();
+    let restored = Instant::now();
+    let outage = restored - cut;
+    eventually(Duration::from_secs(30), "SERVING again", || async {
+        health(addr).await == Some(SERVING)
+    })
+    .await;
+    let serving_after = restored.elapsed();
+    sleep_ms(2000).await;
+    let log = writers.stop().await;
+    let recover = drained(&db, log.acked.len(), scaled(Duration::from_secs(60))).await;
+    let pool = pg_pool(&db).await;
+    let total = scalar(&pool, "SELECT count(*) FROM outbox_events").await as usize;
+    let records = consume_all(&broker.addr(), topic, total, Duration::from_secs(30)).await;
+    let v = Verdict::of(&log.acked, &records);
+    eprintln!(
+        "database outage: cut {outage:?}; NOT_SERVING after {not_serving_after:?}; probe \
+         UNAVAILABLE in {probe_latency:?}; {} requests, failed calls {:?} (slowest {:?}, {} over \
+         5 s); SERVING {serving_after:?} after the restore; {} acknowledged, {} delivered ({} \
+         committed but unacknowledged), {} duplicates, {} keys out of order; drained {:?} after \
+         the writers stopped",
+        log.requests,
+        log.errors,
+        log.max_error_latency,
+        log.slow_errors,
+        v.acked,
+        v.delivered,
+        v.unacknowledged_extra,
+        v.duplicates,
+        v.keys_out_of_order,
+        recover,
+    );
+    assert!(log.error_count() > 0, "the writers saw the outage");
+    assert!(
+        log.errors.keys().all(|c| *c == Code::Unavailable),
+        "only UNAVAILABLE during a database outage: {:?}",
+        log.errors
+    );
+    assert_eq!(log.slow_errors, 0, "every failure answered within 5 s");
+    v.assert_sound("database outage");
+    assert_eq!(v.delivered, total);
+    s.app.stop().await.unwrap();
+}
+
+/// Scenario 4. Between mailroom and the broker, a proxy adds latency and cuts every
+/// connection at random. The broker advertises the proxy, so every request after the
+/// bootstrap goes through it too. No loss, no reordering of first deliveries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_broker_and_random_cuts_lose_and_reorder_nothing() {
+    let mut rng = Rng::seeded("slow_broker");
+    let broker_port = free_port();
+    let proxy = Arc::new(Proxy::start(format!("127.0.0.1:{broker_port}")).await);
+    let broker = Broker::start_advertising(broker_port, &proxy.addr());
+    let db = fresh_pg().await;
+    let mut c = config(&db);
+    kafka_sink_config(&mut c, &proxy.addr(), Duration::from_secs(3));
+    c.relays = 2;
+    c.relay.retry.base = Duration::from_millis(100);
+    c.relay.retry.cap = Duration::from_secs(1);
+    c.relay.retry.max_attempts = 100;
+    let s = Service::start(c).await;
+    let topic = "flaky-net";
+    let writers = Writers::start(spec(topic, 4, 40, vec![s.app.addr.to_string()]));
+    let run = scaled(Duration::from_secs(8));
+    let t0 = Instant::now();
+    let mut cuts = 0;
+    let mut delays = Vec::new();
+    while t0.elapsed() < run {
+        let d = Duration::from_millis(rng.range(5, 80));
+        proxy.set_delay(d);
+        delays.push(d.as_millis() as u64);
+        proxy.drop_connections();
+        cuts += 1;
+        sleep_ms(rng.range(300, 1500)).await;
+    }
+    let log = writers.stop().await;
+    proxy.set_delay(Duration::ZERO);
+    proxy.drop_connections();
+    let calm = Instant::now();
+    let recover = drained(&db, log.acked.len(), scaled(Duration::from_secs(60))).await;
+    let pool = pg_pool(&db).await;
+    let total = scalar(&pool, "SELECT count(*) FROM outbox_events").await as usize;
+    let spent = scalar(
+        &pool,
+        "SELECT count(*) FROM outbox_events WHERE attempts > 0",
+    )
+    .await;
+    let records = consume_all(&proxy.addr(), topic, total, Duration::from_secs(30)).await;
+    let v = Verdict::of(&log.acked, &records);
+    let transient: u64 = s
+        .app
+        .relay_stats
+        .iter()
+        .map(|s| s.transient.load(Ordering::Relaxed))
+        .sum();
+    eprintln!(
+        "slow broker: {cuts} connection cuts, per-chunk delays {delays:?} ms, {transient} transient \
+         relay cycles, {spent} events spent an attempt; {} acknowledged, {} delivered, {} \
+         duplicates, {} keys out of order; drained {:?} after the network calmed",
+        v.acked,
+        v.delivered,
+        v.duplicates,
+        v.keys_out_of_order,
+        recover.min(calm.elapsed()),
+    );
+    v.assert_sound("slow broker");
+    assert_eq!(v.delivered, total);
+    drop(broker);
+    s.app.stop().await.unwrap();
+}
+
+/// Scenario 5. Three mailroom processes on one database; writers spread over them; one
+/// replica is SIGKILLed at random while publishing. Every event goes out, in order per
+/// key; duplicates are reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_one_killed_at_random_keep_order() {
+    let mut rng = Rng::seeded("replicas");
+    let broker = Broker::start();
+    let db = fresh_pg().await;
+    let mut replicas: Vec<Mailroom> = (0..3)
+        .map(|_| Mailroom::new(&db, Some(&broker.addr()), &[]))
+        .collect();
+    // The first replica migrates the fresh database before the others start: replicas
+    // started at the same moment on an empty database can fail their migrations with a
+    // deadlock (migration 0004's CREATE INDEX CONCURRENTLY against the other processes'
+    // migration lock waits), and the losing process exits 1. Reported; not this
+    // scenario's subject.
+    for r in &mut replicas {
+        r.start_ready().await;
+    }
+    let topic = "replicas";
+    let endpoints = replicas.iter().map(Mailroom::addr).collect();
+    let writers = Writers::start(spec(topic, 6, 50, endpoints));
+    let pool = pg_pool(&db).await;
+    eventually(Duration::from_secs(30), "publishing started", || {
+        let pool = pool.clone();
+        async move {
+            scalar(
+                &pool,
+                "SELECT count(*) FROM outbox_events WHERE status = 'completed'",
+            )
+            .await
+                > 0
+        }
+    })
+    .await;
+    sleep_ms(rng.range(500, 3000)).await;
+    let victim = rng.range(0, 3) as usize;
+    replicas[victim].kill();
+    let at_kill = scalar(
+        &pool,
+        "SELECT count(*) FROM outbox_events WHERE status = 'completed'",
+    )
+    .await;
+    let killed = Instant::now();
+    tokio::time::sleep(scaled(Duration::from_secs(3))).await;
+    let log = writers.stop().await;
+    let recover = drained(&db, log.acked.len(), scaled(Duration::from_secs(60))).await;
+    let total = scalar(&pool, "SELECT count(*) FROM outbox_events").await as usize;
+    for r in &mut replicas {
+        r.kill();
+    }
+    let records = consume_all(&broker.addr(), topic, total, Duration::from_secs(30)).await;
+    let v = Verdict::of(&log.acked, &records);
+    eprintln!(
+        "replicas: replica {victim} of 3 SIGKILLed with {at_kill} published; {} requests, failed \
+         calls {:?}; {} acknowledged, {} delivered, {} duplicates, {} keys out of order; drained \
+         {:?} after the writers stopped ({:?} after the kill)",
+        log.requests,
+        log.errors,
+        v.acked,
+        v.delivered,
+        v.duplicates,
+        v.keys_out_of_order,
+        recover,
+        killed.elapsed(),
+    );
+    v.assert_sound("replicas");
+    assert_eq!(v.delivered, total);
+}
+
+/// One call the faulty handler received.
+#[derive(Debug, Clone)]
+struct Call {
+    message_id: String,
+    key: String,
+    at: Instant,
+}
+
+/// A subscriber that sometimes hangs past mailroom's timeout and sometimes answers with
+/// an error status; it answers success otherwise (also after a hang).
+#[derive(Clone)]
+struct FaultyHandler {
+    calls: Arc<Mutex<Vec<Call>>>,
+    rng: Arc<Mutex<Rng>>,
+    faulty: Arc<AtomicBool>,
+}
+
+#[tonic::async_trait]
+impl HandlerService for FaultyHandler {
+    async fn handle(
+        &self,
+        request: tonic::Request<pb::HandleRequest>,
+    ) -> Result<tonic::Response<pb::HandleResponse>, tonic::Status> {
+        let r = request.into_inner();
+        self.calls.lock().unwrap().push(Call {
+            message_id: r.message_id.clone(),
+            key: r.key.clone(),
+            at: Instant::now(),
+        });
+        let roll = self.rng.lock().unwrap().range(0, 100);
+        if self.faulty.load(Ordering::Relaxed) {
+            if roll < 5 {
+                // Past the handler timeout (300 ms): mailroom gives up, counts an attempt.
+                tokio::time::sleep(Duration::from_millis(700)).await;
+            } else if roll < 10 {
+                return Err(tonic::Status::internal("handler bug"));
+            }
+        }
+        Ok(tonic::Response::new(pb::HandleResponse {
+            outcome: Some(pb::handle_response::Outcome::Success(pb::HandleSuccess {})),
+        }))
+    }
+}
+
+/// A "handler" that answers every connection with junk bytes.
+async fn junk_server() -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let _ = s
+                    .write_all(b"HTTP/1.1 418 I'm a teapot\r\n\r\n\xff\xfe\x00garbage\x00\x01")
+                    .await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Scenario 8. The inbox, end to end (outbox → broker → mailroom's consumer → handler),
+/// while the handler hangs, answers errors, crashes mid-call (its connection cut), is
+/// down, is replaced by a server answering junk, and while the consumer (the mailroom
+/// process) is SIGKILLed mid-batch and restarted. No message is handled after its
+/// success was recorded, none is lost, and per key messages are first handled in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_survives_handler_faults_and_consumer_restarts() {
+    let rng = Rng::seeded("inbox_faults");
+    let broker = Broker::start();
+    let db = fresh_pg().await;
+    let handler = FaultyHandler {
+        calls: Arc::default(),
+        rng: Arc::new(Mutex::new(rng)),
+        faulty: Arc::new(AtomicBool::new(true)),
+    };
+    let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let real = hl.local_addr().unwrap().to_string();
+    let svc = HandlerServiceServer::new(handler.clone());
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(TcpListenerStream::new(hl))
+            .await
+            .unwrap();
+    });
+    let junk = junk_server().await;
+    let hproxy = Proxy::start(real.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("mailroom.toml");
+    let topic = "inbox-faults";
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[subscriptions]]\nname = \"faults\"\ntopics = [\"{topic}\"]\n\
+             handler = \"http://{}\"\nhandler_timeout_ms = 300\nconcurrency = 4\n\
+             max_attempts = 100\nretry_base_ms = 50\nretry_cap_ms = 500\n",
+            hproxy.addr()
+        ),
+    )
+    .unwrap();
+    let mut m = Mailroom::new(
+        &db,
+        Some(&broker.addr()),
+        &[("MAILROOM_CONFIG", cfg.to_str().unwrap())],
+    );
+    m.start_ready().await;
+    let pool = pg_pool(&db).await;
+
+    // Watches the inbox: when each message was first seen completed.
+    let recorded: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let watching = Arc::new(AtomicBool::new(true));
+    let watcher = {
+        let (recorded, watching, pool) = (recorded.clone(), watching.clone(), pool.clone());
+        tokio::spawn(async move {
+            let hard = Instant::now() + Duration::from_secs(900);
+            while watching.load(Ordering::SeqCst) && Instant::now() < hard {
+                let ids: Vec<String> = sqlx::query_scalar(
+                    "SELECT message_id FROM inbox_events \
+                     WHERE subscription = 'faults' AND status = 'completed'",
+                )
+                .fetch_all(&pool)
+                .await
+                .unwrap_or_default();
+                let now = Instant::now();
+                {
+                    let mut r = recorded.lock().unwrap();
+                    for id in ids {
+                        r.entry(id).or_insert(now);
+                    }
+                }
+                sleep_ms(50).await;
+            }
+        })
+    };
+
+    let mut inbox_spec = spec(topic, 4, 20, vec![m.addr()]);
+    inbox_spec.pace = Duration::from_millis(25);
+    let writers = Writers::start(inbox_spec);
+    let step = |ms: u64| tokio::time::sleep(scaled(Duration::from_millis(ms)));
+    for round in 0..soak() {
+        step(1500).await;
+        // The handler crashes mid-call (its connections cut) and stays down a while.
+        hproxy.cut();
+        step(1000).await;
+        hproxy.restore();
+        step(1000).await;
+        // Junk instead of gRPC.
+        hproxy.retarget(junk.clone());
+        hproxy.drop_connections();
+        step(800).await;
+        hproxy.retarget(real.clone());
+        hproxy.drop_connections();
+        step(1000).await;
+        // The consumer (and dispatcher) killed mid-batch, twice.
+        for _ in 0..2 {
+            m.kill();
+            sleep_ms(300).await;
+            m.start_ready().await;
+            step(1200).await;
+        }
+        eprintln!("inbox faults: round {round} done");
+    }
+    let log = writers.stop().await;
+    let stopped = Instant::now();
+    drained(&db, log.acked.len(), scaled(Duration::from_secs(60))).await;
+    let outbox_total = scalar(&pool, "SELECT count(*) FROM outbox_events").await;
+    // The timeouts and the hangs are over: let the rest through quickly.
+    handler.faulty.store(false, Ordering::Relaxed);
+    eventually(
+        scaled(Duration::from_secs(90)),
+        "every outbox event handled",
+        || {
+            let pool = pool.clone();
+            async move {
+                scalar(
+                    &pool,
+                    "SELECT count(*) FROM inbox_events \
+                     WHERE subscription = 'faults' AND status = 'completed'",
+                )
+                .await
+                    >= outbox_total
+            }
+        },
+    )
+    .await;
+    let recover = stopped.elapsed();
+    sleep_ms(300).await;
+    watching.store(false, Ordering::SeqCst);
+    watcher.await.unwrap();
+    m.kill();
+
+    let (rows, completed, failed): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE status = 'completed'), \
+                count(*) FILTER (WHERE status = 'failed') \
+         FROM inbox_events WHERE subscription = 'faults'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let inbox_ids: HashSet<String> =
+        sqlx::query_scalar("SELECT message_id FROM inbox_events WHERE subscription = 'faults'")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    let acked: HashSet<String> = log.acked.iter().map(|(_, id)| id.to_string()).collect();
+    let lost: Vec<&String> = acked.difference(&inbox_ids).collect();
+
+    let calls = handler.calls.lock().unwrap().clone();
+    let recorded = recorded.lock().unwrap().clone();
+    let mut per_message: HashMap<&str, usize> = HashMap::new();
+    let mut after_recorded = Vec::new();
+    for c in &calls {
+        *per_message.entry(&c.message_id).or_default() += 1;
+        if let Some(at) = recorded.get(&c.message_id)
+            && c.at > *at
+        {
+            after_recorded.push(c.message_id.clone());
+        }
+    }
+    let handled_more_than_once = per_message.values().filter(|n| **n > 1).count();
+    // Per key, messages first handled in id (= outbox acceptance) order.
+    let mut first: HashMap<&str, Vec<i64>> = HashMap::new();
+    let mut seen = HashSet::new();
+    for c in &calls {
+        if seen.insert(&c.message_id) {
+            first
+                .entry(&c.key)
+                .or_default()
+                .push(c.message_id.parse().unwrap());
+        }
+    }
+    let keys_out_of_order = first
+        .values()
+        .filter(|ids| !ids.windows(2).all(|w| w[0] < w[1]))
+        .count();
+    eprintln!(
+        "inbox faults: {} acknowledged outbox events, {rows} inbox rows ({completed} completed, \
+         {failed} failed), {} handler calls for {} messages, {handled_more_than_once} messages \
+         handled more than once before their success was recorded, {} calls after it was \
+         recorded, {} lost, {keys_out_of_order} keys out of order; all handled {recover:?} after \
+         the writers stopped; mailroom started {} times",
+        acked.len(),
+        calls.len(),
+        per_message.len(),
+        after_recorded.len(),
+        lost.len(),
+        m.starts,
+    );
+    assert!(!acked.is_empty());
+    assert!(
+        lost.is_empty(),
+        "acknowledged but never in the inbox: {lost:?}"
+    );
+    assert_eq!(rows, outbox_total, "one inbox row per outbox event");
+    assert_eq!(completed, rows, "every message handled");
+    assert!(
+        after_recorded.is_empty(),
+        "handled again after its success was recorded: {after_recorded:?}"
+    );
+    assert_eq!(per_message.len() as i64, rows);
+    assert_eq!(keys_out_of_order, 0);
+}
