@@ -142,11 +142,7 @@ impl App {
 
         let background = CancellationToken::new();
         let mut tasks = Vec::new();
-        tasks.push(tokio::spawn(health.clone().monitor(
-            store.clone(),
-            config.health_interval,
-            background.clone(),
-        )));
+
 
         let wakeup = Wakeup::default();
         let mut relay_stats = Vec::new();
@@ -156,6 +152,13 @@ impl App {
             relay_stats.push(relay.stats());
             tasks.push(tokio::spawn(relay.run(background.clone())));
         }
+        tasks.push(tokio::spawn(health.clone().monitor(
+            store.clone(),
+            relay_stats.clone(),
+            config.ready_max_broker_down,
+            config.health_interval,
+            background.clone(),
+        )));
         if config.is_postgres() && config.listen_notify {
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(2)
@@ -187,7 +190,7 @@ impl App {
                 inbox_handles.clone(),
             ));
 
-        let metrics = Metrics::new(relay_stats.clone());
+        let metrics = Metrics::with_inbox(relay_stats.clone(), inbox_handles.clone());
         let mut metrics_addr = None;
         if let Some(listen) = config.metrics_listen {
             let l = tokio::net::TcpListener::bind(listen)

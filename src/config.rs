@@ -114,6 +114,10 @@ pub struct Settings {
     /// Grace period for in-flight work on SIGTERM, in ms [default: 30000].
     #[arg(long, env = "MAILROOM_SHUTDOWN_GRACE_MS", global = true)]
     pub shutdown_grace_ms: Option<u64>,
+    /// Readiness: NOT_SERVING once the broker has been unreachable for this long, in ms
+    /// [default: unset, the broker does not affect readiness].
+    #[arg(long, env = "MAILROOM_READY_MAX_BROKER_DOWN_MS", global = true)]
+    pub ready_max_broker_down_ms: Option<u64>,
     /// Database health check interval in ms [default: 1000].
     #[arg(long, env = "MAILROOM_HEALTH_INTERVAL_MS", global = true)]
     pub health_interval_ms: Option<u64>,
@@ -353,6 +357,8 @@ pub struct Config {
     pub intake: IntakeConfig,
     pub shutdown_grace: Duration,
     pub health_interval: Duration,
+    /// Readiness drops once the broker has been unreachable this long.
+    pub ready_max_broker_down: Option<Duration>,
     /// Fault injection at the sink (testing only): (counted rate, transient rate).
     pub faults: (f64, f64),
     /// Token the AdminService requires; `None`: no token.
@@ -419,6 +425,7 @@ impl Settings {
             intake_writers,
             shutdown_grace_ms,
             health_interval_ms,
+            ready_max_broker_down_ms,
             fault_counted_rate,
             fault_transient_rate,
             admin_token,
@@ -649,6 +656,7 @@ impl Config {
             intake,
             shutdown_grace: Duration::from_millis(s.shutdown_grace_ms.unwrap_or(30_000)),
             health_interval: Duration::from_millis(s.health_interval_ms.unwrap_or(1000).max(50)),
+            ready_max_broker_down: s.ready_max_broker_down_ms.map(Duration::from_millis),
             faults: {
                 let f = (
                     s.fault_counted_rate.unwrap_or(0.0),

@@ -1,6 +1,8 @@
 //! Health: `grpc.health.v1` statuses for the whole server ("") and each service, driven
-//! by a background check of the database. SERVING while the database answers,
-//! NOT_SERVING while it does not and from the moment shutdown begins.
+//! by a background check of the database (and, optionally, of the broker). SERVING while
+//! the database answers, NOT_SERVING while it does not, while the broker has been
+//! unreachable longer than `ready_max_broker_down_ms` (when set), and from the moment
+//! shutdown begins. The `liveness` service stays SERVING while the process runs.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::relay::RelayStats;
 use crate::store::Store;
 
 /// Services whose status follows the database.
@@ -46,30 +49,47 @@ impl Health {
         }
     }
 
-    /// Pings the database every `interval` until `shutdown`, flipping the status on each
-    /// change. A ping slower than the interval counts as a failure.
+    /// Checks readiness every `interval` until `shutdown`, flipping the status on each
+    /// change: the database must answer a ping within the interval, and, when
+    /// `max_broker_down` is set, no outbox relay may have found its destination
+    /// unreachable for longer than that.
     pub async fn monitor(
         self,
         store: Arc<dyn Store>,
+        relays: Vec<Arc<RelayStats>>,
+        max_broker_down: Option<Duration>,
         interval: Duration,
         shutdown: CancellationToken,
     ) {
         let mut serving = true;
         loop {
-            let ok = matches!(
+            let db_ok = matches!(
                 tokio::time::timeout(interval.max(Duration::from_millis(500)), store.ping()).await,
                 Ok(Ok(()))
             );
+            let broker_down_for = relays
+                .iter()
+                .filter_map(|r| r.unreachable_for())
+                .max();
+            let broker_ok = match (max_broker_down, broker_down_for) {
+                (Some(max), Some(down)) => down <= max,
+                _ => true,
+            };
+            let ok = db_ok && broker_ok;
             if shutdown.is_cancelled() {
                 break;
             }
             if ok != serving {
                 serving = ok;
                 if ok {
-                    tracing::info!("database reachable again: SERVING");
+                    tracing::info!("database and destination reachable: SERVING");
                     self.set_all(ServingStatus::Serving).await;
                 } else {
-                    tracing::warn!("database unreachable: NOT_SERVING");
+                    tracing::warn!(
+                        database_ok = db_ok,
+                        destination_down_ms = broker_down_for.map(|d| d.as_millis() as u64),
+                        "not ready: NOT_SERVING"
+                    );
                     self.set_all(ServingStatus::NotServing).await;
                 }
             }

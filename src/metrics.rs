@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::codegen::http;
 
 use crate::domain::BoxKind;
+use crate::inbox::InboxHandles;
 use crate::relay::RelayStats;
 use crate::store::Store;
 
@@ -219,9 +220,99 @@ impl Collector for RelayCollector {
     }
 }
 
+/// The inbox's counters per subscription, read at scrape time. The subscription label is
+/// bounded by the configuration.
+struct InboxCollector {
+    inbox: InboxHandles,
+}
+
+impl std::fmt::Debug for InboxCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InboxCollector")
+    }
+}
+
+impl Collector for InboxCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::NoLabelSet;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut subs: Vec<&String> = self.inbox.dispatch_stats.keys().collect();
+        subs.sort();
+        {
+            let mut e = encoder.encode_descriptor(
+                "mailroom_inbox_received",
+                "Records the inbox consumers read from Kafka.",
+                None,
+                MetricType::Counter,
+            )?;
+            for s in &subs {
+                if let Some(i) = self.inbox.intake_stats.get(*s) {
+                    e.encode_family(&[("subscription", s.as_str())])?
+                        .encode_counter::<NoLabelSet, _, u64>(&load(&i.received), None)?;
+                }
+            }
+        }
+        {
+            let mut e = encoder.encode_descriptor(
+                "mailroom_inbox_duplicates",
+                "Records dropped as duplicates (already in the inbox).",
+                None,
+                MetricType::Counter,
+            )?;
+            for s in &subs {
+                if let Some(i) = self.inbox.intake_stats.get(*s) {
+                    e.encode_family(&[("subscription", s.as_str())])?
+                        .encode_counter::<NoLabelSet, _, u64>(&load(&i.duplicates), None)?;
+                }
+            }
+        }
+        {
+            let mut e = encoder.encode_descriptor(
+                "mailroom_inbox_handled",
+                "Handler outcomes: completed, retried (counted or deferred), failed \
+                 (rejected or out of attempts), transient (handler unreachable).",
+                None,
+                MetricType::Counter,
+            )?;
+            for s in &subs {
+                let r = &self.inbox.dispatch_stats[*s];
+                for (outcome, v) in [
+                    ("completed", load(&r.delivered)),
+                    ("retried", load(&r.retried)),
+                    ("failed", load(&r.failed)),
+                    ("transient", load(&r.transient_events)),
+                ] {
+                    e.encode_family(&[("subscription", s.as_str()), ("outcome", outcome)])?
+                        .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
+                }
+            }
+        }
+        {
+            let mut e = encoder.encode_descriptor(
+                "mailroom_inbox_handle_seconds",
+                "Duration of one HandlerService.Handle call.",
+                None,
+                MetricType::Histogram,
+            )?;
+            for s in &subs {
+                if let Some(l) = self.inbox.handler_latency.get(*s) {
+                    let (sum, count, buckets) = merged(std::iter::once(l.as_ref()));
+                    e.encode_family(&[("subscription", s.as_str())])?
+                        .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Metrics {
-    /// Metrics over the given relays' stats.
+    /// Metrics over the given relays' stats (and the inbox's, when it has subscriptions).
     pub fn new(relays: Vec<Arc<RelayStats>>) -> Metrics {
+        Metrics::with_inbox(relays, InboxHandles::default())
+    }
+
+    pub fn with_inbox(relays: Vec<Arc<RelayStats>>, inbox: InboxHandles) -> Metrics {
         let mut registry = Registry::default();
         let enqueued = Family::<TopicLabel, Counter>::default();
         let duplicates = Family::<TopicLabel, Counter>::default();
@@ -303,6 +394,9 @@ impl Metrics {
             keys_pruned.clone(),
         );
         registry.register_collector(Box::new(RelayCollector { relays }));
+        if !inbox.dispatch_stats.is_empty() {
+            registry.register_collector(Box::new(InboxCollector { inbox }));
+        }
         Metrics {
             inner: Arc::new(Inner {
                 registry,

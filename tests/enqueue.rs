@@ -6,6 +6,7 @@ mod common;
 use std::collections::HashSet;
 use std::time::Duration;
 
+use common::probe::*;
 use common::*;
 use mailroom::domain::{BoxKind, Status};
 use mailroom::pb;
@@ -446,17 +447,6 @@ async fn invalid_input_names_the_field_and_stores_nothing() {
         0
     );
     s.app.stop().await.unwrap();
-}
-
-async fn health_status(addr: std::net::SocketAddr, service: &str) -> Option<i32> {
-    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
-    let mut h = HealthClient::new(channel(addr).await);
-    h.check(HealthCheckRequest {
-        service: service.into(),
-    })
-    .await
-    .ok()
-    .map(|r| r.into_inner().status)
 }
 
 #[tokio::test]

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::probe::*;
 use common::*;
 use mailroom::config::{Config, SubscriptionConfig};
 use mailroom::domain::{BoxKind, Status};
@@ -172,6 +173,7 @@ async fn outbox_to_broker_to_handler_once_each_in_order() {
     let mut c: Config = config(&db);
     kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(3));
     c.subscriptions = vec![subscription("billing", &["flow"], &url)];
+    c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
     let mut s = Service::start(c).await;
     let mut sent: HashMap<String, Vec<i64>> = HashMap::new();
     // The first event carries W3C trace context from its producer.
@@ -210,6 +212,12 @@ async fn outbox_to_broker_to_handler_once_each_in_order() {
     let records = consume(&broker.addr(), "flow", 101, Duration::from_secs(30));
     let rec = records.iter().find(|r| r.key == "traced").unwrap();
     assert_eq!(rec.headers["traceparent"], tp);
+    // The inbox's metrics saw the same flow.
+    let text = scrape(s.app.metrics_addr.unwrap()).await;
+    let handled = r#"mailroom_inbox_handled_total{subscription="billing",outcome="completed"}"#;
+    assert_eq!(sample(&text, handled), 101.0, "{text}");
+    assert!(sample(&text, r#"mailroom_inbox_received_total{subscription="billing"}"#) >= 101.0);
+    assert!(sample(&text, r#"mailroom_inbox_handle_seconds_count{subscription="billing"}"#) >= 101.0);
     assert!(calls.iter().all(|c| c.attempt == 1));
     // message_id is the outbox event id (ce_id); per key, handled in enqueue order.
     assert_eq!(successes_by_key(&calls), sent);

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::probe::*;
 use common::*;
 use mailroom::domain::{BoxKind, Status};
 use mailroom::pb;
@@ -370,27 +371,6 @@ async fn oversized_messages_are_refused_by_the_transport() {
         0
     );
     s.app.stop().await.unwrap();
-}
-
-/// GETs `/metrics` with a bare HTTP/1.1 request.
-async fn scrape(addr: std::net::SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
-    out
-}
-
-/// The value of one sample line (`name{labels} value`), 0 when absent.
-fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|r| r.strip_prefix(' ')))
-        .map(|v| v.trim().parse().unwrap())
-        .unwrap_or(0.0)
 }
 
 #[tokio::test]

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::probe::*;
 use common::*;
 use mailroom::domain::{BoxKind, EventId, Queue, Status, StoredEvent};
 use mailroom::pb;
@@ -865,4 +866,36 @@ async fn a_killed_process_loses_nothing_and_keeps_order() {
         acked.len(),
         delivered.len()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_drops_while_the_broker_is_down_longer_than_allowed() {
+    const SERVING: i32 = 1;
+    const NOT_SERVING: i32 = 2;
+    let mut broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(1));
+    c.relays = 1;
+    c.ready_max_broker_down = Some(Duration::from_secs(1));
+    let mut s = Service::start(c).await;
+    let addr = s.app.addr;
+    assert_eq!(health_status(addr, "").await, Some(SERVING));
+    broker.stop();
+    enqueue(&mut s.client, event("ready", "k", b"x")).await;
+    eventually(Duration::from_secs(30), "NOT_SERVING while the broker is down", || async {
+        health_status(addr, "").await == Some(NOT_SERVING)
+    })
+    .await;
+    assert_eq!(health_status(addr, "liveness").await, Some(SERVING), "liveness stays on");
+    broker.resume();
+    eventually(Duration::from_secs(60), "SERVING once the broker is back", || async {
+        health_status(addr, "").await == Some(SERVING)
+    })
+    .await;
+    assert_eq!(
+        s.app.store.count_events(BoxKind::Outbox, Some(Status::Completed)).await.unwrap(),
+        1
+    );
+    s.app.stop().await.unwrap();
 }

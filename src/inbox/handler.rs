@@ -12,12 +12,14 @@
 //! | gRPC `UNAVAILABLE`, connection refused or reset | transient: nothing spent, the cycle stops |
 //! | timeout, any other gRPC status | counted |
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
 
 use crate::domain::StoredEvent;
+use crate::metrics::Latency;
 use crate::pb;
 use crate::pb::handler_service_client::HandlerServiceClient;
 use crate::sink::{Delivery, Failure, Sink};
@@ -30,6 +32,7 @@ pub struct HandlerSink {
     subscription: String,
     timeout: Duration,
     concurrency: usize,
+    latency: Arc<Latency>,
 }
 
 impl HandlerSink {
@@ -49,7 +52,13 @@ impl HandlerSink {
             subscription: subscription.to_string(),
             timeout,
             concurrency: concurrency.max(1),
+            latency: Arc::new(Latency::default()),
         })
+    }
+
+    /// The histogram of Handle call durations.
+    pub fn latency(&self) -> Arc<Latency> {
+        self.latency.clone()
     }
 
     async fn handle(&self, e: &StoredEvent) -> Delivery {
@@ -77,7 +86,10 @@ impl HandlerSink {
         }
         let mut client = self.client.clone();
         let call = tracing::Instrument::instrument(client.handle(req), span);
-        match tokio::time::timeout(self.timeout, call).await {
+        let started = std::time::Instant::now();
+        let answer = tokio::time::timeout(self.timeout, call).await;
+        self.latency.observe(started.elapsed());
+        match answer {
             Err(_) => Delivery::Failed(Failure::Counted {
                 error: format!("handler timed out after {} ms", self.timeout.as_millis()),
                 retry_at: None,

@@ -24,6 +24,8 @@ pub struct InboxHandles {
     pub wakers: Arc<HashMap<String, Arc<Notify>>>,
     pub dispatch_stats: Arc<HashMap<String, Arc<RelayStats>>>,
     pub intake_stats: Arc<HashMap<String, Arc<consumer::IntakeStats>>>,
+    /// Duration of each Handle call, per subscription.
+    pub handler_latency: Arc<HashMap<String, Arc<crate::metrics::Latency>>>,
 }
 
 impl InboxHandles {
@@ -44,6 +46,7 @@ pub fn start(
     let mut wakers = HashMap::new();
     let mut dispatch_stats = HashMap::new();
     let mut intake_stats = HashMap::new();
+    let mut handler_latency = HashMap::new();
     let mut tasks = Vec::new();
     for sub in &config.subscriptions {
         let sink = handler::HandlerSink::new(
@@ -52,6 +55,8 @@ pub fn start(
             sub.handler_timeout,
             sub.concurrency,
         )?;
+        let latency = sink.latency();
+        handler_latency.insert(sub.name.clone(), latency);
         let relay_config = RelayConfig {
             retry: sub.retry,
             // A claim must outlive the slowest run of handler calls it can hold.
@@ -102,6 +107,7 @@ pub fn start(
             wakers: Arc::new(wakers),
             dispatch_stats: Arc::new(dispatch_stats),
             intake_stats: Arc::new(intake_stats),
+            handler_latency: Arc::new(handler_latency),
         },
         tasks,
     ))

@@ -76,6 +76,19 @@ pub struct RelayStats {
     pub cycle_latency: crate::metrics::Latency,
     /// The sink's delivery of one cycle's runs.
     pub publish_latency: crate::metrics::Latency,
+    /// Since when (Unix ms) deliveries have failed transiently with nothing delivered;
+    /// 0 while the destination is reachable.
+    pub unreachable_since_ms: std::sync::atomic::AtomicI64,
+}
+
+impl RelayStats {
+    /// How long the destination has been unreachable, if it is.
+    pub fn unreachable_for(&self) -> Option<Duration> {
+        let since = self.unreachable_since_ms.load(Ordering::Relaxed);
+        (since > 0).then(|| {
+            Duration::from_millis((chrono::Utc::now().timestamp_millis() - since).max(0) as u64)
+        })
+    }
 }
 
 /// What one cycle did.
@@ -246,6 +259,17 @@ impl Relay {
             .fetch_add(transient_events as u64, Ordering::Relaxed);
         if report.transient {
             s.transient.fetch_add(1, Ordering::Relaxed);
+        }
+        if report.delivered > 0 {
+            s.unreachable_since_ms.store(0, Ordering::Relaxed);
+        } else if report.transient {
+            let now = chrono::Utc::now().timestamp_millis();
+            let _ = s.unreachable_since_ms.compare_exchange(
+                0,
+                now,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
         }
         Ok(report)
     }

@@ -1,0 +1,34 @@
+//! Probes of a running service from the outside: its gRPC health and its metrics page.
+
+/// The `grpc.health.v1` status of `service` (1 SERVING, 2 NOT_SERVING), if it answers.
+pub async fn health_status(addr: std::net::SocketAddr, service: &str) -> Option<i32> {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let mut h = HealthClient::new(super::channel(addr).await);
+    h.check(HealthCheckRequest {
+        service: service.into(),
+    })
+    .await
+    .ok()
+    .map(|r| r.into_inner().status)
+}
+
+/// GETs `/metrics` with a bare HTTP/1.1 request.
+pub async fn scrape(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
+}
+
+/// The value of one sample line (`name{labels} value`), 0 when absent.
+pub fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|r| r.strip_prefix(' ')))
+        .map(|v| v.trim().parse().unwrap())
+        .unwrap_or(0.0)
+}
