@@ -143,7 +143,6 @@ impl App {
         let background = CancellationToken::new();
         let mut tasks = Vec::new();
 
-
         let wakeup = Wakeup::default();
         let mut relay_stats = Vec::new();
         for _ in 0..config.relays {

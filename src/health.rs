@@ -67,10 +67,7 @@ impl Health {
                 tokio::time::timeout(interval.max(Duration::from_millis(500)), store.ping()).await,
                 Ok(Ok(()))
             );
-            let broker_down_for = relays
-                .iter()
-                .filter_map(|r| r.unreachable_for())
-                .max();
+            let broker_down_for = relays.iter().filter_map(|r| r.unreachable_for()).max();
             let broker_ok = match (max_broker_down, broker_down_for) {
                 (Some(max), Some(down)) => down <= max,
                 _ => true,

@@ -216,8 +216,18 @@ async fn outbox_to_broker_to_handler_once_each_in_order() {
     let text = scrape(s.app.metrics_addr.unwrap()).await;
     let handled = r#"mailroom_inbox_handled_total{subscription="billing",outcome="completed"}"#;
     assert_eq!(sample(&text, handled), 101.0, "{text}");
-    assert!(sample(&text, r#"mailroom_inbox_received_total{subscription="billing"}"#) >= 101.0);
-    assert!(sample(&text, r#"mailroom_inbox_handle_seconds_count{subscription="billing"}"#) >= 101.0);
+    assert!(
+        sample(
+            &text,
+            r#"mailroom_inbox_received_total{subscription="billing"}"#
+        ) >= 101.0
+    );
+    assert!(
+        sample(
+            &text,
+            r#"mailroom_inbox_handle_seconds_count{subscription="billing"}"#
+        ) >= 101.0
+    );
     assert!(calls.iter().all(|c| c.attempt == 1));
     // message_id is the outbox event id (ce_id); per key, handled in enqueue order.
     assert_eq!(successes_by_key(&calls), sent);

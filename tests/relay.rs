@@ -883,18 +883,30 @@ async fn readiness_drops_while_the_broker_is_down_longer_than_allowed() {
     assert_eq!(health_status(addr, "").await, Some(SERVING));
     broker.stop();
     enqueue(&mut s.client, event("ready", "k", b"x")).await;
-    eventually(Duration::from_secs(30), "NOT_SERVING while the broker is down", || async {
-        health_status(addr, "").await == Some(NOT_SERVING)
-    })
-    .await;
-    assert_eq!(health_status(addr, "liveness").await, Some(SERVING), "liveness stays on");
-    broker.resume();
-    eventually(Duration::from_secs(60), "SERVING once the broker is back", || async {
-        health_status(addr, "").await == Some(SERVING)
-    })
+    eventually(
+        Duration::from_secs(30),
+        "NOT_SERVING while the broker is down",
+        || async { health_status(addr, "").await == Some(NOT_SERVING) },
+    )
     .await;
     assert_eq!(
-        s.app.store.count_events(BoxKind::Outbox, Some(Status::Completed)).await.unwrap(),
+        health_status(addr, "liveness").await,
+        Some(SERVING),
+        "liveness stays on"
+    );
+    broker.resume();
+    eventually(
+        Duration::from_secs(60),
+        "SERVING once the broker is back",
+        || async { health_status(addr, "").await == Some(SERVING) },
+    )
+    .await;
+    assert_eq!(
+        s.app
+            .store
+            .count_events(BoxKind::Outbox, Some(Status::Completed))
+            .await
+            .unwrap(),
         1
     );
     s.app.stop().await.unwrap();
