@@ -40,23 +40,28 @@ pub fn message_id(m: &OwnedMessage) -> String {
         .unwrap_or_else(|| format!("{}:{}:{}", m.topic(), m.partition(), m.offset()))
 }
 
+/// Text from a record as UTF-8, without NUL characters (PostgreSQL text cannot hold
+/// them; a poison record must not stall the subscription).
+fn text(bytes: &[u8]) -> String {
+    let s = String::from_utf8_lossy(bytes);
+    if s.contains('\0') {
+        s.replace('\0', "\u{FFFD}")
+    } else {
+        s.into_owned()
+    }
+}
+
 pub fn inbound(m: &OwnedMessage, max_attempts: u32) -> InboundMessage {
     let mut headers = BTreeMap::new();
     if let Some(h) = m.headers() {
         for x in h.iter() {
-            headers.insert(
-                x.key.to_string(),
-                String::from_utf8_lossy(x.value.unwrap_or_default()).into_owned(),
-            );
+            headers.insert(text(x.key.as_bytes()), text(x.value.unwrap_or_default()));
         }
     }
     InboundMessage {
-        message_id: message_id(m),
+        message_id: text(message_id(m).as_bytes()),
         topic: m.topic().to_string(),
-        key: m
-            .key()
-            .filter(|k| !k.is_empty())
-            .map(|k| String::from_utf8_lossy(k).into_owned()),
+        key: m.key().filter(|k| !k.is_empty()).map(text),
         payload: m.payload().unwrap_or_default().to_vec(),
         event_type: headers.get("ce_type").cloned(),
         headers,
@@ -173,5 +178,42 @@ pub async fn run(
             // Not fatal: the records are stored; a redelivery is dropped as a duplicate.
             tracing::warn!(subscription = %sub.name, error = %e, "offset commit failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::Timestamp;
+    use rdkafka::message::{Header, OwnedHeaders};
+
+    #[test]
+    fn nul_characters_never_reach_the_store() {
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "ab",
+                value: Some(&b"x\0y"[..]),
+            })
+            .insert(Header {
+                key: "ce_id",
+                value: Some(&b"id\0"[..]),
+            });
+        let m = OwnedMessage::new(
+            Some(b"payload\0ok".to_vec()),
+            Some(b"k\0ey".to_vec()),
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            7,
+            Some(headers),
+        );
+        let i = inbound(&m, 3);
+        assert_eq!(i.key.as_deref(), Some("k\u{FFFD}ey"));
+        assert_eq!(i.message_id, "id\u{FFFD}");
+        assert_eq!(i.headers["ab"], "x\u{FFFD}y");
+        assert_eq!(
+            i.payload, b"payload\0ok",
+            "the payload is bytes and stays as it is"
+        );
     }
 }
