@@ -414,13 +414,13 @@ async fn three_replicas_one_killed_at_random_keep_order() {
     let mut replicas: Vec<Mailroom> = (0..3)
         .map(|_| Mailroom::new(&db, Some(&broker.addr()), &[]))
         .collect();
-    // The first replica migrates the fresh database before the others start: replicas
-    // started at the same moment on an empty database can fail their migrations with a
-    // deadlock (migration 0004's CREATE INDEX CONCURRENTLY against the other processes'
-    // migration lock waits), and the losing process exits 1. Reported; not this
-    // scenario's subject.
+    // All three start at the same moment on the empty database: their migrations race
+    // (this once deadlocked on a CREATE INDEX CONCURRENTLY; every replica must come up).
     for r in &mut replicas {
-        r.start_ready().await;
+        r.start();
+    }
+    for r in &mut replicas {
+        r.ready().await;
     }
     let topic = "replicas";
     let endpoints = replicas.iter().map(Mailroom::addr).collect();
