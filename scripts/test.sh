@@ -64,4 +64,14 @@ log "buf lint"
 
 log "tests"
 # Integration tests start their own services and brokers; two at a time suits 2 cores.
-cargo test --locked -- --test-threads "${MAILROOM_TEST_THREADS:-2}"
+# --all-targets: unit and integration tests (the crate has no doc tests).
+log_file="$(mktemp)"
+set +e
+cargo test --locked --all-targets -- --test-threads "${MAILROOM_TEST_THREADS:-2}" 2>&1 | tee "$log_file"
+status=${PIPESTATUS[0]}
+set -e
+# One closing line for the whole suite.
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "mailroom: %d passed, %d failed\n", p, f }' "$log_file"
+rm -f "$log_file"
+exit "$status"
