@@ -243,3 +243,74 @@ async fn a_release_never_erases_the_wake_up_of_an_enqueue_during_the_lease() {
         );
     }
 }
+
+#[tokio::test]
+async fn per_key_pending_counts_stay_exact() {
+    let url = fresh_pg().await;
+    let store = open_store(&config(&url)).await.unwrap();
+    let with_idem = |key: &str, idem: &str| NewEvent {
+        idempotency_key: Some(idem.into()),
+        ..new_event(Some(key), idem)
+    };
+    // Plain events, events with idempotency keys, a duplicate inside a batch and a
+    // retry of an earlier one: only the events that insert are pending.
+    store
+        .enqueue(
+            &[
+                new_event(Some("a"), "1"),
+                new_event(Some("a"), "2"),
+                with_idem("a", "i1"),
+            ],
+            false,
+        )
+        .await
+        .unwrap();
+    store
+        .enqueue(
+            &[
+                with_idem("a", "i1"),
+                with_idem("b", "i2"),
+                with_idem("b", "i2"),
+                new_event(Some("b"), "3"),
+            ],
+            false,
+        )
+        .await
+        .unwrap();
+    let q = &Queue::Outbox;
+    let c = store
+        .claim(q, 1, limits(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let done: Vec<EventUpdate> = c
+        .keyed
+        .iter()
+        .filter(|w| w.line.key == "a")
+        .flat_map(|w| {
+            w.rows
+                .iter()
+                .take(1)
+                .map(|e| EventUpdate::Completed { id: e.id })
+        })
+        .collect();
+    let releases: Vec<KeyRelease> = c
+        .keyed
+        .iter()
+        .map(|w| KeyRelease {
+            line: w.line.clone(),
+            ready: Readiness::now(),
+        })
+        .collect();
+    store.settle(q, 1, &done, &releases).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT k.event_key, k.pending,
+                (SELECT count(*) FROM outbox_events e
+                 WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key)
+         FROM outbox_keys k ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, vec![("a".into(), 2, 2), ("b".into(), 2, 2)]);
+}

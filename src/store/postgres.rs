@@ -352,10 +352,22 @@ impl Store for PgStore {
         let mut k_topic = Vec::with_capacity(keys.len());
         let mut k_name = Vec::with_capacity(keys.len());
         let mut k_ready: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(keys.len());
+        // Events without an idempotency key always insert: the key upsert counts them
+        // (the insert trigger counts the others, see migration 0005).
+        let mut plain_per_key: HashMap<(&str, &str), i64> = HashMap::new();
+        for e in events.iter().filter(|e| e.idempotency_key.is_none()) {
+            if let Some(k) = &e.key {
+                *plain_per_key
+                    .entry((e.topic.as_str(), k.as_str()))
+                    .or_default() += 1;
+            }
+        }
+        let mut k_plain: Vec<i64> = Vec::with_capacity(keys.len());
         for ((t, k), r) in &keys {
             k_topic.push(*t);
             k_name.push(*k);
             k_ready.push(*r);
+            k_plain.push(plain_per_key.get(&(*t, *k)).copied().unwrap_or(0));
         }
         let n = events.len();
         let mut topic = Vec::with_capacity(n);
@@ -385,12 +397,14 @@ impl Store for PgStore {
         // nothing.
         let insert = sqlx::query(
             "WITH keys AS (
-                INSERT INTO outbox_keys (topic, event_key, ready_at)
-                SELECT t, k, COALESCE(r, now())
-                FROM unnest($10::text[], $11::text[], $12::timestamptz[]) WITH ORDINALITY AS u(t, k, r, o)
+                INSERT INTO outbox_keys (topic, event_key, ready_at, pending)
+                SELECT t, k, COALESCE(r, now()), n
+                FROM unnest($10::text[], $11::text[], $12::timestamptz[], $13::int8[])
+                     WITH ORDINALITY AS u(t, k, r, n, o)
                 ORDER BY o
                 ON CONFLICT (topic, event_key)
-                DO UPDATE SET ready_at = LEAST(outbox_keys.ready_at, EXCLUDED.ready_at)
+                DO UPDATE SET ready_at = LEAST(outbox_keys.ready_at, EXCLUDED.ready_at),
+                              pending = outbox_keys.pending + EXCLUDED.pending
                 RETURNING 1)
              INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
                  idempotency_key, content_hash, max_attempts, scheduled_at)
@@ -414,7 +428,8 @@ impl Store for PgStore {
         .bind(&sched)
         .bind(&k_topic)
         .bind(&k_name)
-        .bind(&k_ready);
+        .bind(&k_ready)
+        .bind(&k_plain);
         let holders_sql = "SELECT idempotency_key, id, content_hash FROM outbox_events
                            WHERE idempotency_key = ANY($1)";
         let has_idem = events.iter().any(|e| e.idempotency_key.is_some());
