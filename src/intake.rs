@@ -18,8 +18,10 @@ type Reply = oneshot::Sender<Result<Vec<Enqueued>, Error>>;
 
 struct Job {
     events: Vec<NewEvent>,
-    /// All or nothing: the job gets a transaction of its own.
-    atomic: bool,
+    /// All or nothing, and able to conflict (it carries idempotency keys): the job gets a
+    /// transaction of its own. Jobs without idempotency keys cannot conflict, so even an
+    /// atomic batch shares the group's single statement, which stores all or nothing.
+    solo: bool,
     reply: Reply,
 }
 
@@ -97,8 +99,8 @@ impl Intake {
         let (reply, rx) = oneshot::channel();
         self.tx
             .try_send(Job {
+                solo: atomic && events.iter().any(|e| e.idempotency_key.is_some()),
                 events,
-                atomic,
                 reply,
             })
             .map_err(|e| match e {
@@ -136,11 +138,11 @@ async fn run_committer(
             },
         };
         let mut group = vec![first];
-        if !group[0].atomic {
+        if !group[0].solo {
             let mut size = group[0].events.len();
             while size < config.max_group {
                 match rx.try_recv() {
-                    Ok(j) if j.atomic => {
+                    Ok(j) if j.solo => {
                         carry = Some(j);
                         break;
                     }
@@ -164,7 +166,7 @@ async fn run_committer(
 }
 
 async fn commit_group(store: &dyn Store, group: Vec<Job>, wakeup: &Wakeup) {
-    let atomic = group.len() == 1 && group[0].atomic;
+    let atomic = group.len() == 1 && group[0].solo;
     let events: Vec<NewEvent> = group
         .iter()
         .flat_map(|j| j.events.iter().cloned())
