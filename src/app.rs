@@ -154,6 +154,7 @@ impl App {
             store.clone(),
             relay_stats.clone(),
             config.ready_max_broker_down,
+            config.ready_max_lag,
             config.health_interval,
             background.clone(),
         )));

@@ -118,6 +118,10 @@ pub struct Settings {
     /// [default: unset, the broker does not affect readiness].
     #[arg(long, env = "MAILROOM_READY_MAX_BROKER_DOWN_MS", global = true)]
     pub ready_max_broker_down_ms: Option<u64>,
+    /// Readiness: NOT_SERVING while the oldest pending outbox event is older than this, in
+    /// ms [default: unset]. Checked every 5 s with the admin stats query.
+    #[arg(long, env = "MAILROOM_READY_MAX_LAG_MS", global = true)]
+    pub ready_max_lag_ms: Option<u64>,
     /// Database health check interval in ms [default: 1000].
     #[arg(long, env = "MAILROOM_HEALTH_INTERVAL_MS", global = true)]
     pub health_interval_ms: Option<u64>,
@@ -359,6 +363,8 @@ pub struct Config {
     pub health_interval: Duration,
     /// Readiness drops once the broker has been unreachable this long.
     pub ready_max_broker_down: Option<Duration>,
+    /// Readiness drops while the oldest pending event is older than this.
+    pub ready_max_lag: Option<Duration>,
     /// Fault injection at the sink (testing only): (counted rate, transient rate).
     pub faults: (f64, f64),
     /// Token the AdminService requires; `None`: no token.
@@ -426,6 +432,7 @@ impl Settings {
             shutdown_grace_ms,
             health_interval_ms,
             ready_max_broker_down_ms,
+            ready_max_lag_ms,
             fault_counted_rate,
             fault_transient_rate,
             admin_token,
@@ -657,6 +664,7 @@ impl Config {
             shutdown_grace: Duration::from_millis(s.shutdown_grace_ms.unwrap_or(30_000)),
             health_interval: Duration::from_millis(s.health_interval_ms.unwrap_or(1000).max(50)),
             ready_max_broker_down: s.ready_max_broker_down_ms.map(Duration::from_millis),
+            ready_max_lag: s.ready_max_lag_ms.map(Duration::from_millis),
             faults: {
                 let f = (
                     s.fault_counted_rate.unwrap_or(0.0),

@@ -1,7 +1,8 @@
 //! Health: `grpc.health.v1` statuses for the whole server ("") and each service, driven
 //! by a background check of the database (and, optionally, of the broker). SERVING while
 //! the database answers, NOT_SERVING while it does not, while the broker has been
-//! unreachable longer than `ready_max_broker_down_ms` (when set), and from the moment
+//! unreachable longer than `ready_max_broker_down_ms`, or the oldest pending event is older
+//! than `ready_max_lag_ms` (each when set), and from the moment
 //! shutdown begins. The `liveness` service stays SERVING while the process runs.
 
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::domain::BoxKind;
 use crate::relay::RelayStats;
 use crate::store::Store;
 
@@ -58,11 +60,27 @@ impl Health {
         store: Arc<dyn Store>,
         relays: Vec<Arc<RelayStats>>,
         max_broker_down: Option<Duration>,
+        max_lag: Option<Duration>,
         interval: Duration,
         shutdown: CancellationToken,
     ) {
         let mut serving = true;
+        // The lag comes from the store's stats query (a few index lookups per key with a
+        // backlog plus status counts): checked at most every LAG_CHECK, not every tick.
+        const LAG_CHECK: Duration = Duration::from_secs(5);
+        let mut lag_ok = true;
+        let mut lag_checked: Option<std::time::Instant> = None;
         loop {
+            if let Some(max) = max_lag
+                && lag_checked.is_none_or(|t| t.elapsed() >= LAG_CHECK)
+            {
+                lag_checked = Some(std::time::Instant::now());
+                if let Ok(Ok(stats)) =
+                    tokio::time::timeout(LAG_CHECK, store.stats(BoxKind::Outbox, None)).await
+                {
+                    lag_ok = stats.oldest_pending_age.is_none_or(|age| age <= max);
+                }
+            }
             let db_ok = matches!(
                 tokio::time::timeout(interval.max(Duration::from_millis(500)), store.ping()).await,
                 Ok(Ok(()))
@@ -72,7 +90,7 @@ impl Health {
                 (Some(max), Some(down)) => down <= max,
                 _ => true,
             };
-            let ok = db_ok && broker_ok;
+            let ok = db_ok && broker_ok && lag_ok;
             if shutdown.is_cancelled() {
                 break;
             }
@@ -85,6 +103,7 @@ impl Health {
                     tracing::warn!(
                         database_ok = db_ok,
                         destination_down_ms = broker_down_for.map(|d| d.as_millis() as u64),
+                        lag_ok,
                         "not ready: NOT_SERVING"
                     );
                     self.set_all(ServingStatus::NotServing).await;

@@ -911,3 +911,40 @@ async fn readiness_drops_while_the_broker_is_down_longer_than_allowed() {
     );
     s.app.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_drops_while_the_backlog_is_older_than_allowed() {
+    const SERVING: i32 = 1;
+    const NOT_SERVING: i32 = 2;
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0; // nothing publishes: the backlog only ages
+    c.ready_max_lag = Some(Duration::from_secs(1));
+    let mut s = Service::start(c).await;
+    let addr = s.app.addr;
+    assert_eq!(health_status(addr, "").await, Some(SERVING));
+    let id = enqueue(&mut s.client, event("lag", "k", b"x")).await;
+    eventually(
+        Duration::from_secs(20),
+        "NOT_SERVING once the backlog is too old",
+        || async { health_status(addr, "").await == Some(NOT_SERVING) },
+    )
+    .await;
+    // The operator cancels the stuck event: no backlog, ready again.
+    let mut admin = pb::admin_service_client::AdminServiceClient::new(channel(addr).await);
+    admin
+        .cancel_events(pb::CancelEventsRequest {
+            ids: vec![id],
+            reason: "test".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(20),
+        "SERVING without a backlog",
+        || async { health_status(addr, "").await == Some(SERVING) },
+    )
+    .await;
+    s.app.stop().await.unwrap();
+}
