@@ -803,12 +803,21 @@ async fn the_relay_publishes_requeued_events_in_order_and_cancel_unblocks_a_key(
         })
         .await;
         assert_eq!(published(&sink)["b"], b[1..].to_vec());
-        let st = a
-            .get_stats(pb::GetStatsRequest::default())
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!((st.pending, st.completed, st.failed), (0, 5, 1));
+        // The sink writes before the relay's settle commits: wait for the settle.
+        let mut counts = (0, 0, 0);
+        for _ in 0..100 {
+            let st = a
+                .get_stats(pb::GetStatsRequest::default())
+                .await
+                .unwrap()
+                .into_inner();
+            counts = (st.pending, st.completed, st.failed);
+            if counts == (0, 5, 1) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(counts, (0, 5, 1));
         s.app.stop().await.unwrap();
     }
 }

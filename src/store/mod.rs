@@ -11,6 +11,7 @@ pub mod admin;
 pub mod postgres;
 mod postgres_admin;
 pub mod retention;
+mod shape;
 pub mod sqlite;
 mod sqlite_admin;
 

@@ -18,6 +18,7 @@ use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 
 use super::admin::{AdminResult, AdminStore, admin_key, check_ids, sorted_keys};
 use super::postgres::{PgStore, decode_event};
+use super::shape::Shape;
 use crate::admin::{
     AdminKey, AuditEntry, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter,
     EventsPage, EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
@@ -25,63 +26,6 @@ use crate::admin::{
 };
 use crate::domain::{BoxKind, EventId, Status};
 use crate::error::Error;
-
-/// A box's tables and how its statements name the subscription.
-struct Shape {
-    events: &'static str,
-    keys: &'static str,
-    inbox: bool,
-}
-
-impl Shape {
-    fn of(b: BoxKind) -> Shape {
-        match b {
-            BoxKind::Outbox => Shape {
-                events: "outbox_events",
-                keys: "outbox_keys",
-                inbox: false,
-            },
-            BoxKind::Inbox => Shape {
-                events: "inbox_events",
-                keys: "inbox_keys",
-                inbox: true,
-            },
-        }
-    }
-
-    /// The subscription column `col` (`''` in the outbox, which has none).
-    fn sub(&self, col: &str) -> String {
-        if self.inbox {
-            col.to_string()
-        } else {
-            "''::text".to_string()
-        }
-    }
-
-    /// `AND a.subscription = b.subscription` in the inbox, nothing in the outbox.
-    fn same_sub(&self, a: &str, b: &str) -> String {
-        if self.inbox {
-            format!(" AND {a}.subscription = {b}.subscription")
-        } else {
-            String::new()
-        }
-    }
-
-    /// The optional subscription filter `param` on `col`; in the outbox it only matches
-    /// when no subscription is asked for.
-    fn sub_filter(&self, col: &str, param: &str) -> String {
-        if self.inbox {
-            format!("({param}::text IS NULL OR {col} = {param})")
-        } else {
-            format!("{param}::text IS NULL")
-        }
-    }
-
-    /// `subscription, ` to lead a GROUP BY in the inbox.
-    fn group_sub(&self) -> &'static str {
-        if self.inbox { "subscription, " } else { "" }
-    }
-}
 
 /// Event columns for `decode_event`, with the payload only when `$n` is true.
 fn detail_columns(shape: &Shape, with_payload: &str) -> String {
@@ -267,7 +211,7 @@ fn changed_concurrently() -> Error {
 #[async_trait::async_trait]
 impl AdminStore for PgStore {
     async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> AdminResult<PendingPage> {
-        let sh = Shape::of(b);
+        let sh = Shape::postgres(b);
         let (events, keys) = (sh.events, sh.keys);
         let order = match q.order {
             PendingOrder::MostPending => "pending DESC, subscription, topic, key",
@@ -382,7 +326,7 @@ impl AdminStore for PgStore {
     }
 
     async fn requeue_failed(&self, b: BoxKind, r: &RequeueRequest) -> AdminResult<RequeueOutcome> {
-        let sh = Shape::of(b);
+        let sh = Shape::postgres(b);
         let events = sh.events;
         let mut tx = self.pool().begin().await?;
         let cands = match &r.selection {
@@ -455,7 +399,7 @@ impl AdminStore for PgStore {
     }
 
     async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> AdminResult<CancelOutcome> {
-        let sh = Shape::of(b);
+        let sh = Shape::postgres(b);
         let events = sh.events;
         let mut tx = self.pool().begin().await?;
         let cands = candidates_by_id(&mut tx, &sh, &r.ids).await?;
@@ -500,7 +444,7 @@ impl AdminStore for PgStore {
         id: EventId,
         with_payload: bool,
     ) -> AdminResult<Option<EventDetail>> {
-        let sh = Shape::of(b);
+        let sh = Shape::postgres(b);
         sqlx::query(AssertSqlSafe(format!(
             "SELECT {} FROM {} WHERE id = $1",
             detail_columns(&sh, "$2"),
@@ -516,7 +460,7 @@ impl AdminStore for PgStore {
     }
 
     async fn list_events(&self, b: BoxKind, q: &EventsQuery) -> AdminResult<EventsPage> {
-        let sh = Shape::of(b);
+        let sh = Shape::postgres(b);
         let sql = format!(
             "SELECT {} FROM {}
              WHERE ($1::text IS NULL OR status = $1) AND ($2::int8 IS NULL OR id < $2) AND {}
@@ -585,7 +529,7 @@ impl AdminStore for PgStore {
     }
 
     async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> AdminResult<Stats> {
-        let sh = Shape::of(b);
+        let sh = Shape::postgres(b);
         let (events, keys) = (sh.events, sh.keys);
         let sub = sh.sub("subscription");
         let filter = sh.sub_filter("subscription", "$1");
@@ -676,7 +620,7 @@ impl AdminStore for PgStore {
         b: BoxKind,
         keys: &[AdminKey],
     ) -> AdminResult<Vec<AdminKey>> {
-        let sh = Shape::of(b);
+        let sh = Shape::postgres(b);
         // One key per statement: no transaction ever holds two key rows here, so this
         // cannot deadlock with enqueue or settle. Waking a key early is harmless.
         let mut held = Vec::new();

@@ -31,11 +31,11 @@ pub struct SqliteStore {
     pool: SqlitePool,
 }
 
-fn micros(t: DateTime<Utc>) -> i64 {
+pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
     t.timestamp_micros()
 }
 
-fn from_micros(us: i64) -> DateTime<Utc> {
+pub(crate) fn from_micros(us: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_micros(us).unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 

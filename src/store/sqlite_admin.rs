@@ -5,12 +5,14 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Row, Sqlite, Transaction};
 
 use super::admin::{AdminResult, AdminStore, admin_key, check_ids, sorted_keys};
+use super::shape::Shape;
 use super::sqlite::{SqliteStore, decode_event};
+use super::sqlite::{from_micros, micros};
 use crate::admin::{
     AdminKey, AuditEntry, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter,
     EventsPage, EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
@@ -18,67 +20,6 @@ use crate::admin::{
 };
 use crate::domain::{BoxKind, EventId, Status};
 use crate::error::Error;
-
-/// A box's tables and how its statements name the subscription (see
-/// `postgres_admin.rs`).
-struct Shape {
-    events: &'static str,
-    keys: &'static str,
-    inbox: bool,
-}
-
-impl Shape {
-    fn of(b: BoxKind) -> Shape {
-        match b {
-            BoxKind::Outbox => Shape {
-                events: "outbox_events",
-                keys: "outbox_keys",
-                inbox: false,
-            },
-            BoxKind::Inbox => Shape {
-                events: "inbox_events",
-                keys: "inbox_keys",
-                inbox: true,
-            },
-        }
-    }
-
-    fn sub(&self, col: &str) -> String {
-        if self.inbox {
-            col.to_string()
-        } else {
-            "''".to_string()
-        }
-    }
-
-    fn same_sub(&self, a: &str, b: &str) -> String {
-        if self.inbox {
-            format!(" AND {a}.subscription = {b}.subscription")
-        } else {
-            String::new()
-        }
-    }
-
-    fn sub_filter(&self, col: &str, param: &str) -> String {
-        if self.inbox {
-            format!("({param} IS NULL OR {col} = {param})")
-        } else {
-            format!("{param} IS NULL")
-        }
-    }
-
-    fn group_sub(&self) -> &'static str {
-        if self.inbox { "subscription, " } else { "" }
-    }
-}
-
-fn micros(t: DateTime<Utc>) -> i64 {
-    t.timestamp_micros()
-}
-
-fn from_micros(us: i64) -> DateTime<Utc> {
-    DateTime::from_timestamp_micros(us).unwrap_or(DateTime::<Utc>::MAX_UTC)
-}
 
 fn detail_columns(shape: &Shape, with_payload: &str) -> String {
     let (sub, mid) = if shape.inbox {
@@ -250,7 +191,7 @@ fn changed_concurrently() -> Error {
 #[async_trait::async_trait]
 impl AdminStore for SqliteStore {
     async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> AdminResult<PendingPage> {
-        let sh = Shape::of(b);
+        let sh = Shape::sqlite(b);
         let (events, keys) = (sh.events, sh.keys);
         let order = match q.order {
             PendingOrder::MostPending => "pending DESC, subscription, topic, key",
@@ -359,7 +300,7 @@ impl AdminStore for SqliteStore {
     }
 
     async fn requeue_failed(&self, b: BoxKind, r: &RequeueRequest) -> AdminResult<RequeueOutcome> {
-        let sh = Shape::of(b);
+        let sh = Shape::sqlite(b);
         let events = sh.events;
         let now = micros(Utc::now());
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
@@ -435,7 +376,7 @@ impl AdminStore for SqliteStore {
     }
 
     async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> AdminResult<CancelOutcome> {
-        let sh = Shape::of(b);
+        let sh = Shape::sqlite(b);
         let events = sh.events;
         let now = micros(Utc::now());
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
@@ -491,7 +432,7 @@ impl AdminStore for SqliteStore {
         id: EventId,
         with_payload: bool,
     ) -> AdminResult<Option<EventDetail>> {
-        let sh = Shape::of(b);
+        let sh = Shape::sqlite(b);
         sqlx::query(AssertSqlSafe(format!(
             "SELECT {} FROM {} WHERE id = ?1",
             detail_columns(&sh, "?2"),
@@ -507,7 +448,7 @@ impl AdminStore for SqliteStore {
     }
 
     async fn list_events(&self, b: BoxKind, q: &EventsQuery) -> AdminResult<EventsPage> {
-        let sh = Shape::of(b);
+        let sh = Shape::sqlite(b);
         let sql = format!(
             "SELECT {} FROM {}
              WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR id < ?2) AND {}
@@ -576,7 +517,7 @@ impl AdminStore for SqliteStore {
     }
 
     async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> AdminResult<Stats> {
-        let sh = Shape::of(b);
+        let sh = Shape::sqlite(b);
         let (events, keys) = (sh.events, sh.keys);
         let sub = sh.sub("subscription");
         let filter = sh.sub_filter("subscription", "?1");
@@ -660,7 +601,7 @@ impl AdminStore for SqliteStore {
         b: BoxKind,
         keys: &[AdminKey],
     ) -> AdminResult<Vec<AdminKey>> {
-        let sh = Shape::of(b);
+        let sh = Shape::sqlite(b);
         let now = micros(Utc::now());
         let mut held = Vec::new();
         for k in keys {
