@@ -65,7 +65,15 @@ where
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let method = req.uri().path().to_string();
         let start = Instant::now();
-        let fut = self.inner.call(req);
+        // One span per RPC: everything the handler logs is inside it, and it ends with the
+        // gRPC code and the latency.
+        let span = tracing::info_span!(
+            "rpc",
+            rpc.method = %method,
+            rpc.code = tracing::field::Empty,
+            latency_ms = tracing::field::Empty
+        );
+        let fut = tracing::Instrument::instrument(self.inner.call(req), span.clone());
         let metrics = self.metrics.clone();
         Box::pin(async move {
             let res = fut.await;
@@ -80,11 +88,13 @@ where
                     .map(|c| tonic::Code::from_bytes(c.as_bytes()))
                     .unwrap_or(tonic::Code::Ok),
                 Err(e) => {
-                    tracing::warn!(rpc.method = %method, error = %e, latency_ms = ms, "rpc failed");
+                    span.in_scope(|| tracing::warn!(error = %e, latency_ms = ms, "rpc failed"));
                     tonic::Code::Internal
                 }
             };
-            tracing::debug!(rpc.method = %method, rpc.code = ?code, latency_ms = ms, "rpc");
+            span.record("rpc.code", tracing::field::debug(code));
+            span.record("latency_ms", ms);
+            span.in_scope(|| tracing::debug!("rpc done"));
             metrics.rpc(&method, code, elapsed);
             res
         })
