@@ -14,8 +14,9 @@
 //! - `intake`  — group commit: concurrent `Enqueue`s share one transaction.
 //! - `store`   — the `Store` trait and its PostgreSQL and SQLite engines; all SQL lives here.
 //! - `relay`   — the engine both boxes share: claim, per-key ordering, backoff, settle.
+//! - `inbox`   — subscriptions: Kafka intake with dedup, dispatch to `HandlerService`.
 //! - `sink`    — destinations: Kafka (rdkafka), the local JSON-lines sink, fault injection.
-//! - `health`  — `grpc.health.v1` statuses driven by a database check.
+//! - `health`  — `grpc.health.v1` readiness (database, broker, lag) and liveness.
 //! - `notify`  — PostgreSQL LISTEN/NOTIFY wake-ups between processes.
 //! - `metrics` — Prometheus metrics on their own HTTP port.
 //! - `retention` — batched deletion of completed (and expired failed) events, idle keys.
