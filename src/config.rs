@@ -122,6 +122,10 @@ pub struct Settings {
     /// ms [default: unset]. Checked every 5 s with the admin stats query.
     #[arg(long, env = "MAILROOM_READY_MAX_LAG_MS", global = true)]
     pub ready_max_lag_ms: Option<u64>,
+    /// OTLP/gRPC endpoint for trace export, e.g. `http://127.0.0.1:4317` [default: unset,
+    /// no export].
+    #[arg(long, env = "MAILROOM_OTLP_ENDPOINT", global = true)]
+    pub otlp_endpoint: Option<String>,
     /// Database health check interval in ms [default: 1000].
     #[arg(long, env = "MAILROOM_HEALTH_INTERVAL_MS", global = true)]
     pub health_interval_ms: Option<u64>,
@@ -365,6 +369,8 @@ pub struct Config {
     pub ready_max_broker_down: Option<Duration>,
     /// Readiness drops while the oldest pending event is older than this.
     pub ready_max_lag: Option<Duration>,
+    /// OTLP/gRPC trace export endpoint; `None`: no export.
+    pub otlp_endpoint: Option<String>,
     /// Fault injection at the sink (testing only): (counted rate, transient rate).
     pub faults: (f64, f64),
     /// Token the AdminService requires; `None`: no token.
@@ -433,6 +439,7 @@ impl Settings {
             health_interval_ms,
             ready_max_broker_down_ms,
             ready_max_lag_ms,
+            otlp_endpoint,
             fault_counted_rate,
             fault_transient_rate,
             admin_token,
@@ -665,6 +672,7 @@ impl Config {
             health_interval: Duration::from_millis(s.health_interval_ms.unwrap_or(1000).max(50)),
             ready_max_broker_down: s.ready_max_broker_down_ms.map(Duration::from_millis),
             ready_max_lag: s.ready_max_lag_ms.map(Duration::from_millis),
+            otlp_endpoint: s.otlp_endpoint.filter(|e| !e.is_empty()),
             faults: {
                 let f = (
                     s.fault_counted_rate.unwrap_or(0.0),

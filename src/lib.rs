@@ -19,6 +19,7 @@
 //! - `health`  — `grpc.health.v1` readiness (database, broker, lag) and liveness.
 //! - `notify`  — PostgreSQL LISTEN/NOTIFY wake-ups between processes.
 //! - `metrics` — Prometheus metrics on their own HTTP port.
+//! - `telemetry` — logs, optional OTLP trace export, joining producers' traces.
 //! - `retention` — batched deletion of completed (and expired failed) events, idle keys.
 
 pub mod admin;
@@ -38,3 +39,4 @@ pub mod relay;
 pub mod retention;
 pub mod sink;
 pub mod store;
+pub mod telemetry;

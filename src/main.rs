@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use mailroom::app::{App, open_store};
-use mailroom::config::{Config, LogFormat, Settings};
+use mailroom::config::{Config, Settings};
 
 /// Transactional outbox/inbox service: durable gRPC intake, ordered Kafka relay.
 ///
@@ -33,18 +33,6 @@ enum Command {
 
 /// Exit code for a configuration error (EX_USAGE).
 const EXIT_CONFIG: u8 = 64;
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Human => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
 
 /// Cancels the token on SIGTERM or SIGINT.
 fn shutdown_signal() -> CancellationToken {
@@ -90,7 +78,14 @@ async fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    init_logging(config.log_format);
+    let telemetry =
+        match mailroom::telemetry::init(config.log_format, config.otlp_endpoint.as_deref()) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("mailroom: cannot start telemetry: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        };
     let result = match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => match App::start(config, shutdown_signal()).await {
             Ok(app) => app.wait().await,
@@ -107,6 +102,7 @@ async fn main() -> ExitCode {
                 .map(|_| tracing::info!("migrations applied"))
         }
     };
+    telemetry.shutdown();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -73,6 +73,12 @@ where
             rpc.code = tracing::field::Empty,
             latency_ms = tracing::field::Empty
         );
+        crate::telemetry::join_trace(
+            &span,
+            req.headers()
+                .get("traceparent")
+                .and_then(|v| v.to_str().ok()),
+        );
         let fut = tracing::Instrument::instrument(self.inner.call(req), span.clone());
         let metrics = self.metrics.clone();
         Box::pin(async move {

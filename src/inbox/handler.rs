@@ -62,7 +62,7 @@ impl HandlerSink {
     }
 
     async fn handle(&self, e: &StoredEvent) -> Delivery {
-        let span = tracing::debug_span!(
+        let span = tracing::info_span!(
             "handle",
             subscription = %self.subscription,
             inbox_id = e.id,
@@ -85,6 +85,7 @@ impl HandlerSink {
             req.metadata_mut().insert("traceparent", tp);
         }
         let mut client = self.client.clone();
+        crate::telemetry::join_trace(&span, e.headers.get("traceparent").map(String::as_str));
         let call = tracing::Instrument::instrument(client.handle(req), span);
         let started = std::time::Instant::now();
         let answer = tokio::time::timeout(self.timeout, call).await;
