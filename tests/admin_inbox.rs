@@ -16,10 +16,9 @@ use mailroom::config::{Config, SubscriptionConfig};
 use mailroom::domain::{BoxKind, InboundMessage, Status};
 use mailroom::pb;
 use mailroom::pb::admin_service_client::AdminServiceClient;
-use mailroom::pb::handler_service_server::{HandlerService, HandlerServiceServer};
+use mailroom::pb::handler_service_server::HandlerService;
 use mailroom::pb::inbox_service_client::InboxServiceClient;
 use mailroom::relay::backoff::RetryPolicy;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status as GrpcStatus};
 use tonic_types::StatusExt;
@@ -94,17 +93,7 @@ impl Handler {
 
     /// Serves on 127.0.0.1:0; returns the URL.
     async fn serve(&self) -> String {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let svc = HandlerServiceServer::new(self.clone());
-        tokio::spawn(async move {
-            tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming(TcpListenerStream::new(listener))
-                .await
-                .unwrap();
-        });
-        format!("http://{addr}")
+        serve_handler(self.clone()).await
     }
 }
 

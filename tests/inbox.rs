@@ -12,11 +12,10 @@ use common::*;
 use mailroom::config::{Config, SubscriptionConfig};
 use mailroom::domain::{BoxKind, Status};
 use mailroom::pb;
-use mailroom::pb::handler_service_server::{HandlerService, HandlerServiceServer};
+use mailroom::pb::handler_service_server::HandlerService;
 use mailroom::pb::inbox_service_client::InboxServiceClient;
 use mailroom::relay::backoff::RetryPolicy;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Code, Request, Response, Status as GrpcStatus};
 
 /// One call the test handler received.
@@ -91,17 +90,7 @@ impl ScriptedHandler {
 
     /// Serves on 127.0.0.1:0; returns the URL.
     async fn serve(&self) -> String {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let svc = HandlerServiceServer::new(self.clone());
-        tokio::spawn(async move {
-            tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming(TcpListenerStream::new(listener))
-                .await
-                .unwrap();
-        });
-        format!("http://{addr}")
+        serve_handler(self.clone()).await
     }
 }
 

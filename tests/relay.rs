@@ -453,18 +453,7 @@ async fn a_broker_outage_costs_no_attempts_and_drains_by_itself() {
     broker.resume();
     c.relays = 2;
     let s = Service::start(c).await;
-    let store = s.app.store.clone();
-    eventually(Duration::from_secs(60), "all 20 published", || {
-        let store = store.clone();
-        async move {
-            store
-                .count_events(BoxKind::Outbox, Some(Status::Completed))
-                .await
-                .unwrap()
-                == 20
-        }
-    })
-    .await;
+    wait_completed(&s.app.store, 20, Duration::from_secs(60)).await;
     let records = consume(&broker.addr(), "outage", 20, Duration::from_secs(20));
     let (per_key, _) = first_deliveries(&records);
     assert_eq!(per_key.values().map(Vec::len).sum::<usize>(), 20);
@@ -755,18 +744,7 @@ async fn stand_test_four_relays_two_processes_random_faults() {
     for w in writers {
         w.await.unwrap();
     }
-    let store = s.app.store.clone();
-    eventually(Duration::from_secs(120), "all 600 events completed", || {
-        let store = store.clone();
-        async move {
-            store
-                .count_events(BoxKind::Outbox, Some(Status::Completed))
-                .await
-                .unwrap()
-                == 600
-        }
-    })
-    .await;
+    wait_completed(&s.app.store, 600, Duration::from_secs(120)).await;
     let _ = other.kill();
     let _ = other.wait();
     let records = consume(&broker.addr(), "stand", 600, Duration::from_secs(30));

@@ -15,6 +15,7 @@
 use std::time::Duration;
 
 use chrono::Utc;
+use sqlx::AssertSqlSafe;
 
 use super::postgres::PgStore;
 use super::sqlite::SqliteStore;
@@ -39,42 +40,62 @@ fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
+/// Deletes up to `limit` events of `status` whose `time_column` is older than
+/// `older_than`, oldest first. Both names are constants of this module.
+async fn pg_purge(
+    store: &PgStore,
+    status: &'static str,
+    time_column: &'static str,
+    older_than: Duration,
+    limit: u32,
+) -> StoreResult<u64> {
+    let r = sqlx::query(AssertSqlSafe(format!(
+        "DELETE FROM outbox_events WHERE id IN (
+             SELECT id FROM outbox_events
+             WHERE status = '{status}'
+               AND {time_column} < now() - make_interval(secs => $1)
+             ORDER BY {time_column}
+             LIMIT $2
+             FOR UPDATE SKIP LOCKED)
+         AND status = '{status}'"
+    )))
+    .bind(secs(older_than))
+    .bind(i64::from(limit))
+    .execute(store.pool())
+    .await?;
+    Ok(r.rows_affected())
+}
+
+/// The SQLite twin of `pg_purge` (one writer: no row can be taken in between).
+async fn sqlite_purge(
+    store: &SqliteStore,
+    status: &'static str,
+    time_column: &'static str,
+    older_than: Duration,
+    limit: u32,
+) -> StoreResult<u64> {
+    let r = sqlx::query(AssertSqlSafe(format!(
+        "DELETE FROM outbox_events WHERE id IN (
+             SELECT id FROM outbox_events
+             WHERE status = '{status}' AND {time_column} < ?1
+             ORDER BY {time_column}
+             LIMIT ?2)"
+    )))
+    .bind(cutoff_micros(older_than)?)
+    .bind(i64::from(limit))
+    .execute(store.pool())
+    .await?;
+    Ok(r.rows_affected())
+}
+
 #[async_trait::async_trait]
 impl RetentionStore for PgStore {
     async fn purge_completed(&self, older_than: Duration, limit: u32) -> StoreResult<u64> {
-        let r = sqlx::query(
-            "DELETE FROM outbox_events WHERE id IN (
-                 SELECT id FROM outbox_events
-                 WHERE status = 'completed'
-                   AND published_at < now() - make_interval(secs => $1)
-                 ORDER BY published_at
-                 LIMIT $2
-                 FOR UPDATE SKIP LOCKED)
-             AND status = 'completed'",
-        )
-        .bind(secs(older_than))
-        .bind(i64::from(limit))
-        .execute(self.pool())
-        .await?;
-        Ok(r.rows_affected())
+        pg_purge(self, "completed", "published_at", older_than, limit).await
     }
 
     async fn purge_failed(&self, older_than: Duration, limit: u32) -> StoreResult<u64> {
-        let r = sqlx::query(
-            "DELETE FROM outbox_events WHERE id IN (
-                 SELECT id FROM outbox_events
-                 WHERE status = 'failed'
-                   AND updated_at < now() - make_interval(secs => $1)
-                 ORDER BY updated_at
-                 LIMIT $2
-                 FOR UPDATE SKIP LOCKED)
-             AND status = 'failed'",
-        )
-        .bind(secs(older_than))
-        .bind(i64::from(limit))
-        .execute(self.pool())
-        .await?;
-        Ok(r.rows_affected())
+        pg_purge(self, "failed", "updated_at", older_than, limit).await
     }
 
     async fn prune_idle_keys(&self, limit: u32) -> StoreResult<u64> {
@@ -102,33 +123,11 @@ fn cutoff_micros(older_than: Duration) -> StoreResult<i64> {
 #[async_trait::async_trait]
 impl RetentionStore for SqliteStore {
     async fn purge_completed(&self, older_than: Duration, limit: u32) -> StoreResult<u64> {
-        let r = sqlx::query(
-            "DELETE FROM outbox_events WHERE id IN (
-                 SELECT id FROM outbox_events
-                 WHERE status = 'completed' AND published_at < ?1
-                 ORDER BY published_at
-                 LIMIT ?2)",
-        )
-        .bind(cutoff_micros(older_than)?)
-        .bind(i64::from(limit))
-        .execute(self.pool())
-        .await?;
-        Ok(r.rows_affected())
+        sqlite_purge(self, "completed", "published_at", older_than, limit).await
     }
 
     async fn purge_failed(&self, older_than: Duration, limit: u32) -> StoreResult<u64> {
-        let r = sqlx::query(
-            "DELETE FROM outbox_events WHERE id IN (
-                 SELECT id FROM outbox_events
-                 WHERE status = 'failed' AND updated_at < ?1
-                 ORDER BY updated_at
-                 LIMIT ?2)",
-        )
-        .bind(cutoff_micros(older_than)?)
-        .bind(i64::from(limit))
-        .execute(self.pool())
-        .await?;
-        Ok(r.rows_affected())
+        sqlite_purge(self, "failed", "updated_at", older_than, limit).await
     }
 
     async fn prune_idle_keys(&self, limit: u32) -> StoreResult<u64> {

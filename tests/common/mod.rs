@@ -331,3 +331,42 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Serves a subscriber's `HandlerService` on 127.0.0.1:0; returns its URL.
+pub async fn serve_handler<H>(handler: H) -> String
+where
+    H: mailroom::pb::handler_service_server::HandlerService,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let svc = mailroom::pb::handler_service_server::HandlerServiceServer::new(handler);
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await
+            .unwrap();
+    });
+    format!("http://{addr}")
+}
+
+/// Waits until `n` outbox events are completed.
+pub async fn wait_completed(
+    store: &std::sync::Arc<dyn mailroom::store::Store>,
+    n: i64,
+    timeout: Duration,
+) {
+    use mailroom::domain::{BoxKind, Status};
+    let what = format!("{n} events completed");
+    eventually(timeout, &what, || {
+        let store = store.clone();
+        async move {
+            store
+                .count_events(BoxKind::Outbox, Some(Status::Completed))
+                .await
+                .unwrap()
+                == n
+        }
+    })
+    .await;
+}
