@@ -26,7 +26,7 @@ use crate::pb;
 use crate::relay::{Relay, RelayStats};
 use crate::sink::Sink;
 use crate::sink::fault::FaultySink;
-use crate::sink::kafka::{KafkaSink, producer_config};
+use crate::sink::kafka::{KafkaSink, fit_record_size, producer_config, record_bytes_needed};
 use crate::sink::local::LocalSink;
 use crate::store::Store;
 use crate::store::postgres::PgStore;
@@ -87,8 +87,20 @@ async fn base_sink(config: &Config) -> anyhow::Result<Arc<dyn Sink>> {
             message_timeout,
         } => Arc::new(
             KafkaSink::new(
-                producer_config(brokers, *message_timeout, properties),
+                {
+                    let mut c = producer_config(brokers, *message_timeout, properties);
+                    fit_record_size(
+                        &mut c,
+                        record_bytes_needed(
+                            config.limits.max_payload_bytes,
+                            config.limits.max_header_bytes,
+                        ),
+                    )
+                    .map_err(anyhow::Error::msg)?;
+                    c
+                },
                 config.source.clone(),
+                *message_timeout,
             )
             .context("creating the Kafka producer")?,
         ),

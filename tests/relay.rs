@@ -31,6 +31,7 @@ fn kafka(broker: &str, props: &[(&str, &str)]) -> Arc<dyn Sink> {
         KafkaSink::new(
             producer_config(broker, TIMEOUT, &props),
             "mailroom-test".into(),
+            TIMEOUT,
         )
         .unwrap(),
     )

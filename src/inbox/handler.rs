@@ -31,7 +31,9 @@ pub struct HandlerSink {
     client: HandlerServiceClient<Channel>,
     subscription: String,
     timeout: Duration,
-    concurrency: usize,
+    /// Handle calls in flight at most, shared by every cycle of the dispatcher (cycles
+    /// overlap while a slow line finishes).
+    slots: tokio::sync::Semaphore,
     latency: Arc<Latency>,
 }
 
@@ -51,7 +53,7 @@ impl HandlerSink {
             client: HandlerServiceClient::new(channel),
             subscription: subscription.to_string(),
             timeout,
-            concurrency: concurrency.max(1),
+            slots: tokio::sync::Semaphore::new(concurrency.max(1)),
             latency: Arc::new(Latency::default()),
         })
     }
@@ -101,13 +103,8 @@ impl HandlerSink {
     }
 
     /// One line, once one of the `concurrency` slots is free.
-    async fn line_in_slot(
-        &self,
-        line: &[&StoredEvent],
-        stop: &AtomicBool,
-        slots: &tokio::sync::Semaphore,
-    ) -> Vec<Delivery> {
-        let _slot = slots.acquire().await.expect("semaphore open");
+    async fn line_in_slot(&self, line: &[&StoredEvent], stop: &AtomicBool) -> Vec<Delivery> {
+        let _slot = self.slots.acquire().await.expect("semaphore open");
         self.line(line, stop).await
     }
 
@@ -171,8 +168,23 @@ fn outcome(resp: pb::HandleResponse) -> Delivery {
 impl Sink for HandlerSink {
     async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>> {
         let stop = AtomicBool::new(false);
-        let slots = tokio::sync::Semaphore::new(self.concurrency);
-        futures::future::join_all(lines.iter().map(|l| self.line_in_slot(l, &stop, &slots))).await
+        futures::future::join_all(lines.iter().map(|l| self.line_in_slot(l, &stop))).await
+    }
+
+    async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: crate::sink::LineDone<'_>) {
+        use futures::StreamExt;
+        let stop = AtomicBool::new(false);
+        let mut running: futures::stream::FuturesUnordered<_> = lines
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let stop = &stop;
+                async move { (i, self.line_in_slot(l, stop).await) }
+            })
+            .collect();
+        while let Some((i, d)) = running.next().await {
+            done(i, d);
+        }
     }
 }
 

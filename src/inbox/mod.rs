@@ -59,11 +59,9 @@ pub fn start(
         handler_latency.insert(sub.name.clone(), latency);
         let relay_config = RelayConfig {
             retry: sub.retry,
-            // A claim must outlive the slowest run of handler calls it can hold.
-            lease: config
-                .relay
-                .lease
-                .max(sub.handler_timeout * (config.relay.max_run.min(100) + 1)),
+            // Leases of lines in flight are renewed every third of the lease, so one
+            // must outlive a handler call and a renewal.
+            lease: config.relay.lease.max(sub.handler_timeout * 3),
             ..config.relay
         };
         let relay = Relay::new(

@@ -1,28 +1,35 @@
 //! The relay engine, shared by both boxes: claim → plan → deliver → settle, in cycles.
-//! The outbox relay runs it with a Kafka or local sink; the inbox dispatcher would run
-//! the same engine with a handler as its sink.
+//! The outbox relay runs it with a Kafka or local sink; the inbox dispatcher runs the
+//! same engine with the subscriber's handler as its sink.
 //!
 //! A cycle holds no database transaction across delivery: the claim commits, the sink
 //! delivers, the settle commits. Keys that have nothing to publish this cycle are
-//! released before delivery starts; keys and events a cycle claimed but did not reach are
-//! released by its settle, at once.
+//! released before delivery starts. Lines are settled as their deliveries finish (a
+//! slow or dead topic does not hold the others back), and the leases of lines still in
+//! flight are renewed. A relay keeps a few cycles in flight, so a cycle waiting on a
+//! dead topic does not stop the next one from publishing to the healthy ones; each
+//! topic that looks down is probed on its own (`domains`).
 
 pub mod backoff;
+pub mod domains;
 pub mod plan;
 
-use std::sync::Arc;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use rand::RngExt;
 use tokio::sync::Notify;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::domain::Queue;
-use crate::sink::Sink;
-use crate::store::{ClaimLimits, KeyRelease, Store, StoreError};
+use crate::domain::{EventId, Queue};
+use crate::sink::{Delivery, Sink};
+use crate::store::{Claim, ClaimLimits, KeyRelease, LineKey, Readiness, Store, StoreError};
 use backoff::{ProbeBackoff, RetryPolicy};
-use plan::{LinePlan, plan_line, plan_single};
+use domains::{Domains, Gate};
+use plan::{LinePlan, Stop, plan_line, plan_single};
 
 /// Relay tuning.
 #[derive(Debug, Clone, Copy)]
@@ -39,10 +46,17 @@ pub struct RelayConfig {
     pub lease: Duration,
     /// Fallback poll when nothing wakes the relay.
     pub poll_interval: Duration,
-    /// The relay's own pause after a transient failure, from `probe_min` to `probe_max`.
+    /// A topic's pause after a transient failure, from `probe_min` to `probe_max`.
     pub probe_min: Duration,
     pub probe_max: Duration,
     pub retry: RetryPolicy,
+    /// Renew the leases of lines still in flight every third of the lease.
+    pub renew_leases: bool,
+    /// Cycles one relay keeps in flight at most.
+    pub max_cycles_in_flight: usize,
+    /// After the first line of a cycle finishes, how long to gather others before
+    /// settling them together (one transaction for many lines).
+    pub settle_linger: Duration,
 }
 
 impl Default for RelayConfig {
@@ -56,6 +70,9 @@ impl Default for RelayConfig {
             probe_min: Duration::from_millis(200),
             probe_max: Duration::from_secs(5),
             retry: RetryPolicy::default(),
+            renew_leases: true,
+            max_cycles_in_flight: 4,
+            settle_linger: Duration::from_millis(20),
         }
     }
 }
@@ -79,6 +96,11 @@ pub struct RelayStats {
     /// Since when (Unix ms) deliveries have failed transiently with nothing delivered;
     /// 0 while the destination is reachable.
     pub unreachable_since_ms: std::sync::atomic::AtomicI64,
+    /// Lease renewals of lines still in flight, and the keys or events they found taken.
+    pub renewals: AtomicU64,
+    pub renewals_lost: AtomicU64,
+    /// Lines held back because their topic is down and not due for a probe.
+    pub held_back: AtomicU64,
 }
 
 impl RelayStats {
@@ -101,17 +123,28 @@ pub struct CycleReport {
     pub failed: usize,
     pub transient: bool,
     pub stale: usize,
+    /// Events published after an earlier event of their run failed (flagged).
+    pub delivered_after_failure: usize,
+    /// Events handed to the sink that came back transient (no attempt spent).
+    pub transient_events: usize,
 }
 
 /// One relay task.
 pub struct Relay {
+    shared: Arc<Shared>,
+    wake: Arc<Notify>,
+}
+
+/// What the cycles of one relay share.
+struct Shared {
     store: Arc<dyn Store>,
     sink: Arc<dyn Sink>,
     queue: Queue,
     config: RelayConfig,
-    wake: Arc<Notify>,
     stats: Arc<RelayStats>,
-    probe: ProbeBackoff,
+    domains: Mutex<Domains>,
+    /// Signalled when a cycle settled something: the relay may claim again.
+    progress: Notify,
 }
 
 impl Relay {
@@ -122,13 +155,16 @@ impl Relay {
         config: RelayConfig,
     ) -> Self {
         Relay {
-            store,
-            sink,
-            queue,
-            config,
+            shared: Arc::new(Shared {
+                store,
+                sink,
+                queue,
+                config,
+                stats: Arc::new(RelayStats::default()),
+                domains: Mutex::new(Domains::new(config.probe_min, config.probe_max)),
+                progress: Notify::new(),
+            }),
             wake: Arc::new(Notify::new()),
-            stats: Arc::new(RelayStats::default()),
-            probe: ProbeBackoff::new(config.probe_min, config.probe_max),
         }
     }
 
@@ -138,21 +174,82 @@ impl Relay {
     }
 
     pub fn stats(&self) -> Arc<RelayStats> {
-        self.stats.clone()
+        self.shared.stats.clone()
     }
 
+    /// Claims and runs one cycle to its end. Public so tests can count cycles exactly; a
+    /// topic that looks down is probed at once rather than after its pause.
+    pub async fn cycle(&mut self) -> Result<CycleReport, StoreError> {
+        let token: i64 = rand::rng().random();
+        let claim = self.shared.claim(token).await?;
+        self.shared.clone().run_cycle(claim, false).await
+    }
+
+    /// Runs cycles until `shutdown`. Cycles in progress complete (their deliveries are
+    /// bounded by the sink's timeout) so that they settle and release what they claimed.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let shared = self.shared;
+        let config = shared.config;
+        let mut db_backoff = ProbeBackoff::new(config.probe_min, config.probe_max);
+        let mut cycles: JoinSet<Result<CycleReport, StoreError>> = JoinSet::new();
+        // Claim at once, then again whenever a cycle settled something, a wake-up came
+        // or the poll interval passed.
+        let mut want = true;
+        let mut pause = config.poll_interval;
+        while !shutdown.is_cancelled() {
+            if want && cycles.len() < config.max_cycles_in_flight.max(1) {
+                want = false;
+                pause = config.poll_interval;
+                let token: i64 = rand::rng().random();
+                match shared.claim(token).await {
+                    Ok(claim) if claim.keyed.is_empty() && claim.unkeyed.is_empty() => {
+                        db_backoff.succeeded();
+                    }
+                    Ok(claim) => {
+                        db_backoff.succeeded();
+                        cycles.spawn(shared.clone().run_cycle(claim, true));
+                    }
+                    Err(e) => {
+                        pause = db_backoff.failed(&mut rand::rng());
+                        tracing::warn!(error = %e, pause_ms = pause.as_millis() as u64, "relay claim failed");
+                    }
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                Some(done) = cycles.join_next(), if !cycles.is_empty() => {
+                    match done {
+                        Ok(Ok(_)) => want = true,
+                        Ok(Err(e)) => {
+                            pause = db_backoff.failed(&mut rand::rng());
+                            tracing::warn!(error = %e, pause_ms = pause.as_millis() as u64, "relay cycle failed");
+                        }
+                        Err(e) => tracing::error!(error = %e, "relay cycle panicked"),
+                    }
+                }
+                _ = shared.progress.notified() => want = true,
+                _ = self.wake.notified() => want = true,
+                _ = tokio::time::sleep(pause) => want = true,
+            }
+        }
+        while let Some(done) = cycles.join_next().await {
+            if let Ok(Err(e)) = done {
+                tracing::warn!(error = %e, "relay cycle failed during shutdown");
+            }
+        }
+    }
+}
+
+/// One line of a cycle that goes to the sink.
+struct Outgoing<'a> {
+    plan: LinePlan<'a>,
+    domain: &'a str,
+    probe: bool,
+}
+
+impl Shared {
     fn limits(&self) -> ClaimLimits {
         let c = &self.config;
-        if self.probe.probing() {
-            // The destination looked down: one event probes it.
-            return ClaimLimits {
-                max_keys: 1,
-                max_events: 1,
-                max_run: 1,
-                max_unkeyed: 1,
-                lease: c.lease,
-            };
-        }
         ClaimLimits {
             max_keys: c.max_keys.clamp(1, c.batch_size),
             max_events: c.batch_size,
@@ -162,11 +259,21 @@ impl Relay {
         }
     }
 
-    /// Runs one cycle. Public so tests can count cycles exactly.
-    pub async fn cycle(&mut self) -> Result<CycleReport, StoreError> {
-        let token: i64 = rand::rng().random();
+    async fn claim(&self, token: i64) -> Result<Claim, StoreError> {
+        self.store.claim(&self.queue, token, self.limits()).await
+    }
+
+    /// Plans a claim, delivers its lines and settles each as it finishes.
+    /// `honour_probe_pause`: a topic that looks down waits out its pause (the relay's
+    /// loop) instead of being probed at once (a cycle run by hand).
+    async fn run_cycle(
+        self: Arc<Self>,
+        claim: Claim,
+        honour_probe_pause: bool,
+    ) -> Result<CycleReport, StoreError> {
+        let started = Instant::now();
+        let token = claim.token;
         let limits = self.limits();
-        let claim = self.store.claim(&self.queue, token, limits).await?;
         self.stats.cycles.fetch_add(1, Ordering::Relaxed);
         let mut report = CycleReport {
             keys: claim.keyed.len(),
@@ -190,62 +297,230 @@ impl Relay {
             }
         }
         plans.extend(claim.unkeyed.iter().map(plan_single));
-        // Keys with nothing to publish go back at once, not after the delivery.
+
+        // Gate each line by its topic's health.
+        let mut out: Vec<Outgoing<'_>> = Vec::with_capacity(plans.len());
+        let mut held_unkeyed: Vec<(EventId, Duration)> = Vec::new();
+        {
+            let now = Instant::now();
+            let mut domains = self.domains.lock().expect("domains lock");
+            for mut plan in plans {
+                let domain = plan.run[0].topic.as_str();
+                match domains.gate(domain, now, honour_probe_pause) {
+                    Gate::Open => out.push(Outgoing {
+                        plan,
+                        domain,
+                        probe: false,
+                    }),
+                    Gate::Probe => {
+                        plan.run.truncate(1);
+                        plan.stop = Stop::Budget;
+                        out.push(Outgoing {
+                            plan,
+                            domain,
+                            probe: true,
+                        });
+                    }
+                    Gate::Closed { until } => {
+                        let wait = until.saturating_duration_since(now);
+                        self.stats.held_back.fetch_add(1, Ordering::Relaxed);
+                        match plan.line {
+                            Some(line) => idle.push(KeyRelease {
+                                line: line.clone(),
+                                ready: Readiness {
+                                    after: Some(wait),
+                                    ..Default::default()
+                                },
+                            }),
+                            None => held_unkeyed.push((plan.run[0].id, wait)),
+                        }
+                    }
+                }
+            }
+        }
+        // Keys with nothing to publish go back at once, not after the delivery; unkeyed
+        // events of a topic that is down stay claimed until it is due for a probe.
         if !idle.is_empty() {
             self.store.settle(&self.queue, token, &[], &idle).await?;
         }
-        if plans.is_empty() {
+        for (id, wait) in &held_unkeyed {
+            self.store
+                .renew(&self.queue, token, &[], &[*id], *wait)
+                .await?;
+        }
+        if out.is_empty() {
             return Ok(report);
         }
 
-        let lines: Vec<Vec<&_>> = plans.iter().map(|p| p.run.clone()).collect();
+        let lines: Vec<Vec<&_>> = out.iter().map(|o| o.plan.run.clone()).collect();
         report.attempted = lines.iter().map(Vec::len).sum();
-        let started = std::time::Instant::now();
-        let deliveries = self.sink.deliver(&lines).await;
-        self.stats.publish_latency.observe(started.elapsed());
+        let delivered_at = Instant::now();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let sink = self.sink.clone();
+        let deliver = async move {
+            let mut done = |i: usize, d: Vec<Delivery>| {
+                let _ = tx.send((i, d));
+            };
+            sink.deliver_each(&lines, &mut done).await;
+        };
+        let settle_as_done = async {
+            let mut outstanding: HashSet<usize> = (0..out.len()).collect();
+            let mut finished: Vec<(usize, Vec<Delivery>)> = Vec::new();
+            let mut linger: Option<tokio::time::Instant> = None;
+            let every = (self.config.lease / 3).max(Duration::from_millis(100));
+            let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            let mut first_error = None;
+            loop {
+                tokio::select! {
+                    m = rx.recv() => match m {
+                        Some((i, d)) => {
+                            outstanding.remove(&i);
+                            finished.push((i, d));
+                            linger.get_or_insert(tokio::time::Instant::now() + self.config.settle_linger);
+                        }
+                        None => break,
+                    },
+                    _ = async { tokio::time::sleep_until(linger.expect("set")).await }, if linger.is_some() => {
+                        linger = None;
+                        let batch = std::mem::take(&mut finished);
+                        if let Err(e) = self.settle_lines(token, &out, batch, &mut report).await {
+                            first_error.get_or_insert(e);
+                        }
+                        self.progress.notify_one();
+                    }
+                    _ = renew.tick(), if self.config.renew_leases => {
+                        self.renew_outstanding(token, &out, &outstanding).await;
+                    }
+                }
+            }
+            if !finished.is_empty()
+                && let Err(e) = self.settle_lines(token, &out, finished, &mut report).await
+            {
+                first_error.get_or_insert(e);
+            }
+            first_error
+        };
+        let ((), failed) = tokio::join!(deliver, settle_as_done);
+        self.stats.publish_latency.observe(delivered_at.elapsed());
+        if report.attempted > 0 {
+            self.stats.cycle_latency.observe(started.elapsed());
+        }
+        self.account(&report);
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
 
+    /// Settles finished lines in one transaction and updates the topics' health.
+    async fn settle_lines(
+        &self,
+        token: i64,
+        out: &[Outgoing<'_>],
+        finished: Vec<(usize, Vec<Delivery>)>,
+        report: &mut CycleReport,
+    ) -> Result<(), StoreError> {
         let mut updates = Vec::new();
         let mut releases = Vec::new();
         let mut out_of_order = 0;
         let mut transient_events = 0;
-        for (p, d) in plans.iter().zip(&deliveries) {
-            let o = p.settle(d, &self.config.retry, &mut rand::rng());
-            report.delivered += o.delivered;
-            report.retried += o.retried;
-            report.failed += o.failed;
-            report.transient |= o.transient;
-            out_of_order += o.delivered_after_failure;
-            if o.transient {
-                transient_events += p
-                    .run
-                    .len()
-                    .saturating_sub(o.delivered + o.retried + o.failed);
-            }
-            updates.extend(o.updates);
-            if let Some(line) = p.line {
-                releases.push(KeyRelease {
-                    line: line.clone(),
-                    ready: o.ready,
-                });
+        {
+            let now = Instant::now();
+            let mut rng = rand::rng();
+            let mut domains = self.domains.lock().expect("domains lock");
+            for (i, d) in &finished {
+                let o = &out[*i];
+                let lo = o.plan.settle(d, &self.config.retry, &mut rng);
+                report.delivered += lo.delivered;
+                report.retried += lo.retried;
+                report.failed += lo.failed;
+                report.transient |= lo.transient;
+                out_of_order += lo.delivered_after_failure;
+                let answered = lo.delivered + lo.retried + lo.failed > 0;
+                if lo.transient {
+                    transient_events += o.plan.run.len().saturating_sub(lo.delivered + lo.retried + lo.failed);
+                }
+                if lo.transient && !answered {
+                    if let Some(pause) = domains.record(o.domain, true, now, &mut rng) {
+                        tracing::info!(
+                            topic = o.domain,
+                            pause_ms = pause.as_millis() as u64,
+                            "destination unavailable for this topic; probing it again later"
+                        );
+                    }
+                } else if answered {
+                    domains.record(o.domain, false, now, &mut rng);
+                } else if o.probe {
+                    domains.probe_abandoned(o.domain);
+                }
+                updates.extend(lo.updates);
+                if let Some(line) = o.plan.line {
+                    releases.push(KeyRelease {
+                        line: line.clone(),
+                        ready: lo.ready,
+                    });
+                }
             }
         }
         let settled = self
             .store
             .settle(&self.queue, token, &updates, &releases)
             .await?;
-        report.stale = settled.stale;
+        report.stale += settled.stale;
+        report.delivered_after_failure += out_of_order;
+        report.transient_events += transient_events;
         if settled.stale > 0 {
             tracing::warn!(
                 stale = settled.stale,
-                "claim expired before settle; another relay owns those events now"
+                "another relay took these events over before the settle; it publishes them now"
             );
         }
         if out_of_order > 0 {
             tracing::warn!(
                 count = out_of_order,
-                "the sink delivered events after an earlier event of their key failed"
+                "the sink published events after an earlier event of their key failed; \
+                 they are flagged (GetEvent shows it in last_error)"
             );
         }
+        Ok(())
+    }
+
+    /// Extends the leases of the lines still in flight.
+    async fn renew_outstanding(&self, token: i64, out: &[Outgoing<'_>], outstanding: &HashSet<usize>) {
+        let mut lines: Vec<LineKey> = Vec::new();
+        let mut unkeyed: Vec<EventId> = Vec::new();
+        for i in outstanding {
+            match out[*i].plan.line {
+                Some(l) => lines.push(l.clone()),
+                None => unkeyed.push(out[*i].plan.run[0].id),
+            }
+        }
+        if lines.is_empty() && unkeyed.is_empty() {
+            return;
+        }
+        let asked = lines.len() + unkeyed.len();
+        match self
+            .store
+            .renew(&self.queue, token, &lines, &unkeyed, self.config.lease)
+            .await
+        {
+            Ok(held) => {
+                self.stats.renewals.fetch_add(1, Ordering::Relaxed);
+                if held < asked {
+                    self.stats
+                        .renewals_lost
+                        .fetch_add((asked - held) as u64, Ordering::Relaxed);
+                    tracing::warn!(
+                        lost = asked - held,
+                        "leases of lines still in flight were taken by another relay"
+                    );
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not renew the leases of lines in flight"),
+        }
+    }
+
+    fn account(&self, report: &CycleReport) {
         let s = &self.stats;
         s.delivered
             .fetch_add(report.delivered as u64, Ordering::Relaxed);
@@ -254,9 +529,9 @@ impl Relay {
         s.failed.fetch_add(report.failed as u64, Ordering::Relaxed);
         s.stale.fetch_add(report.stale as u64, Ordering::Relaxed);
         s.delivered_after_failure
-            .fetch_add(out_of_order as u64, Ordering::Relaxed);
+            .fetch_add(report.delivered_after_failure as u64, Ordering::Relaxed);
         s.transient_events
-            .fetch_add(transient_events as u64, Ordering::Relaxed);
+            .fetch_add(report.transient_events as u64, Ordering::Relaxed);
         if report.transient {
             s.transient.fetch_add(1, Ordering::Relaxed);
         }
@@ -270,54 +545,6 @@ impl Relay {
                 Ordering::Relaxed,
                 Ordering::Relaxed,
             );
-        }
-        Ok(report)
-    }
-
-    /// Runs cycles until `shutdown`. A cycle in progress completes (its deliveries are
-    /// bounded by the sink's timeout) so that it settles and releases what it claimed.
-    pub async fn run(mut self, shutdown: CancellationToken) {
-        let mut db_backoff = ProbeBackoff::new(self.config.probe_min, self.config.probe_max);
-        while !shutdown.is_cancelled() {
-            let cycle_start = std::time::Instant::now();
-            let pause = match self.cycle().await {
-                Ok(r) => {
-                    if r.attempted > 0 {
-                        self.stats.cycle_latency.observe(cycle_start.elapsed());
-                    }
-                    db_backoff.succeeded();
-                    if r.transient {
-                        let d = self.probe.failed(&mut rand::rng());
-                        tracing::info!(
-                            pause_ms = d.as_millis() as u64,
-                            "destination unavailable; probing again later"
-                        );
-                        Some(d)
-                    } else if r.attempted > 0 {
-                        if r.delivered > 0 {
-                            self.probe.succeeded();
-                        }
-                        None
-                    } else if r.keys > 0 {
-                        // Only blocked keys came back; look again for others at once.
-                        None
-                    } else {
-                        Some(self.config.poll_interval)
-                    }
-                }
-                Err(e) => {
-                    let d = db_backoff.failed(&mut rand::rng());
-                    tracing::warn!(error = %e, pause_ms = d.as_millis() as u64, "relay cycle failed");
-                    Some(d)
-                }
-            };
-            if let Some(d) = pause {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = self.wake.notified(), if !self.probe.probing() => {}
-                    _ = tokio::time::sleep(d) => {}
-                }
-            }
         }
     }
 }

@@ -86,6 +86,11 @@ pub fn plan_single(e: &StoredEvent) -> LinePlan<'_> {
     }
 }
 
+/// Kept as the last error of an event published after an earlier event of its key
+/// failed in the same run (shown by `GetEvent`).
+pub const GAP_NOTE: &str = "published after an earlier event of its key failed in the same \
+     run: the destination may hold it ahead of that event (possible reordering)";
+
 /// What settling one line produced.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LineOutcome {
@@ -145,12 +150,20 @@ impl LinePlan<'_> {
         let mut halted: Option<Readiness> = None;
         for (e, d) in self.run.iter().zip(deliveries) {
             match (d, &halted) {
-                (Delivery::Delivered, _) => {
+                (Delivery::Delivered, None) => {
                     out.updates.push(EventUpdate::Completed { id: e.id });
                     out.delivered += 1;
-                    if halted.is_some() {
-                        out.delivered_after_failure += 1;
-                    }
+                }
+                // A gap: the sink published this event although an earlier one of its
+                // run failed, so the destination may hold it ahead of that one. It is
+                // published (nothing is lost), counted and flagged on the event.
+                (Delivery::Delivered, Some(_)) => {
+                    out.updates.push(EventUpdate::CompletedAfterGap {
+                        id: e.id,
+                        note: GAP_NOTE.to_string(),
+                    });
+                    out.delivered += 1;
+                    out.delivered_after_failure += 1;
                 }
                 (Delivery::Failed(f), None) => {
                     let (update, ready) = self.on_failure(e, f, policy, rng, &mut out);
@@ -461,6 +474,29 @@ mod tests {
             }
         ));
         assert_eq!(out.ready.at, Some(at));
+    }
+
+    /// The gap librdkafka can produce: a later record acknowledged after an earlier one
+    /// failed. It is not lost, but it is counted and flagged, never silently completed.
+    #[test]
+    fn a_delivery_after_a_failure_is_flagged() {
+        let now = Utc::now();
+        let w = window((1..=3).map(|i| ev(i, 0, -1, now)).collect(), false);
+        let p = plan_line(&w, now, 100);
+        let t = Delivery::Failed(Failure::Transient {
+            error: "timed out".into(),
+        });
+        let out = p.settle(
+            &[Delivery::Delivered, t, Delivery::Delivered],
+            &RetryPolicy::default(),
+            &mut rng(),
+        );
+        assert_eq!(out.delivered_after_failure, 1);
+        assert_eq!(out.updates[0], EventUpdate::Completed { id: 1 });
+        assert!(matches!(
+            &out.updates[1],
+            EventUpdate::CompletedAfterGap { id: 3, note } if note.contains("reordering")
+        ));
     }
 
     #[test]

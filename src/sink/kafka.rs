@@ -1,21 +1,35 @@
 //! Kafka sink: an idempotent rdkafka producer (`acks=all`, `murmur2_random`), pipelined:
-//! every event of a cycle is handed to librdkafka at once and the deliveries awaited
-//! together. Errors are classified by `classify` (see docs/relay.md for the table).
-//! A producer that can no longer deliver (fenced, unknown producer id after the broker
-//! lost its state, fatal error, or stuck across several cycles) is replaced.
+//! every line of a cycle is handed to librdkafka at once and each line is reported as
+//! soon as its records are acknowledged. Errors are classified by `classify` (see
+//! docs/relay.md for the table). A producer that can no longer deliver (fenced, unknown
+//! producer id after the broker lost its state, fatal error, or stuck across several
+//! deliveries) is replaced.
+//!
+//! Ordering. librdkafka's idempotent producer writes each partition's records in produce
+//! order, with one documented exception: a record that times out locally
+//! (`message.timeout.ms`) leaves a gap, and records produced after it are written anyway.
+//! A relay that then republishes the timed-out record puts it behind its successors. So
+//! librdkafka never times a record out here (`message.timeout.ms=0`) and a permanent
+//! error on a batch stops the producer instead of skipping it
+//! (`enable.gapless.guarantee=true`). mailroom keeps its own deadline: a record not
+//! acknowledged in time is reported transient and stays queued in the producer, ahead
+//! of any later copy of it or of its successors, so the first copy of every record of a
+//! key reaches the partition in id order. The cost is duplicates after an outage
+//! (docs/relay.md, "Ordering under failures").
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use futures::future::join_all;
+use futures::FutureExt;
+use futures::stream::{FuturesUnordered, StreamExt};
 use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode as C};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 
-use super::{Delivery, Failure, Sink};
+use super::{Delivery, Failure, LineDone, Sink};
 use crate::domain::StoredEvent;
 
 /// How the relay treats a Kafka error.
@@ -23,14 +37,18 @@ use crate::domain::StoredEvent;
 pub enum ErrorClass {
     /// The broker (or the client, deterministically) refused this record: spend an attempt.
     Counted,
-    /// The environment failed: spend nothing, stop the cycle, probe again later.
+    /// The environment failed: spend nothing, stop the line, probe its topic again later.
     Transient,
     /// Transient, and the producer itself can no longer deliver: replace it.
     ProducerBroken,
 }
 
-/// The classification table. Anything not listed counts: an unknown error must not
-/// loop forever at no cost; the table lists every outage-shaped error librdkafka reports.
+/// The classification table. An error counts against the event only when it is about
+/// the record itself (too large, invalid, refused by a policy); errors about the
+/// network, the cluster, the credentials or the client's configuration are transient:
+/// every record would get them, and an outage of credentials or of the cluster's state
+/// must not burn every event's attempts. Unknown codes count, so nothing loops forever
+/// at no cost (docs/relay.md keeps this table in prose).
 pub fn classify(code: C) -> ErrorClass {
     match code {
         // No broker, no connection, no answer in time, local queue full, leadership moving.
@@ -54,9 +72,11 @@ pub fn classify(code: C) -> ErrorClass {
         | C::FencedLeaderEpoch
         | C::UnknownLeaderEpoch
         | C::PreferredLeaderNotAvailable
+        | C::EligibleLeadersNotAvailable
         | C::CoordinatorLoadInProgress
         | C::CoordinatorNotAvailable
         | C::NotCoordinator
+        | C::NotController
         | C::Retry
         | C::Interrupted
         | C::PurgeQueue
@@ -64,7 +84,40 @@ pub fn classify(code: C) -> ErrorClass {
         | C::BrokerDestroy
         | C::DestroyBroker
         | C::WaitCache
-        | C::RebootstrapRequired => ErrorClass::Transient,
+        | C::RebootstrapRequired
+        | C::NodeUpdate
+        | C::UnknownBroker
+        | C::CriticalSystemResource
+        // The cluster lost or has not yet got the topic's metadata (a broker that lost
+        // its state, a topic being created): about the cluster, not the record.
+        | C::UnknownTopicOrPartition
+        | C::UnknownTopic
+        | C::UnknownPartition
+        | C::UnknownTopicId
+        // Credentials, authorization and TLS: an operator's fix, shared by every record.
+        | C::Authentication
+        | C::SSL
+        | C::SaslAuthenticationFailed
+        | C::UnsupportedSASLMechanism
+        | C::IllegalSASLState
+        | C::UnacceptableCredential
+        | C::PrincipalDeserializationFailure
+        | C::SecurityDisabled
+        | C::TopicAuthorizationFailed
+        | C::ClusterAuthorizationFailed
+        | C::TransactionalIdAuthorizationFailed
+        | C::DelegationTokenAuthorizationFailed
+        | C::DelegationTokenExpired
+        // The client and the cluster disagree on what they support or how they are set
+        // up (an upgrade, a listener change, a compression type the cluster refuses).
+        | C::UnsupportedVersion
+        | C::UnsupportedFeature
+        | C::UnsupportedForMessageFormat
+        | C::UnsupportedCompressionType
+        | C::InvalidRequiredAcks
+        | C::ListenerNotFound
+        | C::NotConfigured
+        | C::InvalidConfig => ErrorClass::Transient,
         // The producer's identity or sequence is lost: only a new producer recovers.
         C::Fatal
         | C::Fenced
@@ -75,8 +128,8 @@ pub fn classify(code: C) -> ErrorClass {
         | C::InvalidProducerIdMapping
         | C::GaplessGuarantee
         | C::InvalidTransactionalState => ErrorClass::ProducerBroken,
-        // Everything else (too large, invalid record, unknown topic the broker answered
-        // about, authorization, serialization, ...) is the record's fault.
+        // Everything else (too large, invalid record, bad timestamp, policy violation,
+        // invalid topic name, serialization, ...) is the record's fault.
         _ => ErrorClass::Counted,
     }
 }
@@ -89,23 +142,33 @@ fn class_of(e: &KafkaError) -> ErrorClass {
     }
 }
 
-/// After this many cycles in a row that ended transient, the producer is replaced even
-/// without a telling error code: tansu, and real brokers after losing state, can leave
-/// an idempotent producer timing out forever.
-const STUCK_CYCLES: u32 = 3;
+/// After this many deliveries in a row that ended transient with nothing acknowledged,
+/// the producer is replaced even without a telling error code: tansu, and real brokers
+/// after losing state, can leave an idempotent producer stuck forever.
+const STUCK_DELIVERIES: u32 = 3;
+
+/// Bytes a record may carry beyond its payload and user headers: key, CloudEvents
+/// headers and Kafka's record framing.
+pub const RECORD_OVERHEAD_BYTES: usize = 16 * 1024;
 
 pub struct KafkaSink {
     config: ClientConfig,
     producer: RwLock<Arc<FutureProducer>>,
-    transient_cycles: AtomicU32,
+    stuck: AtomicU32,
     source: String,
+    /// mailroom's delivery deadline (`kafka_message_timeout_ms`); librdkafka's own is off.
+    deadline: Duration,
 }
 
 /// Builds the producer configuration: safe defaults first, then the operator's
-/// properties (which win, except idempotence and acks, which the guarantees need).
+/// properties (which win, except what the ordering guarantee needs: idempotence, acks,
+/// no local message timeout and the gapless guarantee). `delivery_timeout` is mailroom's
+/// deadline for an acknowledgement (enforced by `KafkaSink`, not librdkafka); it also
+/// bounds one request. `max_record_bytes` is the largest record mailroom accepts:
+/// `message.max.bytes` is raised to fit it.
 pub fn producer_config(
     brokers: &str,
-    message_timeout: Duration,
+    delivery_timeout: Duration,
     extra: &BTreeMap<String, String>,
 ) -> ClientConfig {
     let mut c = ClientConfig::new();
@@ -115,30 +178,60 @@ pub fn producer_config(
         .set("linger.ms", "2")
         .set("queue.buffering.max.messages", "200000")
         .set(
-            "message.timeout.ms",
-            message_timeout.as_millis().to_string(),
-        )
-        .set(
             "request.timeout.ms",
-            message_timeout.as_millis().min(30_000).to_string(),
+            delivery_timeout.as_millis().clamp(1000, 30_000).to_string(),
         );
     for (k, v) in extra {
-        c.set(k, v);
+        // The alias of `message.timeout.ms`, which the ordering guarantee fixes below.
+        if k != "delivery.timeout.ms" {
+            c.set(k, v);
+        }
     }
     c.set("enable.idempotence", "true")
         .set("acks", "all")
-        .set("max.in.flight.requests.per.connection", "5");
+        .set("max.in.flight.requests.per.connection", "5")
+        .set("message.timeout.ms", "0")
+        .set("enable.gapless.guarantee", "true");
     c
 }
 
+/// The record size the producer must accept for events of `max_payload` bytes with up
+/// to `max_headers` bytes of headers.
+pub fn record_bytes_needed(max_payload: usize, max_headers: usize) -> usize {
+    max_payload + max_headers + RECORD_OVERHEAD_BYTES
+}
+
+/// Raises `message.max.bytes` to `needed` unless the operator set it; an operator's value
+/// below `needed` is refused (a payload the producer can never send would fail forever).
+pub fn fit_record_size(c: &mut ClientConfig, needed: usize) -> Result<(), String> {
+    match c.get("message.max.bytes").map(str::parse::<usize>) {
+        None => {
+            // librdkafka's default is 1,000,000 bytes, below a 1 MiB payload.
+            c.set("message.max.bytes", needed.max(1_000_000).to_string());
+            Ok(())
+        }
+        Some(Ok(set)) if set >= needed => Ok(()),
+        Some(Ok(set)) => Err(format!(
+            "kafka property message.max.bytes={set} is below the {needed} bytes a record of \
+             max_payload_bytes plus max_header_bytes needs; raise it or lower the limits"
+        )),
+        Some(Err(_)) => Err("kafka property message.max.bytes is not a number".into()),
+    }
+}
+
 impl KafkaSink {
-    pub fn new(config: ClientConfig, source: String) -> Result<Self, KafkaError> {
+    pub fn new(
+        config: ClientConfig,
+        source: String,
+        deadline: Duration,
+    ) -> Result<Self, KafkaError> {
         let producer: FutureProducer = config.create()?;
         Ok(KafkaSink {
             config,
             producer: RwLock::new(Arc::new(producer)),
-            transient_cycles: AtomicU32::new(0),
+            stuck: AtomicU32::new(0),
             source,
+            deadline,
         })
     }
 
@@ -150,8 +243,14 @@ impl KafkaSink {
         match self.config.create::<FutureProducer>() {
             Ok(p) => {
                 tracing::warn!(reason = why, "replacing Kafka producer");
-                *self.producer.write().expect("producer lock") = Arc::new(p);
-                self.transient_cycles.store(0, Ordering::Relaxed);
+                let old = std::mem::replace(
+                    &mut *self.producer.write().expect("producer lock"),
+                    Arc::new(p),
+                );
+                self.stuck.store(0, Ordering::Relaxed);
+                // Dropping a producer purges and flushes for up to 500 ms: not on a
+                // runtime thread.
+                tokio::task::spawn_blocking(move || drop(old));
             }
             Err(e) => tracing::error!(error = %e, "could not create a new Kafka producer"),
         }
@@ -182,6 +281,32 @@ impl KafkaSink {
         }
         h
     }
+
+    /// Hands one line's records to librdkafka in order, stopping at the first it refuses.
+    fn produce_line(
+        &self,
+        producer: &FutureProducer,
+        line: &[&StoredEvent],
+    ) -> (Vec<DeliveryFuture>, Option<(Delivery, ErrorClass, String)>) {
+        let mut futures = Vec::with_capacity(line.len());
+        for e in line {
+            let mut record = FutureRecord::<str, [u8]>::to(&e.topic)
+                .payload(&e.payload)
+                .headers(self.headers(e));
+            if let Some(k) = &e.key {
+                record = record.key(k.as_str());
+            }
+            match producer.send_result(record) {
+                Ok(f) => futures.push(f),
+                Err((err, _)) => {
+                    let class = class_of(&err);
+                    let d = Delivery::Failed(failure(&err, class));
+                    return (futures, Some((d, class, err.to_string())));
+                }
+            }
+        }
+        (futures, None)
+    }
 }
 
 fn failure(e: &KafkaError, class: ErrorClass) -> Failure {
@@ -195,78 +320,138 @@ fn failure(e: &KafkaError, class: ErrorClass) -> Failure {
     }
 }
 
+/// What one line's acknowledgements said, beyond its deliveries.
+#[derive(Default)]
+struct LineNotes {
+    delivered: bool,
+    transient: bool,
+    broken: Option<String>,
+}
+
+/// Awaits a line's acknowledgements in order until `deadline`. After the first record
+/// that is not acknowledged, later ones are reported only if they already were (a gap
+/// the relay counts as `delivered_after_failure`); otherwise they were not attempted.
+async fn await_line(
+    futures: Vec<DeliveryFuture>,
+    refused: Option<(Delivery, ErrorClass, String)>,
+    len: usize,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+) -> (Vec<Delivery>, LineNotes) {
+    let mut out = vec![Delivery::NotAttempted; len];
+    let mut notes = LineNotes::default();
+    let mut failed = false;
+    let sent = futures.len();
+    for (i, fut) in futures.into_iter().enumerate() {
+        if failed {
+            // Only an acknowledgement that has already arrived can be a gap.
+            if let Some(Ok(Ok(_))) = fut.now_or_never() {
+                out[i] = Delivery::Delivered;
+            }
+            continue;
+        }
+        out[i] = match tokio::time::timeout_at(deadline, fut).await {
+            Ok(Ok(Ok(_))) => {
+                notes.delivered = true;
+                Delivery::Delivered
+            }
+            Ok(Ok(Err((err, _)))) => {
+                let class = class_of(&err);
+                match class {
+                    ErrorClass::ProducerBroken => notes.broken = Some(err.to_string()),
+                    ErrorClass::Transient => notes.transient = true,
+                    ErrorClass::Counted => {}
+                }
+                Delivery::Failed(failure(&err, class))
+            }
+            Ok(Err(_canceled)) => {
+                notes.transient = true;
+                Delivery::Failed(Failure::Transient {
+                    error: "kafka: delivery canceled (producer replaced)".into(),
+                })
+            }
+            Err(_elapsed) => {
+                notes.transient = true;
+                Delivery::Failed(Failure::Transient {
+                    error: format!(
+                        "kafka: not acknowledged within {} ms (the record stays queued ahead \
+                         of any later record of its key)",
+                        timeout.as_millis()
+                    ),
+                })
+            }
+        };
+        failed = out[i] != Delivery::Delivered;
+    }
+    if let Some((d, class, why)) = refused
+        && !failed
+    {
+        match class {
+            ErrorClass::ProducerBroken => notes.broken = Some(why),
+            ErrorClass::Transient => notes.transient = true,
+            ErrorClass::Counted => {}
+        }
+        out[sent] = d;
+    }
+    (out, notes)
+}
+
 #[async_trait::async_trait]
 impl Sink for KafkaSink {
     async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>> {
-        let producer = self.current();
         let mut out: Vec<Vec<Delivery>> = lines
             .iter()
             .map(|l| vec![Delivery::NotAttempted; l.len()])
             .collect();
-        let mut pending = Vec::new();
-        let mut broken = producer.client().fatal_error().map(|(_, s)| s);
-        let mut transient = false;
-        'lines: for (li, line) in lines.iter().enumerate() {
-            for (ei, e) in line.iter().enumerate() {
-                let mut record = FutureRecord::<str, [u8]>::to(&e.topic)
-                    .payload(&e.payload)
-                    .headers(self.headers(e));
-                if let Some(k) = &e.key {
-                    record = record.key(k.as_str());
+        self.deliver_each(lines, &mut |i, d| out[i] = d).await;
+        out
+    }
+
+    async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: LineDone<'_>) {
+        let producer = self.current();
+        if let Some((_, why)) = producer.client().fatal_error() {
+            self.replace(&format!("fatal producer error: {why}"));
+            for (i, l) in lines.iter().enumerate() {
+                let mut d = vec![Delivery::NotAttempted; l.len()];
+                if let Some(first) = d.first_mut() {
+                    *first = Delivery::Failed(Failure::Transient {
+                        error: format!("kafka: producer failed: {why}"),
+                    });
                 }
-                match producer.send_result(record) {
-                    Ok(fut) => pending.push((li, ei, fut)),
-                    Err((err, _)) => {
-                        let class = class_of(&err);
-                        out[li][ei] = Delivery::Failed(failure(&err, class));
-                        match class {
-                            // This record is refused: the rest of its line waits behind it.
-                            ErrorClass::Counted => continue 'lines,
-                            ErrorClass::ProducerBroken => {
-                                broken = Some(err.to_string());
-                                break 'lines;
-                            }
-                            ErrorClass::Transient => {
-                                transient = true;
-                                break 'lines;
-                            }
-                        }
-                    }
-                }
+                done(i, d);
             }
+            return;
         }
-        let keys: Vec<(usize, usize)> = pending.iter().map(|(l, e, _)| (*l, *e)).collect();
-        let results = join_all(pending.into_iter().map(|(_, _, f)| f)).await;
-        for ((li, ei), r) in keys.into_iter().zip(results) {
-            out[li][ei] = match r {
-                Ok(Ok(_)) => Delivery::Delivered,
-                Ok(Err((err, _))) => {
-                    let class = class_of(&err);
-                    match class {
-                        ErrorClass::ProducerBroken => broken = Some(err.to_string()),
-                        ErrorClass::Transient => transient = true,
-                        ErrorClass::Counted => {}
-                    }
-                    Delivery::Failed(failure(&err, class))
-                }
-                Err(_canceled) => {
-                    transient = true;
-                    Delivery::Failed(Failure::Transient {
-                        error: "kafka: delivery canceled".into(),
-                    })
-                }
-            };
+        let deadline = tokio::time::Instant::now() + self.deadline;
+        // Every line is handed to librdkafka first, so the whole cycle is pipelined.
+        let mut running = FuturesUnordered::new();
+        for (i, line) in lines.iter().enumerate() {
+            let (futures, refused) = self.produce_line(&producer, line);
+            let (len, timeout) = (line.len(), self.deadline);
+            running.push(async move {
+                let (d, notes) = await_line(futures, refused, len, deadline, timeout).await;
+                (i, d, notes)
+            });
         }
+        let (mut delivered, mut transient, mut broken) = (false, false, None);
+        while let Some((i, d, notes)) = running.next().await {
+            delivered |= notes.delivered;
+            transient |= notes.transient;
+            if notes.broken.is_some() {
+                broken = notes.broken;
+            }
+            done(i, d);
+        }
+        drop(producer);
         if let Some(why) = broken {
             self.replace(&why);
-        } else if transient {
-            if self.transient_cycles.fetch_add(1, Ordering::Relaxed) + 1 >= STUCK_CYCLES {
-                self.replace("deliveries failed transiently for several cycles");
-            }
-        } else {
-            self.transient_cycles.store(0, Ordering::Relaxed);
+        } else if delivered {
+            self.stuck.store(0, Ordering::Relaxed);
+        } else if transient
+            && self.stuck.fetch_add(1, Ordering::Relaxed) + 1 >= STUCK_DELIVERIES
+        {
+            self.replace("deliveries failed transiently several times in a row");
         }
-        out
     }
 }
 
@@ -294,14 +479,35 @@ mod tests {
             C::MessageSizeTooLarge,
             C::InvalidMessage,
             C::InvalidRecord,
-            C::TopicAuthorizationFailed,
-            C::UnknownTopicOrPartition,
-            C::UnknownTopic,
+            C::InvalidTimestamp,
             C::InvalidTopic,
             C::ValueSerialization,
             C::PolicyViolation,
+            C::MessageBatchTooLarge,
         ] {
             assert_eq!(classify(c), ErrorClass::Counted, "{c:?}");
+        }
+    }
+
+    /// Failures about the credentials, the cluster's state or the client's set-up are
+    /// shared by every record: they must not spend attempts (issue 11, item 7).
+    #[test]
+    fn environment_errors_spend_no_attempt() {
+        for c in [
+            C::Authentication,
+            C::SSL,
+            C::SaslAuthenticationFailed,
+            C::UnsupportedSASLMechanism,
+            C::TopicAuthorizationFailed,
+            C::ClusterAuthorizationFailed,
+            C::UnknownTopicOrPartition,
+            C::UnknownTopic,
+            C::UnknownPartition,
+            C::UnsupportedVersion,
+            C::UnsupportedCompressionType,
+            C::InvalidRequiredAcks,
+        ] {
+            assert_eq!(classify(c), ErrorClass::Transient, "{c:?}");
         }
     }
 
@@ -329,5 +535,37 @@ mod tests {
         assert_eq!(c.get("acks"), Some("all"));
         assert_eq!(c.get("linger.ms"), Some("20"));
         assert_eq!(c.get("partitioner"), Some("murmur2_random"));
+    }
+
+    /// The ordering guarantee rests on these two: librdkafka never times a record out
+    /// (the one gap its idempotent producer allows), and a permanent batch error stops
+    /// the producer rather than skipping the batch. An operator cannot turn them off.
+    #[test]
+    fn config_never_lets_librdkafka_skip_a_record() {
+        let extra = BTreeMap::from([
+            ("message.timeout.ms".to_string(), "5000".to_string()),
+            ("delivery.timeout.ms".to_string(), "5000".to_string()),
+            ("enable.gapless.guarantee".to_string(), "false".to_string()),
+        ]);
+        let c = producer_config("h:1", Duration::from_secs(10), &extra);
+        assert_eq!(c.get("message.timeout.ms"), Some("0"));
+        assert_eq!(c.get("enable.gapless.guarantee"), Some("true"));
+        // The alias must not survive either: the last one set wins in librdkafka.
+        assert_ne!(c.get("delivery.timeout.ms"), Some("5000"));
+    }
+
+    #[test]
+    fn the_record_size_fits_the_largest_payload() {
+        let mut c = producer_config("h:1", Duration::from_secs(10), &BTreeMap::new());
+        let needed = record_bytes_needed(1024 * 1024, 16 * 1024);
+        fit_record_size(&mut c, needed).unwrap();
+        assert_eq!(c.get("message.max.bytes"), Some(needed.to_string().as_str()));
+        let mut small = producer_config(
+            "h:1",
+            Duration::from_secs(10),
+            &BTreeMap::from([("message.max.bytes".to_string(), "1000000".to_string())]),
+        );
+        let err = fit_record_size(&mut small, needed).unwrap_err();
+        assert!(err.contains("message.max.bytes=1000000"), "{err}");
     }
 }

@@ -54,14 +54,27 @@ pub enum Delivery {
     NotAttempted,
 }
 
+/// Receives one line's deliveries (the line's index in `lines`) as soon as they are known.
+pub type LineDone<'a> = &'a mut (dyn FnMut(usize, Vec<Delivery>) + Send);
+
 /// A destination for claimed events. `lines` are ordered runs (one per key, or one
 /// unkeyed event each). A sink may deliver many lines concurrently but within a line
-/// must not send an event once an earlier one of that line has failed, and should stop
-/// sending anything new after a transient failure. Returns one `Delivery` per event,
-/// shaped like `lines`.
+/// must not send an event once an earlier one of that line has failed: the deliveries
+/// of a line are a prefix of `Delivered`, then at most one failure, then `NotAttempted`
+/// (anything else is a gap, which the relay counts and flags). Returns one `Delivery`
+/// per event, shaped like `lines`.
 #[async_trait::async_trait]
 pub trait Sink: Send + Sync + 'static {
     async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>>;
+
+    /// Like `deliver`, but reports each line through `done` as soon as it is finished,
+    /// so the relay can settle fast lines while slow ones (a topic that is down) are
+    /// still waiting. The default reports every line once all are delivered.
+    async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: LineDone<'_>) {
+        for (i, d) in self.deliver(lines).await.into_iter().enumerate() {
+            done(i, d);
+        }
+    }
 }
 
 /// A shared sink is a sink (so wrappers such as `FaultySink` can hold one).
@@ -69,5 +82,8 @@ pub trait Sink: Send + Sync + 'static {
 impl Sink for std::sync::Arc<dyn Sink> {
     async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>> {
         self.as_ref().deliver(lines).await
+    }
+    async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: LineDone<'_>) {
+        self.as_ref().deliver_each(lines, done).await
     }
 }

@@ -128,6 +128,13 @@ pub enum EventUpdate {
     Completed {
         id: EventId,
     },
+    /// Published, but after an earlier event of its key failed in the same run: the
+    /// broker may hold it ahead of that event. `note` is kept as the event's last error,
+    /// so `GetEvent` shows it.
+    CompletedAfterGap {
+        id: EventId,
+        note: String,
+    },
     /// A counted failure with budget left: `attempts` is the new count, the event is due
     /// again `delay` after the settle.
     Retry {
@@ -160,6 +167,7 @@ impl EventUpdate {
     pub fn id(&self) -> EventId {
         match self {
             EventUpdate::Completed { id }
+            | EventUpdate::CompletedAfterGap { id, .. }
             | EventUpdate::Retry { id, .. }
             | EventUpdate::RetryAt { id, .. }
             | EventUpdate::Failed { id, .. }
@@ -202,7 +210,8 @@ pub struct KeyRelease {
 pub struct SettleReport {
     /// Updates applied.
     pub applied: usize,
-    /// Updates dropped because the claim's lease had expired or moved to another relay.
+    /// Updates dropped because the claim's keys or events moved to another relay (a
+    /// late settle that no one raced is still applied: the lease token fences).
     pub stale: usize,
 }
 
@@ -235,8 +244,9 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim>;
 
     /// Applies the relay's decisions for a claim and releases its keys, in one
-    /// transaction. Updates for keys or events whose lease is no longer held by `token`
-    /// are dropped (counted as stale): another relay owns them now.
+    /// transaction. Updates for keys or events no longer held by `token` are dropped
+    /// (counted as stale): another relay owns them now. An expired lease that no other
+    /// relay took is still `token`'s, so its settle applies (fewer duplicates).
     async fn settle(
         &self,
         queue: &Queue,
@@ -244,6 +254,18 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
         updates: &[EventUpdate],
         releases: &[KeyRelease],
     ) -> StoreResult<SettleReport>;
+
+    /// Extends the lease of keys and unkeyed events a claim still holds while their
+    /// deliveries are in flight. Returns how many it still held (a key or event another
+    /// relay has taken since is not renewed).
+    async fn renew(
+        &self,
+        queue: &Queue,
+        token: i64,
+        lines: &[LineKey],
+        unkeyed: &[EventId],
+        lease: Duration,
+    ) -> StoreResult<usize>;
 
     /// One event by id.
     async fn get_event(&self, box_kind: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>>;

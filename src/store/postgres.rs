@@ -32,6 +32,8 @@ struct Sql {
     lock_keys: Arc<str>,
     settle_events: Arc<str>,
     release_keys: Arc<str>,
+    renew_keys: Arc<str>,
+    renew_unkeyed: Arc<str>,
     get_event: Arc<str>,
 }
 
@@ -56,6 +58,8 @@ impl Sql {
         let settle_scope = scope(" AND k.subscription = e.subscription", 0);
         let release_scope = scope(" AND k.subscription = $S", 7);
         let release_exists = scope(" AND e.subscription = k.subscription", 0);
+        let renew_scope = scope(" AND k.subscription = $S", 5);
+        let renew_unkeyed_scope = scope(" AND subscription = $S", 4);
         Sql {
             lease_keys: format!(
                 "WITH picked AS (
@@ -92,7 +96,7 @@ impl Sql {
                 "SELECT k.topic, k.event_key FROM {keys} k
                  JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
                    ON k.topic = u.topic AND k.event_key = u.event_key
-                 WHERE k.lease_token = $3 AND k.lease_until > now(){lock_scope}
+                 WHERE k.lease_token = $3{lock_scope}
                  ORDER BY k.topic, k.event_key FOR UPDATE OF k"
             )
             .into(),
@@ -111,11 +115,10 @@ impl Sql {
                  FROM unnest($1::int8[], $2::text[], $3::int4[], $4::int8[], $5::timestamptz[], $6::text[])
                       AS u(id, kind, attempts, delay_ms, at, error)
                  WHERE e.id = u.id AND e.status = 'pending'
-                   AND ((e.event_key IS NULL AND e.claim_token = $7 AND e.claimed_until > now())
+                   AND ((e.event_key IS NULL AND e.claim_token = $7)
                         OR (e.event_key IS NOT NULL AND EXISTS (
                             SELECT 1 FROM {keys} k WHERE k.topic = e.topic
-                              AND k.event_key = e.event_key AND k.lease_token = $7{settle_scope}
-                              AND k.lease_until > now())))"
+                              AND k.event_key = e.event_key AND k.lease_token = $7{settle_scope})))"
             )
             .into(),
             release_keys: format!(
@@ -132,8 +135,29 @@ impl Sql {
                              THEN now() ELSE 'infinity' END)
                  FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[])
                       AS u(topic, event_key, at, after_ms, seen)
-                 WHERE k.topic = u.topic AND k.event_key = u.event_key AND k.lease_token = $6
-                   AND k.lease_until > now(){release_scope}"
+                 WHERE k.topic = u.topic AND k.event_key = u.event_key AND k.lease_token = $6{release_scope}"
+            )
+            .into(),
+            // Locks in the same collation-independent order as every key-locking
+            // statement; keeps an enqueue's wake-up (ready_at pulled below the lease).
+            renew_keys: format!(
+                "WITH held AS (
+                    SELECT k.topic, k.event_key FROM {keys} k
+                    JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
+                      ON k.topic = u.topic AND k.event_key = u.event_key
+                    WHERE k.lease_token = $4{renew_scope}
+                    ORDER BY k.topic COLLATE \"C\", k.event_key COLLATE \"C\" FOR UPDATE OF k)
+                 UPDATE {keys} k SET lease_until = now() + $3 * interval '1 millisecond',
+                        ready_at = CASE WHEN k.ready_at >= k.lease_until
+                                        THEN now() + $3 * interval '1 millisecond'
+                                        ELSE k.ready_at END
+                 FROM held WHERE k.topic = held.topic AND k.event_key = held.event_key
+                   AND k.lease_token = $4{renew_scope}"
+            )
+            .into(),
+            renew_unkeyed: format!(
+                "UPDATE {events} SET claimed_until = now() + $3 * interval '1 millisecond'
+                 WHERE id = ANY($1) AND claim_token = $2 AND status = 'pending'{renew_unkeyed_scope}"
             )
             .into(),
             get_event: format!("SELECT {c} FROM {events} WHERE id = $1").into(),
@@ -702,6 +726,9 @@ impl Store for PgStore {
                 ids.push(u.id());
                 let (k, a, d, t, e) = match u {
                     EventUpdate::Completed { .. } => ("completed", None, None, None, None),
+                    EventUpdate::CompletedAfterGap { note, .. } => {
+                        ("completed", None, None, None, Some(note.as_str()))
+                    }
                     EventUpdate::Retry {
                         attempts,
                         delay,
@@ -789,6 +816,46 @@ impl Store for PgStore {
             applied,
             stale: updates.len() - applied,
         })
+    }
+
+    async fn renew(
+        &self,
+        queue: &Queue,
+        token: i64,
+        lines: &[LineKey],
+        unkeyed: &[EventId],
+        lease: Duration,
+    ) -> StoreResult<usize> {
+        let sql = self.sql(queue.box_kind());
+        let mut held = 0;
+        if !lines.is_empty() {
+            let topics: Vec<&str> = lines.iter().map(|l| l.topic.as_str()).collect();
+            let names: Vec<&str> = lines.iter().map(|l| l.key.as_str()).collect();
+            held += scoped(
+                q(&sql.renew_keys)
+                    .bind(topics)
+                    .bind(names)
+                    .bind(millis(lease))
+                    .bind(token),
+                queue,
+            )
+            .execute(&self.pool)
+            .await?
+            .rows_affected() as usize;
+        }
+        if !unkeyed.is_empty() {
+            held += scoped(
+                q(&sql.renew_unkeyed)
+                    .bind(unkeyed)
+                    .bind(token)
+                    .bind(millis(lease)),
+                queue,
+            )
+            .execute(&self.pool)
+            .await?
+            .rows_affected() as usize;
+        }
+        Ok(held)
     }
 
     async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {

@@ -371,17 +371,19 @@ impl Store for SqliteStore {
                 updated_at = CASE WHEN ?7 THEN updated_at ELSE ?6 END,
                 claim_token = NULL, claimed_until = NULL
              WHERE id = ?1 AND status = 'pending'
-               AND ((event_key IS NULL AND claim_token = ?8 AND claimed_until > ?6)
+               AND ((event_key IS NULL AND claim_token = ?8)
                     OR (event_key IS NOT NULL AND EXISTS (
                         SELECT 1 FROM {keys} k WHERE k.topic = {events}.topic
-                          AND k.event_key = {events}.event_key AND k.lease_token = ?8
-                          AND k.lease_until > ?6{settle_scope})))"
+                          AND k.event_key = {events}.event_key AND k.lease_token = ?8{settle_scope})))"
         );
         let mut applied = 0;
         for u in updates {
             let (status, attempts, sched, error): (&str, Option<i64>, Option<i64>, Option<&str>) =
                 match u {
                     EventUpdate::Completed { .. } => ("completed", None, None, None),
+                    EventUpdate::CompletedAfterGap { note, .. } => {
+                        ("completed", None, None, Some(note))
+                    }
                     EventUpdate::Retry {
                         attempts,
                         delay,
@@ -430,7 +432,7 @@ impl Store for SqliteStore {
                     CASE WHEN ?5 IS NOT NULL AND EXISTS (
                     SELECT 1 FROM {events} e WHERE e.status = 'pending' AND e.topic = ?1
                       AND e.event_key = ?2{release_exists} AND e.id > ?5) THEN ?6 ELSE ?4 END)
-             WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3 AND lease_until > ?6{release_scope}"
+             WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3{release_scope}"
         );
         for r in releases {
             let at = r.ready.at.map(micros).unwrap_or(NEVER);
@@ -455,6 +457,56 @@ impl Store for SqliteStore {
             applied,
             stale: updates.len() - applied,
         })
+    }
+
+    async fn renew(
+        &self,
+        queue: &Queue,
+        token: i64,
+        lines: &[LineKey],
+        unkeyed: &[EventId],
+        lease: Duration,
+    ) -> StoreResult<usize> {
+        let (events, keys) = tables(queue.box_kind());
+        let sub = queue.subscription();
+        let key_scope = scope(queue, "subscription = ?5");
+        let event_scope = scope(queue, "subscription = ?4");
+        let now = micros(Utc::now());
+        let until = now.saturating_add(dur_micros(lease));
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut held = 0;
+        let key_sql = format!(
+            "UPDATE {keys} SET lease_until = ?4,
+                ready_at = CASE WHEN ready_at >= lease_until THEN ?4 ELSE ready_at END
+             WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3{key_scope}"
+        );
+        for l in lines {
+            held += sqlx::query(AssertSqlSafe(key_sql.as_str()))
+                .bind(&l.topic)
+                .bind(&l.key)
+                .bind(token)
+                .bind(until)
+                .bind(sub)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected() as usize;
+        }
+        let event_sql = format!(
+            "UPDATE {events} SET claimed_until = ?3
+             WHERE id = ?1 AND claim_token = ?2 AND status = 'pending'{event_scope}"
+        );
+        for id in unkeyed {
+            held += sqlx::query(AssertSqlSafe(event_sql.as_str()))
+                .bind(id)
+                .bind(token)
+                .bind(until)
+                .bind(sub)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected() as usize;
+        }
+        tx.commit().await?;
+        Ok(held)
     }
 
     async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {
