@@ -125,7 +125,11 @@ mod tests {
         let t0 = Instant::now();
         let pause = d.record("down", true, t0, &mut rng()).unwrap();
         assert!(pause >= Duration::from_millis(100) && pause <= Duration::from_millis(200));
-        assert_eq!(d.gate("up", t0, true), Gate::Open, "other topics keep going");
+        assert_eq!(
+            d.gate("up", t0, true),
+            Gate::Open,
+            "other topics keep going"
+        );
         assert_eq!(d.gate("down", t0, true), Gate::Closed { until: t0 + pause });
         let later = t0 + pause;
         assert_eq!(d.gate("down", later, true), Gate::Probe);

@@ -182,7 +182,10 @@ impl Relay {
     pub async fn cycle(&mut self) -> Result<CycleReport, StoreError> {
         let token: i64 = rand::rng().random();
         let claim = self.shared.claim(token).await?;
-        self.shared.clone().run_cycle(claim, false).await
+        self.shared
+            .clone()
+            .run_cycle(claim, false, ActiveSlot::detached())
+            .await
     }
 
     /// Runs cycles until `shutdown`. Cycles in progress complete (their deliveries are
@@ -192,12 +195,19 @@ impl Relay {
         let config = shared.config;
         let mut db_backoff = ProbeBackoff::new(config.probe_min, config.probe_max);
         let mut cycles: JoinSet<Result<CycleReport, StoreError>> = JoinSet::new();
+        // Cycles still delivering their first lines. A cycle that has settled some lines
+        // and only waits on slow ones (a topic that is down) no longer counts, so it
+        // does not hold the healthy topics back; `MAX_PARKED` bounds those.
+        let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         // Claim at once, then again whenever a cycle settled something, a wake-up came
         // or the poll interval passed.
         let mut want = true;
         let mut pause = config.poll_interval;
         while !shutdown.is_cancelled() {
-            if want && cycles.len() < config.max_cycles_in_flight.max(1) {
+            if want
+                && active.load(Ordering::Relaxed) < config.max_cycles_in_flight.max(1)
+                && cycles.len() < MAX_PARKED
+            {
                 want = false;
                 pause = config.poll_interval;
                 let token: i64 = rand::rng().random();
@@ -207,7 +217,8 @@ impl Relay {
                     }
                     Ok(claim) => {
                         db_backoff.succeeded();
-                        cycles.spawn(shared.clone().run_cycle(claim, true));
+                        let slot = ActiveSlot::take(&active);
+                        cycles.spawn(shared.clone().run_cycle(claim, true, slot));
                     }
                     Err(e) => {
                         pause = db_backoff.failed(&mut rand::rng());
@@ -237,6 +248,34 @@ impl Relay {
                 tracing::warn!(error = %e, "relay cycle failed during shutdown");
             }
         }
+    }
+}
+
+/// Cycles one relay keeps in flight at most, counting those that only wait on slow lines.
+const MAX_PARKED: usize = 64;
+
+/// A cycle's place among the relay's active cycles, given back once the cycle has
+/// settled something (or ends).
+struct ActiveSlot(Option<Arc<std::sync::atomic::AtomicUsize>>);
+
+impl ActiveSlot {
+    fn take(active: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        active.fetch_add(1, Ordering::Relaxed);
+        ActiveSlot(Some(active.clone()))
+    }
+    fn detached() -> Self {
+        ActiveSlot(None)
+    }
+    fn release(&mut self) {
+        if let Some(a) = self.0.take() {
+            a.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for ActiveSlot {
+    fn drop(&mut self) {
+        self.release();
     }
 }
 
@@ -270,6 +309,7 @@ impl Shared {
         self: Arc<Self>,
         claim: Claim,
         honour_probe_pause: bool,
+        mut slot: ActiveSlot,
     ) -> Result<CycleReport, StoreError> {
         let started = Instant::now();
         let token = claim.token;
@@ -386,6 +426,7 @@ impl Shared {
                         if let Err(e) = self.settle_lines(token, &out, batch, &mut report).await {
                             first_error.get_or_insert(e);
                         }
+                        slot.release();
                         self.progress.notify_one();
                     }
                     _ = renew.tick(), if self.config.renew_leases => {
@@ -438,7 +479,11 @@ impl Shared {
                 out_of_order += lo.delivered_after_failure;
                 let answered = lo.delivered + lo.retried + lo.failed > 0;
                 if lo.transient {
-                    transient_events += o.plan.run.len().saturating_sub(lo.delivered + lo.retried + lo.failed);
+                    transient_events += o
+                        .plan
+                        .run
+                        .len()
+                        .saturating_sub(lo.delivered + lo.retried + lo.failed);
                 }
                 if lo.transient && !answered {
                     if let Some(pause) = domains.record(o.domain, true, now, &mut rng) {
@@ -486,7 +531,12 @@ impl Shared {
     }
 
     /// Extends the leases of the lines still in flight.
-    async fn renew_outstanding(&self, token: i64, out: &[Outgoing<'_>], outstanding: &HashSet<usize>) {
+    async fn renew_outstanding(
+        &self,
+        token: i64,
+        out: &[Outgoing<'_>],
+        outstanding: &HashSet<usize>,
+    ) {
         let mut lines: Vec<LineKey> = Vec::new();
         let mut unkeyed: Vec<EventId> = Vec::new();
         for i in outstanding {

@@ -447,9 +447,7 @@ impl Sink for KafkaSink {
             self.replace(&why);
         } else if delivered {
             self.stuck.store(0, Ordering::Relaxed);
-        } else if transient
-            && self.stuck.fetch_add(1, Ordering::Relaxed) + 1 >= STUCK_DELIVERIES
-        {
+        } else if transient && self.stuck.fetch_add(1, Ordering::Relaxed) + 1 >= STUCK_DELIVERIES {
             self.replace("deliveries failed transiently several times in a row");
         }
     }
@@ -559,7 +557,10 @@ mod tests {
         let mut c = producer_config("h:1", Duration::from_secs(10), &BTreeMap::new());
         let needed = record_bytes_needed(1024 * 1024, 16 * 1024);
         fit_record_size(&mut c, needed).unwrap();
-        assert_eq!(c.get("message.max.bytes"), Some(needed.to_string().as_str()));
+        assert_eq!(
+            c.get("message.max.bytes"),
+            Some(needed.to_string().as_str())
+        );
         let mut small = producer_config(
             "h:1",
             Duration::from_secs(10),

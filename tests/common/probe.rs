@@ -25,10 +25,11 @@ pub async fn scrape(addr: std::net::SocketAddr) -> String {
     out
 }
 
-/// The value of one sample line (`name{labels} value`), 0 when absent.
+/// The value of one sample line (`name{labels} value`). A series that is not on the page
+/// fails the test: reading it as 0 would hide a renamed or missing metric.
 pub fn sample(text: &str, series: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(series).and_then(|r| r.strip_prefix(' ')))
         .map(|v| v.trim().parse().unwrap())
-        .unwrap_or(0.0)
+        .unwrap_or_else(|| panic!("metric series {series} is not exported; the page was:\n{text}"))
 }

@@ -4,13 +4,15 @@
 //! For the fault suite it can also add latency (`set_delay`: every chunk waits that long
 //! before it is forwarded, in both directions, order kept), drop the open connections
 //! while still accepting new ones (`drop_connections`), and forward to another target
-//! (`retarget`). By default none of that happens: it forwards as it always did.
+//! (`retarget`), or freeze every open connection without closing it (`stall`: bytes are
+//! held, in order, until `unstall`; the peers see a silent network). By default none of
+//! that happens: it forwards as it always did.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, copy_bidirectional};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -21,13 +23,20 @@ pub struct Proxy {
     counter: Arc<AtomicU64>,
     delay_ms: Arc<AtomicU64>,
     target: Arc<Mutex<String>>,
+    stalled: watch::Sender<bool>,
+    /// Stalls so far, and chunks that a stall held back (proof that a stall bit).
+    pub stalls: Arc<AtomicU64>,
+    pub held_chunks: Arc<AtomicU64>,
 }
 
-/// Copies one direction, each chunk held back by the current delay.
+/// Copies one direction, each chunk held back by the current delay, and not forwarded
+/// while the proxy is stalled.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     delay_ms: Arc<AtomicU64>,
+    mut stalled: watch::Receiver<bool>,
+    held: Arc<AtomicU64>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -38,6 +47,14 @@ async fn pump(
         let d = delay_ms.load(Ordering::Relaxed);
         if d > 0 {
             tokio::time::sleep(Duration::from_millis(d)).await;
+        }
+        if *stalled.borrow() {
+            held.fetch_add(1, Ordering::Relaxed);
+            while *stalled.borrow_and_update() {
+                if stalled.changed().await.is_err() {
+                    return;
+                }
+            }
         }
         if to.write_all(&buf[..n]).await.is_err() {
             break;
@@ -52,15 +69,19 @@ impl Proxy {
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
         let (generation, _) = watch::channel(0u64);
+        let (stalled, _) = watch::channel(false);
+        let held_chunks = Arc::new(AtomicU64::new(0));
         let delay_ms = Arc::new(AtomicU64::new(0));
         let target = Arc::new(Mutex::new(target));
         let gen_tx = generation.clone();
+        let stall_tx = stalled.clone();
+        let held2 = held_chunks.clone();
         let up2 = up.clone();
         let delay2 = delay_ms.clone();
         let target2 = target.clone();
         tokio::spawn(async move {
             loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
+                let Ok((inbound, _)) = listener.accept().await else {
                     break;
                 };
                 if !up2.load(Ordering::SeqCst) {
@@ -69,30 +90,26 @@ impl Proxy {
                 }
                 let target = target2.lock().unwrap().clone();
                 let mut cut = gen_tx.subscribe();
-                let delay = delay2.clone();
+                let (delay, stall, held) = (delay2.clone(), stall_tx.clone(), held2.clone());
                 tokio::spawn(async move {
-                    let Ok(mut outbound) = TcpStream::connect(&target).await else {
+                    let Ok(outbound) = TcpStream::connect(&target).await else {
                         return;
                     };
-                    if delay.load(Ordering::Relaxed) == 0 {
-                        tokio::select! {
-                            _ = copy_bidirectional(&mut inbound, &mut outbound) => {}
-                            _ = cut.changed() => {}
-                        }
-                    } else {
-                        let (ir, iw) = inbound.into_split();
-                        let (or, ow) = outbound.into_split();
-                        let up = tokio::spawn(pump(ir, ow, delay.clone()));
-                        let down = tokio::spawn(pump(or, iw, delay));
-                        let (a, b) = (up.abort_handle(), down.abort_handle());
-                        tokio::select! {
-                            _ = async { let _ = up.await; let _ = down.await; } => {}
-                            _ = cut.changed() => {}
-                        }
-                        // Dropping the halves closes both sockets.
-                        a.abort();
-                        b.abort();
+                    let _ = inbound.set_nodelay(true);
+                    let _ = outbound.set_nodelay(true);
+                    let (ir, iw) = inbound.into_split();
+                    let (or, ow) = outbound.into_split();
+                    let up =
+                        tokio::spawn(pump(ir, ow, delay.clone(), stall.subscribe(), held.clone()));
+                    let down = tokio::spawn(pump(or, iw, delay, stall.subscribe(), held));
+                    let (a, b) = (up.abort_handle(), down.abort_handle());
+                    tokio::select! {
+                        _ = async { let _ = up.await; let _ = down.await; } => {}
+                        _ = cut.changed() => {}
                     }
+                    // Dropping the halves closes both sockets.
+                    a.abort();
+                    b.abort();
                 });
             }
         });
@@ -103,7 +120,21 @@ impl Proxy {
             counter: Arc::new(AtomicU64::new(0)),
             delay_ms,
             target,
+            stalled,
+            stalls: Arc::new(AtomicU64::new(0)),
+            held_chunks,
         }
+    }
+
+    /// Freezes every connection, open or new: bytes are held, in order, not dropped.
+    pub fn stall(&self) {
+        self.stalls.fetch_add(1, Ordering::SeqCst);
+        self.stalled.send_replace(true);
+    }
+
+    /// Forwards what a stall held, then everything as before.
+    pub fn unstall(&self) {
+        self.stalled.send_replace(false);
     }
 
     pub fn addr(&self) -> String {
