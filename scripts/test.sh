@@ -67,7 +67,7 @@ log "tests"
 # --all-targets: unit and integration tests (the crate has no doc tests).
 log_file="$(mktemp)"
 set +e
-cargo test --locked --all-targets -- --test-threads "${MAILROOM_TEST_THREADS:-2}" 2>&1 | tee "$log_file"
+cargo test --locked --no-fail-fast --all-targets -- --test-threads "${MAILROOM_TEST_THREADS:-2}" 2>&1 | tee "$log_file"
 status=${PIPESTATUS[0]}
 set -e
 # One closing line for the whole suite.

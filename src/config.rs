@@ -586,6 +586,26 @@ impl Config {
                 "must be at most 64 MiB",
             ));
         }
+        if let SinkConfig::Kafka { properties, .. } = &sink
+            && let Some(set) = properties.get("message.max.bytes")
+        {
+            let needed = crate::sink::kafka::record_bytes_needed(
+                limits.max_payload_bytes,
+                limits.max_header_bytes,
+            );
+            match set.parse::<usize>() {
+                Ok(v) if v >= needed => {}
+                _ => {
+                    return Err(bad(
+                        "kafka_properties (MAILROOM_KAFKA_PROPERTIES)",
+                        format!(
+                            "message.max.bytes={set} cannot carry a record of max_payload_bytes \
+                             plus max_header_bytes ({needed} bytes); raise it or lower those limits"
+                        ),
+                    ));
+                }
+            }
+        }
         if limits.max_batch == 0 || limits.max_batch > 100_000 {
             return Err(bad("max_batch (MAILROOM_MAX_BATCH)", "must be 1..=100000"));
         }
@@ -774,6 +794,30 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("MAILROOM_DATABASE_URL"), "{e}");
         assert!(toml::from_str::<Settings>("no_such_setting = 1").is_err());
+    }
+
+    #[test]
+    fn a_producer_record_limit_below_the_payload_limit_is_refused() {
+        let s = Settings {
+            kafka_brokers: Some("k:9092".into()),
+            kafka_properties: Some(BTreeMap::from([(
+                "message.max.bytes".to_string(),
+                "1000000".to_string(),
+            )])),
+            ..Settings::default()
+        };
+        let e = Config::resolve(s).unwrap_err().to_string();
+        assert!(e.contains("message.max.bytes=1000000"), "{e}");
+        let s = Settings {
+            kafka_brokers: Some("k:9092".into()),
+            kafka_properties: Some(BTreeMap::from([(
+                "message.max.bytes".to_string(),
+                "1000000".to_string(),
+            )])),
+            max_payload_bytes: Some(900_000),
+            ..Settings::default()
+        };
+        assert!(Config::resolve(s).is_ok());
     }
 
     #[test]

@@ -177,8 +177,35 @@ impl Collector for RelayCollector {
         counter(
             &mut encoder,
             "mailroom_relay_stale_updates",
-            "Settle updates dropped because the claim had expired.",
+            "Settle updates dropped because another relay had taken the key or event over.",
             sum(|r| &r.stale),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_delivered_after_failure",
+            "Events the destination acknowledged after an earlier event of their key failed \
+             in the same run (possible reordering; each is flagged in its last_error). \
+             Expected to stay 0.",
+            sum(|r| &r.delivered_after_failure),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_held_back_lines",
+            "Lines (a key's run, or an unkeyed event) not sent because their topic looked \
+             down and was not due for a probe.",
+            sum(|r| &r.held_back),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_lease_renewals",
+            "Lease renewals of lines whose delivery outlasted a third of the lease.",
+            sum(|r| &r.renewals),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_leases_lost",
+            "Keys or events whose lease another relay took while their delivery was in flight.",
+            sum(|r| &r.renewals_lost),
         )?;
         {
             let mut e = encoder.encode_descriptor(

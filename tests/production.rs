@@ -432,6 +432,11 @@ async fn metrics_follow_the_events() {
         7.0
     );
     assert!(sample(&text, "mailroom_relay_cycle_seconds_count") >= 1.0);
+    assert_eq!(
+        sample(&text, "mailroom_relay_delivered_after_failure_total"),
+        0.0
+    );
+    assert_eq!(sample(&text, "mailroom_relay_leases_lost_total"), 0.0);
     assert!(sample(&text, "mailroom_relay_publish_seconds_count") >= 1.0);
     assert!(!text.contains("secret-key-42"), "keys are never labels");
     // An invalid request is counted under its code.

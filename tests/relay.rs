@@ -199,6 +199,7 @@ async fn a_transient_failure_on_the_head_keeps_the_key_in_order() {
         assert!(r.headers["ce_type"].starts_with("order."));
         assert_eq!(r.headers["ce_source"], "mailroom-test");
     }
+    assert_no_gaps(&[relay.stats()]);
     s.app.stop().await.unwrap();
 }
 
@@ -282,6 +283,7 @@ async fn an_oversized_record_is_a_real_counted_failure_and_failed_does_not_block
     let r = relay.cycle().await.unwrap();
     assert_eq!(r.delivered, 1, "{r:?}");
     assert_eq!(ev(&s.app.store, next).await.status, Status::Completed);
+    assert_no_gaps(&[relay.stats()]);
     s.app.stop().await.unwrap();
 }
 
@@ -346,6 +348,7 @@ async fn other_keys_delayed_events_and_failed_events_do_not_block() {
         !sink.seen().contains(&c_later),
         "delayed events are not sent early"
     );
+    assert_no_gaps(&[relay.stats()]);
     s.app.stop().await.unwrap();
 }
 
@@ -461,6 +464,7 @@ async fn a_broker_outage_costs_no_attempts_and_drains_by_itself() {
     for ids in per_key.values() {
         assert!(ids.windows(2).all(|w| w[0] < w[1]), "order kept: {ids:?}");
     }
+    assert_no_gaps(&[relay.stats()]);
     s.app.stop().await.unwrap();
 }
 
@@ -522,6 +526,7 @@ async fn counted_failures_back_off_within_the_jitter_window_then_fail() {
     }
     let e = ev(&s.app.store, id).await;
     assert_eq!((e.status, e.attempts), (Status::Failed, 5));
+    assert_no_gaps(&[relay.stats()]);
     s.app.stop().await.unwrap();
 }
 

@@ -370,3 +370,19 @@ pub async fn wait_completed(
     })
     .await;
 }
+
+/// No relay published an event after an earlier event of its key failed in the same run
+/// (issue 11: asserted in every relay and fault test that runs relays in-process).
+pub fn assert_no_gaps(stats: &[std::sync::Arc<mailroom::relay::RelayStats>]) {
+    let gaps: u64 = stats
+        .iter()
+        .map(|s| {
+            s.delivered_after_failure
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .sum();
+    assert_eq!(
+        gaps, 0,
+        "events delivered after an earlier one of their key failed"
+    );
+}
