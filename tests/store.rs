@@ -314,3 +314,170 @@ async fn per_key_pending_counts_stay_exact() {
     .unwrap();
     assert_eq!(rows, vec![("a".into(), 2, 2), ("b".into(), 2, 2)]);
 }
+
+/// Enqueue locks key rows in byte order; the settle must take them in the same order
+/// whatever the database's collation. On an ICU (`en-US`) database, where `'a' < 'B'`,
+/// multi-key enqueues of mixed-case and punctuated keys race relays settling the same
+/// keys: no deadlock may be detected and no call may fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lock_order_does_not_depend_on_the_database_collation() {
+    use mailroom::relay::{Relay, RelayConfig};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let (url, name) = fresh_pg_icu().await;
+    let store = open_store(&config(&url)).await.unwrap();
+    // The database really orders text the other way round from bytes.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let icu_first: bool = sqlx::query_scalar("SELECT 'a' < 'B'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(icu_first, "the test database must use a non-C collation");
+    let before = pg_deadlocks(&name).await;
+
+    const KEYS: [&str; 12] = [
+        "a", "B", "a-b", "A_b", "é", "b", "A", "_a", "Z", "z", "e", "É",
+    ];
+    let run_for = Duration::from_secs(6);
+    let enqueued = Arc::new(AtomicU64::new(0));
+    let mut errors: Vec<String> = Vec::new();
+    let mut tasks = Vec::new();
+    for w in 0..8u64 {
+        let store = store.clone();
+        let enqueued = enqueued.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut errs = Vec::new();
+            let start = std::time::Instant::now();
+            let mut i = 0u64;
+            while start.elapsed() < run_for {
+                // Every key, in a rotating order within the slice (the store sorts).
+                let batch: Vec<NewEvent> = (0..KEYS.len())
+                    .map(|j| {
+                        let mut e = new_event(
+                            Some(KEYS[(j + (w + i) as usize) % KEYS.len()]),
+                            &format!("{w}-{i}-{j}"),
+                        );
+                        e.topic = "coll".into();
+                        e
+                    })
+                    .collect();
+                match store.enqueue(&batch, false).await {
+                    Ok(a) => {
+                        enqueued.fetch_add(a.len() as u64, Ordering::Relaxed);
+                    }
+                    Err(e) => errs.push(format!("enqueue: {e}")),
+                }
+                i += 1;
+            }
+            errs
+        }));
+    }
+    for _ in 0..4 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let sink = Arc::new(RecordingSink::default());
+            let mut relay = Relay::new(
+                store,
+                sink,
+                Queue::Outbox,
+                RelayConfig {
+                    batch_size: 50,
+                    max_keys: 4,
+                    lease: Duration::from_secs(30),
+                    ..Default::default()
+                },
+            );
+            let mut errs = Vec::new();
+            let start = std::time::Instant::now();
+            while start.elapsed() < run_for {
+                if let Err(e) = relay.cycle().await {
+                    errs.push(format!("relay cycle: {e}"));
+                }
+            }
+            errs
+        }));
+    }
+    for t in tasks {
+        errors.extend(t.await.unwrap());
+    }
+    // Backends flush their statistics within about a second of going idle.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let deadlocks = pg_deadlocks(&name).await - before;
+    println!(
+        "collation test: {} events enqueued, {} deadlocks, {} failed calls",
+        enqueued.load(Ordering::Relaxed),
+        deadlocks,
+        errors.len()
+    );
+    for e in errors.iter().take(5) {
+        println!("  {e}");
+    }
+    assert!(enqueued.load(Ordering::Relaxed) > 0);
+    assert_eq!(deadlocks, 0, "deadlocks detected on the ICU database");
+    assert!(errors.is_empty(), "failed calls: {errors:?}");
+}
+
+/// Ten never-tried events delayed by an hour at the head of a key must not park the due
+/// events behind them, however few rows per key a claim reads (with 301 keys ready, the
+/// default limits read 4 rows per key). The due ones go out in the first cycles, in
+/// order; the delayed ones do not; and the key is not claimed again in a loop while only
+/// delayed events remain (both engines).
+#[tokio::test]
+async fn delayed_events_do_not_park_due_events_behind_them() {
+    use mailroom::relay::{Relay, RelayConfig};
+    use std::sync::Arc;
+
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let later = chrono::Utc::now() + chrono::Duration::hours(1);
+        let delayed: Vec<NewEvent> = (0..10)
+            .map(|i| NewEvent {
+                deliver_after: Some(later),
+                ..new_event(Some("k"), &format!("delayed-{i}"))
+            })
+            .collect();
+        let delayed_ids = ids(&store.enqueue(&delayed, false).await.unwrap());
+        let due: Vec<NewEvent> = (0..5)
+            .map(|i| new_event(Some("k"), &format!("due-{i}")))
+            .collect();
+        let due_ids = ids(&store.enqueue(&due, false).await.unwrap());
+        let others: Vec<NewEvent> = (0..300)
+            .map(|i| new_event(Some(&format!("other-{i:03}")), "x"))
+            .collect();
+        store.enqueue(&others, false).await.unwrap();
+
+        let sink = Arc::new(RecordingSink::default());
+        let mut relay = Relay::new(
+            store.clone(),
+            sink.clone(),
+            Queue::Outbox,
+            RelayConfig::default(),
+        );
+        let mut reports = Vec::new();
+        for _ in 0..3 {
+            reports.push(relay.cycle().await.unwrap());
+        }
+        let seen = sink.seen.lock().unwrap().clone();
+        let k_ids: Vec<i64> = seen
+            .iter()
+            .filter(|e| e.key.as_deref() == Some("k"))
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(
+            k_ids, due_ids,
+            "the due events of k go out in the first cycles, in order, and the delayed \
+             ones do not ({reports:?})"
+        );
+        assert_eq!(seen.len(), 305, "every due event went out once");
+        for id in &delayed_ids {
+            let e = store.get_event(BoxKind::Outbox, *id).await.unwrap().unwrap();
+            assert_eq!((e.status, e.attempts), (Status::Pending, 0));
+        }
+        // Only delayed events are left: no key is ready until they are due.
+        for _ in 0..3 {
+            let r = relay.cycle().await.unwrap();
+            assert_eq!(r.keys, 0, "a key with only delayed events is not claimed again");
+        }
+    }
+}
