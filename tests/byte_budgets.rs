@@ -72,7 +72,9 @@ async fn oversized_requests_are_refused_per_method_without_buffering_them() {
     // Per method: a batch of 8 MiB is fine although one Enqueue may carry ~1 MiB.
     let ok = client
         .enqueue_batch(pb::EnqueueBatchRequest {
-            events: (0..8).map(|i| big_event(&format!("ok{i}"), MIB - 1024)).collect(),
+            events: (0..8)
+                .map(|i| big_event(&format!("ok{i}"), MIB - 1024))
+                .collect(),
         })
         .await;
     assert!(ok.is_ok(), "an 8 MiB batch is accepted: {ok:?}");
@@ -95,7 +97,9 @@ async fn oversized_requests_are_refused_per_method_without_buffering_them() {
     // A 300 MiB batch: over MAILROOM_MAX_BATCH_BYTES (64 MiB by default).
     let err = client
         .enqueue_batch(pb::EnqueueBatchRequest {
-            events: (0..300).map(|i| big_event(&format!("b{i}"), MIB - 1024)).collect(),
+            events: (0..300)
+                .map(|i| big_event(&format!("b{i}"), MIB - 1024))
+                .collect(),
         })
         .await
         .expect_err("a 300 MiB batch is refused");

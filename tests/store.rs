@@ -471,13 +471,20 @@ async fn delayed_events_do_not_park_due_events_behind_them() {
         );
         assert_eq!(seen.len(), 305, "every due event went out once");
         for id in &delayed_ids {
-            let e = store.get_event(BoxKind::Outbox, *id).await.unwrap().unwrap();
+            let e = store
+                .get_event(BoxKind::Outbox, *id)
+                .await
+                .unwrap()
+                .unwrap();
             assert_eq!((e.status, e.attempts), (Status::Pending, 0));
         }
         // Only delayed events are left: no key is ready until they are due.
         for _ in 0..3 {
             let r = relay.cycle().await.unwrap();
-            assert_eq!(r.keys, 0, "a key with only delayed events is not claimed again");
+            assert_eq!(
+                r.keys, 0,
+                "a key with only delayed events is not claimed again"
+            );
         }
     }
 }

@@ -93,7 +93,7 @@ impl Sql {
                  JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
                    ON k.topic = u.topic AND k.event_key = u.event_key
                  WHERE k.lease_token = $3 AND k.lease_until > now(){lock_scope}
-                 ORDER BY k.topic, k.event_key FOR UPDATE OF k"
+                 ORDER BY k.topic COLLATE \"C\", k.event_key COLLATE \"C\" FOR UPDATE OF k"
             )
             .into(),
             settle_events: format!(
@@ -390,9 +390,10 @@ impl Store for PgStore {
             max_attempts.push(e.max_attempts as i32);
             sched.push(e.deliver_after);
         }
-        // One statement: the CTE upserts (and so locks) the key rows in sorted order; the
-        // uncorrelated `(SELECT count(*) FROM keys)` is an InitPlan, evaluated before the
-        // insert draws its first id. Locking the keys before drawing ids keeps ids and
+        // One statement: the CTE upserts (and so locks) the key rows in byte order (the
+        // BTreeMap's, fed through `ORDER BY o`: no collation involved, the same order as
+        // the settle's `COLLATE "C"`); the uncorrelated `(SELECT count(*) FROM keys)` is
+        // an InitPlan, evaluated before the insert draws its first id. Locking the keys before drawing ids keeps ids and
         // commits in the same order within a key. Idempotency keys already taken insert
         // nothing.
         let insert = sqlx::query(
@@ -497,7 +498,8 @@ impl Store for PgStore {
         messages: &[InboundMessage],
     ) -> StoreResult<Vec<Admission>> {
         let mut tx = self.pool.begin().await?;
-        // Key rows first, sorted: the same ordering invariant as the outbox.
+        // Key rows first, in byte order (BTreeSet, fed through `ORDER BY o`): the order
+        // the settle locks them in, whatever the collation.
         let keys: std::collections::BTreeSet<(&str, &str)> = messages
             .iter()
             .filter_map(|m| m.key.as_deref().map(|k| (m.topic.as_str(), k)))
@@ -675,7 +677,9 @@ impl Store for PgStore {
         let sql = self.sql(queue.box_kind());
         let mut tx = self.pool.begin().await?;
         if !releases.is_empty() {
-            // Lock our still-valid keys in sorted order (enqueue locks in the same order).
+            // Lock our still-valid keys in byte order, the order enqueue, receive and the
+            // admin flows take them (Rust's sort of `(topic, key)`): `COLLATE "C"` in the
+            // statement, so that the database's collation (ICU, en_US…) cannot reverse it.
             let mut sorted: Vec<&LineKey> = releases.iter().map(|r| &r.line).collect();
             sorted.sort();
             let topics: Vec<&str> = sorted.iter().map(|l| l.topic.as_str()).collect();
