@@ -29,6 +29,7 @@ fn limits(lease: Duration) -> ClaimLimits {
         max_events: 100,
         max_run: 50,
         max_unkeyed: 10,
+        max_bytes: 64 * 1024 * 1024,
         lease,
     }
 }
