@@ -93,8 +93,8 @@ pub struct KeyWindow {
     /// The earliest schedule of the never-tried delayed events before the window's end
     /// (of all of them when the window is not full): when the key must be looked at again.
     pub delayed_at: Option<DateTime<Utc>>,
-    /// The highest pending id of the key when the window was read (delayed events
-    /// included): anything above it arrived later.
+    /// The highest pending id (delayed events included) before the window's end, i.e.
+    /// of the whole key when the window is not full: anything above it arrived later.
     pub line_end: Option<EventId>,
 }
 

@@ -52,12 +52,7 @@ impl Sql {
         let lease_scope = scope(" AND subscription = $S", 4);
         let lease_join = scope(" AND k.subscription = $S", 4);
         let window_scope = |alias: &str| scope(&format!(" AND {alias}.subscription = $S"), 4);
-        let (e_scope, d_scope, b_scope, x_scope) = (
-            window_scope("e"),
-            window_scope("d"),
-            window_scope("b"),
-            window_scope("x"),
-        );
+        let (e_scope, d_scope, b_scope) = (window_scope("e"), window_scope("d"), window_scope("b"));
         let by_id_scope = scope(" AND subscription = $S", 2);
         let unkeyed_scope = scope(" AND u.subscription = $S", 5);
         // A never-tried event scheduled for later: not in line (docs/relay.md).
@@ -89,34 +84,32 @@ impl Sql {
             .into(),
             // The front of each leased key's line, ids and sizes only (the events
             // themselves are read by id once the byte budget is applied): up to $3
-            // in-line events in id order, skipping never-tried delayed ones; the
-            // earliest delayed schedule among those before the $3-th in-line event (all
-            // of them when there are fewer); the key's highest pending id. Every part is
-            // an index scan on the line that stops after $3 in-line rows plus the delayed
-            // ones in between, whatever the depth of the key.
+            // in-line events in id order, skipping never-tried delayed ones; and, over
+            // the pending events before the $3-th in-line one (all of them when there
+            // are fewer), the earliest delayed schedule and the highest id. Each part
+            // walks the line and stops after $3 in-line rows plus the delayed ones in
+            // between, whatever the depth of the key. (`OFFSET 0` keeps the marks one
+            // evaluation per key.)
             windows: format!(
-                "SELECT k.o, l.id, l.size, l.delayed, l.scheduled_at,
-                        (SELECT max(x.id) FROM {events} x
-                         WHERE x.status = 'pending'{x_scope} AND x.topic = k.topic
-                           AND x.event_key = k.event_key) AS line_end
+                "SELECT k.o, m.delayed_at, m.line_end, l.id, l.size
                  FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS k(topic, event_key, o)
                  CROSS JOIN LATERAL (
-                    (SELECT e.id, {e_size} AS size, false AS delayed, e.scheduled_at
-                     FROM {events} e
-                     WHERE e.status = 'pending'{e_scope} AND e.topic = k.topic AND e.event_key = k.event_key
-                       AND NOT ({e_delayed})
-                     ORDER BY e.id LIMIT $3)
-                    UNION ALL
-                    (SELECT d.id, 0::int8, true, d.scheduled_at
-                     FROM {events} d
-                     WHERE d.status = 'pending'{d_scope} AND d.topic = k.topic AND d.event_key = k.event_key
-                       AND {d_delayed}
-                       AND d.id < COALESCE((
-                           SELECT b.id FROM {events} b
-                           WHERE b.status = 'pending'{b_scope} AND b.topic = k.topic
-                             AND b.event_key = k.event_key AND NOT ({b_delayed})
-                           ORDER BY b.id OFFSET $3 - 1 LIMIT 1), 9223372036854775807)
-                     ORDER BY d.scheduled_at LIMIT 1)) l"
+                    SELECT min(d.scheduled_at) FILTER (WHERE {d_delayed}) AS delayed_at,
+                           max(d.id) AS line_end
+                    FROM {events} d
+                    WHERE d.status = 'pending'{d_scope} AND d.topic = k.topic
+                      AND d.event_key = k.event_key
+                      AND d.id < COALESCE((
+                          SELECT b.id FROM {events} b
+                          WHERE b.status = 'pending'{b_scope} AND b.topic = k.topic
+                            AND b.event_key = k.event_key AND NOT ({b_delayed})
+                          ORDER BY b.id OFFSET $3 - 1 LIMIT 1), 9223372036854775807)
+                    OFFSET 0) m
+                 LEFT JOIN LATERAL (
+                    SELECT e.id, {e_size} AS size FROM {events} e
+                    WHERE e.status = 'pending'{e_scope} AND e.topic = k.topic AND e.event_key = k.event_key
+                      AND NOT ({e_delayed})
+                    ORDER BY e.id LIMIT $3) l ON true"
             )
             .into(),
             events_by_id: format!(
@@ -688,11 +681,10 @@ impl Store for PgStore {
                     .map_err(|_| StoreError::Other("bad ordinality".into()))?;
                 let w = &mut keyed[i];
                 w.line_end = r.try_get("line_end")?;
-                if r.try_get::<bool, _>("delayed")? {
-                    w.delayed_at = Some(r.try_get("scheduled_at")?);
-                } else {
-                    let size = r.try_get::<i64, _>("size")?.max(0) as u64;
-                    in_line[i].push((r.try_get("id")?, size));
+                w.delayed_at = r.try_get("delayed_at")?;
+                if let Some(id) = r.try_get::<Option<i64>, _>("id")? {
+                    let size = r.try_get::<Option<i64>, _>("size")?.unwrap_or(0).max(0) as u64;
+                    in_line[i].push((id, size));
                 }
             }
             for v in &mut in_line {
