@@ -829,6 +829,33 @@ mod tests {
     }
 
     #[test]
+    fn byte_budgets_have_defaults_and_bounds() {
+        let c = Config::resolve(Settings::default()).unwrap();
+        assert_eq!(c.max_batch_bytes, 64 * 1024 * 1024);
+        assert_eq!(c.relay.max_bytes, 64 * 1024 * 1024);
+        assert_eq!(c.intake.queue_bytes, 256 * 1024 * 1024);
+        assert!(enqueue_request_bytes(&c.limits) < 2 * 1024 * 1024);
+        let e = Config::resolve(Settings {
+            max_batch_bytes: Some(1000),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("MAILROOM_MAX_BATCH_BYTES"), "{e}");
+        let e = Config::resolve(Settings {
+            intake_queue_bytes: Some(1024 * 1024),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("MAILROOM_INTAKE_QUEUE_BYTES"), "{e}");
+        let e = Config::resolve(Settings {
+            relay_max_bytes: Some(0),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("MAILROOM_RELAY_MAX_BYTES"), "{e}");
+    }
+
+    #[test]
     fn kafka_properties_parse() {
         let p = parse_properties("security.protocol=SASL_SSL, sasl.mechanism=PLAIN").unwrap();
         assert_eq!(p["security.protocol"], "SASL_SSL");

@@ -306,3 +306,51 @@ fn clone_err(e: &Error) -> Error {
         other => Error::Internal(other.to_string()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn intake(queue_bytes: usize) -> Intake {
+        let (tx, _rx) = mpsc::channel(1);
+        Intake {
+            tx,
+            queued: Arc::new(AtomicUsize::new(0)),
+            queue_bytes,
+        }
+    }
+
+    #[test]
+    fn the_queue_is_bounded_in_bytes_but_always_admits_one_request() {
+        let i = intake(100);
+        let big = i.reserve(150).expect("an empty queue admits any request");
+        assert!(i.reserve(1).is_none(), "over the budget");
+        drop(big);
+        let a = i.reserve(60).unwrap();
+        let b = i.reserve(40).unwrap();
+        assert!(i.reserve(1).is_none());
+        drop(a);
+        assert!(
+            i.reserve(60).is_some(),
+            "answered requests give their bytes back"
+        );
+        drop(b);
+        assert_eq!(i.queued.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn an_event_weighs_its_payload_and_strings() {
+        let mut e = NewEvent {
+            topic: "t".into(),
+            key: Some("kk".into()),
+            payload: vec![0; 10],
+            headers: Default::default(),
+            event_type: Some("ty".into()),
+            idempotency_key: None,
+            deliver_after: None,
+            max_attempts: 6,
+        };
+        e.headers.insert("h".into(), "vvv".into());
+        assert_eq!(event_bytes(&e), 10 + 1 + 2 + 4 + 2);
+    }
+}

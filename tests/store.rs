@@ -489,3 +489,105 @@ async fn delayed_events_do_not_park_due_events_behind_them() {
         }
     }
 }
+
+/// A claim reads at most its byte budget (payload and headers), keyed and unkeyed each,
+/// but always at least one event; the keys it could not serve are looked at again at
+/// once, and everything drains in order (both engines).
+#[tokio::test]
+async fn claims_are_bounded_in_bytes_as_well_as_rows() {
+    use mailroom::relay::{Relay, RelayConfig};
+    use std::sync::Arc;
+
+    const KIB: usize = 1024;
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let big = |key: Option<&str>, i: usize| NewEvent {
+            payload: vec![b'x'; 100 * KIB],
+            ..new_event(key, &i.to_string())
+        };
+        // 4 keys × 3 events and 4 unkeyed events, 100 KiB each.
+        for k in 0..4 {
+            let key = format!("k{k}");
+            let batch: Vec<NewEvent> = (0..3).map(|i| big(Some(&key), i)).collect();
+            store.enqueue(&batch, false).await.unwrap();
+        }
+        let unkeyed: Vec<NewEvent> = (0..4).map(|i| big(None, i)).collect();
+        store.enqueue(&unkeyed, false).await.unwrap();
+
+        let limits = ClaimLimits {
+            max_bytes: 350 * KIB as u64,
+            ..limits(Duration::from_millis(300))
+        };
+        let c = store.claim(&Queue::Outbox, 1, limits).await.unwrap();
+        let keyed_bytes: usize = c
+            .keyed
+            .iter()
+            .flat_map(|w| &w.rows)
+            .map(|e| e.payload.len())
+            .sum();
+        let unkeyed_bytes: usize = c.unkeyed.iter().map(|e| e.payload.len()).sum();
+        assert_eq!(c.keyed.len(), 4, "the keys are leased");
+        assert_eq!(keyed_bytes, 300 * KIB, "three keyed events fit in 350 KiB");
+        assert_eq!(
+            unkeyed_bytes,
+            300 * KIB,
+            "three unkeyed events fit in 350 KiB"
+        );
+        // The budget is shared in claim order: the first key's three events fill it.
+        let starved: Vec<_> = c.keyed.iter().filter(|w| w.rows.is_empty()).collect();
+        assert_eq!(starved.len(), 3);
+        assert!(
+            starved.iter().all(|w| w.full),
+            "a key the budget left out is marked full (looked at again at once)"
+        );
+
+        // An event larger than the whole budget still goes out, alone.
+        let tiny = ClaimLimits {
+            max_bytes: 1,
+            ..limits
+        };
+        let c2 = store.claim(&Queue::Outbox, 2, tiny).await.unwrap();
+        assert_eq!(c2.unkeyed.len(), 1, "one unkeyed event over budget");
+
+        // Everything drains through the relay, in order per key.
+        let sink = Arc::new(RecordingSink::default());
+        let mut relay = Relay::new(
+            store.clone(),
+            sink.clone(),
+            Queue::Outbox,
+            RelayConfig {
+                max_bytes: 250 * KIB as u64,
+                lease: Duration::from_millis(300),
+                ..RelayConfig::default()
+            },
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while store
+            .count_events(BoxKind::Outbox, Some(Status::Pending))
+            .await
+            .unwrap()
+            > 0
+        {
+            assert!(std::time::Instant::now() < deadline, "did not drain");
+            let r = relay.cycle().await.unwrap();
+            assert!(
+                r.attempted <= 2 + 2,
+                "at most 2 keyed and 2 unkeyed events of 100 KiB per cycle: {r:?}"
+            );
+            if r.keys == 0 && r.attempted == 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let seen = sink.seen.lock().unwrap().clone();
+        for k in 0..4 {
+            let key = format!("k{k}");
+            let got: Vec<i64> = seen
+                .iter()
+                .filter(|e| e.key.as_deref() == Some(key.as_str()))
+                .map(|e| e.id)
+                .collect();
+            assert_eq!(got.len(), 3, "key {key}: {got:?}");
+            assert!(got.windows(2).all(|p| p[0] < p[1]), "key {key} in order");
+        }
+    }
+}
