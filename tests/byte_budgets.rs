@@ -45,6 +45,8 @@ async fn oversized_requests_are_refused_per_method_without_buffering_them() {
         .env("MAILROOM_DATABASE_URL", &db)
         .env("MAILROOM_LOCAL_SINK", &sink)
         .env_remove("MAILROOM_MAX_BATCH_BYTES")
+        // No relays: the memory measured is the request path's alone.
+        .env("MAILROOM_RELAYS", "0")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -78,6 +80,7 @@ async fn oversized_requests_are_refused_per_method_without_buffering_them() {
         })
         .await;
     assert!(ok.is_ok(), "an 8 MiB batch is accepted: {ok:?}");
+    let after_batch = vm_hwm_bytes(pid);
 
     // One Enqueue of 200 MiB: refused before it is buffered.
     let err = client
@@ -120,8 +123,9 @@ async fn oversized_requests_are_refused_per_method_without_buffering_them() {
     assert!(ok.is_ok(), "{ok:?}");
     let peak = vm_hwm_bytes(pid);
     println!(
-        "server VmHWM: {} MiB at start, {} MiB at the end",
+        "server VmHWM: {} MiB at start, {} MiB after the 8 MiB batch, {} MiB at the end",
         baseline / MIB,
+        after_batch / MIB,
         peak / MIB
     );
     let _ = child.kill();
