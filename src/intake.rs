@@ -220,8 +220,7 @@ async fn run_committer(
             let mut bytes = group[0].bytes.n;
             while size < config.max_group && bytes < config.max_group_bytes {
                 match rx.try_recv() {
-                    // A job that would take the group over its byte budget starts the next.
-                    Ok(j) if j.solo || bytes + j.bytes.n > config.max_group_bytes => {
+                    Ok(j) if !joins(&config, bytes, j.solo, j.bytes.n) => {
                         carry = Some(j);
                         break;
                     }
@@ -243,6 +242,14 @@ async fn run_committer(
     }
     // Wait for the last transactions before the committer ends.
     let _ = writers.acquire_many(config.writers.max(1) as u32).await;
+}
+
+/// Whether a queued job joins a group of `bytes` bytes so far: a job with a transaction
+/// of its own (`solo`) never does, and one that would take the group over its byte
+/// budget starts the next group instead. (The event count is checked before each job,
+/// so a group may exceed `max_group` by the events of its last job, as before.)
+fn joins(config: &IntakeConfig, bytes: usize, solo: bool, job_bytes: usize) -> bool {
+    !solo && bytes.saturating_add(job_bytes) <= config.max_group_bytes
 }
 
 async fn commit_group(store: &dyn Store, group: Vec<Job>, wakeup: &Wakeup) {
@@ -336,6 +343,21 @@ mod tests {
         );
         drop(b);
         assert_eq!(i.queued.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_group_commit_is_bounded_in_bytes() {
+        let c = IntakeConfig {
+            max_group_bytes: 100,
+            ..IntakeConfig::default()
+        };
+        assert!(joins(&c, 60, false, 40));
+        assert!(!joins(&c, 60, false, 41), "over the budget: next group");
+        assert!(
+            !joins(&c, 0, true, 1),
+            "a solo job has a transaction of its own"
+        );
+        assert!(!joins(&c, usize::MAX, false, 1));
     }
 
     #[test]
