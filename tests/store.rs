@@ -399,6 +399,64 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
             errs
         }));
     }
+    // The inbox: receives of the same keys (its own key rows) against a dispatcher.
+    let received = Arc::new(AtomicU64::new(0));
+    for w in 0..2u64 {
+        let store = store.clone();
+        let received = received.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut errs = Vec::new();
+            let start = std::time::Instant::now();
+            let mut i = 0u64;
+            while start.elapsed() < run_for {
+                let batch: Vec<mailroom::domain::InboundMessage> = (0..KEYS.len())
+                    .map(|j| mailroom::domain::InboundMessage {
+                        message_id: format!("{w}-{i}-{j}"),
+                        topic: "coll".into(),
+                        key: Some(KEYS[(j + (w + i) as usize) % KEYS.len()].into()),
+                        payload: b"x".to_vec(),
+                        headers: Default::default(),
+                        event_type: None,
+                        max_attempts: 6,
+                    })
+                    .collect();
+                match store.receive("sub", &batch).await {
+                    Ok(a) => {
+                        received.fetch_add(a.len() as u64, Ordering::Relaxed);
+                    }
+                    Err(e) => errs.push(format!("receive: {e}")),
+                }
+                i += 1;
+            }
+            errs
+        }));
+    }
+    {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut relay = Relay::new(
+                store,
+                Arc::new(RecordingSink::default()),
+                Queue::Inbox {
+                    subscription: "sub".into(),
+                },
+                RelayConfig {
+                    batch_size: 50,
+                    max_keys: 6,
+                    lease: Duration::from_secs(30),
+                    ..Default::default()
+                },
+            );
+            let mut errs = Vec::new();
+            let start = std::time::Instant::now();
+            while start.elapsed() < run_for {
+                if let Err(e) = relay.cycle().await {
+                    errs.push(format!("inbox relay cycle: {e}"));
+                }
+            }
+            errs
+        }));
+    }
     // An operator cancelling and requeueing events of several keys at once (the admin
     // flows lock key rows too). "Changed meanwhile" refusals are expected here; only
     // database errors count.
@@ -455,8 +513,9 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let deadlocks = pg_deadlocks(&name).await - before;
     println!(
-        "collation test: {} events enqueued, {} admin rounds, {} deadlocks, {} failed calls",
+        "collation test: {} events enqueued, {} messages received, {} admin rounds, {} deadlocks, {} failed calls",
         enqueued.load(Ordering::Relaxed),
+        received.load(Ordering::Relaxed),
         admin_rounds.load(Ordering::Relaxed),
         deadlocks,
         errors.len()
