@@ -15,7 +15,7 @@ use crate::admin::Admin;
 use crate::api::RpcLogLayer;
 use crate::api::admin::AdminApi;
 use crate::api::auth::{Auth, AuthLayer};
-use crate::api::outbox::OutboxApi;
+use crate::api::outbox::{OutboxApi, OutboxLimits};
 use crate::api::overload::OverloadLayer;
 use crate::config::{Config, SinkConfig, redact_url};
 use crate::domain::Queue;
@@ -236,15 +236,14 @@ impl App {
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .context("building reflection service")?;
-        let outbox = pb::outbox_service_server::OutboxServiceServer::new(
+        // A decoding limit per method: one event for Enqueue, MAILROOM_MAX_BATCH_BYTES for
+        // EnqueueBatch. An oversized request is refused from its length prefix, before
+        // it is buffered.
+        let outbox = OutboxLimits::new(
             OutboxApi::new(intake, config.limits).with_metrics(metrics.clone()),
-        )
-        .max_decoding_message_size(config.limits.max_payload_bytes * 2 + 1024 * 1024);
-        let max_batch_bytes =
-            (config.limits.max_payload_bytes + config.limits.max_header_bytes + 4096)
-                .saturating_mul(config.limits.max_batch)
-                .min(256 * 1024 * 1024);
-        let outbox = outbox.max_decoding_message_size(max_batch_bytes);
+            crate::config::enqueue_request_bytes(&config.limits),
+            config.max_batch_bytes,
+        );
         let admin = pb::admin_service_server::AdminServiceServer::new(
             AdminApi::new(Admin::new(store.clone(), config.relay.lease))
                 .with_metrics(metrics.clone()),

@@ -71,6 +71,10 @@ pub struct Settings {
     /// Keys leased per relay cycle [default: 250].
     #[arg(long, env = "MAILROOM_RELAY_MAX_KEYS", global = true)]
     pub relay_max_keys: Option<u32>,
+    /// Bytes (payload and headers) read per relay cycle, keyed and unkeyed each; at least
+    /// one event [default: 67108864].
+    #[arg(long, env = "MAILROOM_RELAY_MAX_BYTES", global = true)]
+    pub relay_max_bytes: Option<u64>,
     /// Longest run of one key per cycle [default: 500].
     #[arg(long, env = "MAILROOM_RELAY_MAX_RUN", global = true)]
     pub relay_max_run: Option<u32>,
@@ -99,6 +103,9 @@ pub struct Settings {
     /// Most events in one EnqueueBatch [default: 1000].
     #[arg(long, env = "MAILROOM_MAX_BATCH", global = true)]
     pub max_batch: Option<usize>,
+    /// Largest EnqueueBatch request in bytes, as encoded on the wire [default: 67108864].
+    #[arg(long, env = "MAILROOM_MAX_BATCH_BYTES", global = true)]
+    pub max_batch_bytes: Option<usize>,
     /// Most headers per event [default: 64].
     #[arg(long, env = "MAILROOM_MAX_HEADERS", global = true)]
     pub max_headers: Option<usize>,
@@ -108,6 +115,10 @@ pub struct Settings {
     /// Enqueue requests waiting for a writer before RESOURCE_EXHAUSTED [default: 10000].
     #[arg(long, env = "MAILROOM_INTAKE_QUEUE", global = true)]
     pub intake_queue: Option<usize>,
+    /// Bytes of enqueue requests waiting for a writer before RESOURCE_EXHAUSTED
+    /// [default: 268435456].
+    #[arg(long, env = "MAILROOM_INTAKE_QUEUE_BYTES", global = true)]
+    pub intake_queue_bytes: Option<usize>,
     /// Concurrent enqueue transactions [default: 4 on PostgreSQL, 1 on SQLite].
     #[arg(long, env = "MAILROOM_INTAKE_WRITERS", global = true)]
     pub intake_writers: Option<usize>,
@@ -362,6 +373,9 @@ pub struct Config {
     pub relay: RelayConfig,
     pub listen_notify: bool,
     pub limits: Limits,
+    /// Largest `EnqueueBatch` request on the wire (`Enqueue` is limited to one event:
+    /// `enqueue_request_bytes`).
+    pub max_batch_bytes: usize,
     pub intake: IntakeConfig,
     pub shutdown_grace: Duration,
     pub health_interval: Duration,
@@ -396,6 +410,12 @@ pub struct TlsConfig {
     pub client_ca: Option<PathBuf>,
 }
 
+/// The largest `Enqueue` request on the wire: one event of the largest payload, key and
+/// headers, plus slack for the other fields (topic, type, idempotency key, framing).
+pub fn enqueue_request_bytes(limits: &Limits) -> usize {
+    limits.max_payload_bytes + limits.max_header_bytes + limits.max_key_bytes + 64 * 1024
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config::resolve(Settings::default()).expect("defaults are valid")
@@ -422,6 +442,7 @@ impl Settings {
             relays,
             relay_batch_size,
             relay_max_keys,
+            relay_max_bytes,
             relay_max_run,
             relay_lease_ms,
             relay_poll_ms,
@@ -431,9 +452,11 @@ impl Settings {
             max_attempts,
             max_payload_bytes,
             max_batch,
+            max_batch_bytes,
             max_headers,
             max_header_bytes,
             intake_queue,
+            intake_queue_bytes,
             intake_writers,
             shutdown_grace_ms,
             health_interval_ms,
@@ -541,6 +564,7 @@ impl Config {
             batch_size: s.relay_batch_size.unwrap_or(1000),
             max_keys: s.relay_max_keys.unwrap_or(250).max(1),
             max_run: s.relay_max_run.unwrap_or(500),
+            max_bytes: s.relay_max_bytes.unwrap_or(64 * 1024 * 1024),
             lease: Duration::from_millis(s.relay_lease_ms.unwrap_or(60_000)),
             poll_interval: Duration::from_millis(s.relay_poll_ms.unwrap_or(250)),
             retry,
@@ -550,6 +574,12 @@ impl Config {
             return Err(bad(
                 "relay_batch_size (MAILROOM_RELAY_BATCH_SIZE)",
                 "must be 1..=100000",
+            ));
+        }
+        if relay.max_bytes == 0 {
+            return Err(bad(
+                "relay_max_bytes (MAILROOM_RELAY_MAX_BYTES)",
+                "must be at least 1",
             ));
         }
         if relay.max_run == 0 {
@@ -609,10 +639,31 @@ impl Config {
         if limits.max_batch == 0 || limits.max_batch > 100_000 {
             return Err(bad("max_batch (MAILROOM_MAX_BATCH)", "must be 1..=100000"));
         }
+        let max_batch_bytes = s.max_batch_bytes.unwrap_or(64 * 1024 * 1024);
+        // One event must fit in a batch: its payload, headers and the encoding's slack.
+        let min_batch_bytes = enqueue_request_bytes(&limits);
+        if max_batch_bytes < min_batch_bytes || max_batch_bytes > 1024 * 1024 * 1024 {
+            return Err(bad(
+                "max_batch_bytes (MAILROOM_MAX_BATCH_BYTES)",
+                format!(
+                    "must be {min_batch_bytes}..=1073741824 (one event of max_payload_bytes and \
+                     max_header_bytes must fit)"
+                ),
+            ));
+        }
+        let queue_bytes = s.intake_queue_bytes.unwrap_or(256 * 1024 * 1024);
+        if queue_bytes < max_batch_bytes {
+            return Err(bad(
+                "intake_queue_bytes (MAILROOM_INTAKE_QUEUE_BYTES)",
+                "must be at least max_batch_bytes (one batch must fit)",
+            ));
+        }
         let intake = IntakeConfig {
+            queue_bytes,
             queue_depth: s.intake_queue.unwrap_or(10_000).max(1),
             writers: s.intake_writers.unwrap_or(if is_pg { 4 } else { 1 }).max(1),
             max_group: limits.max_batch.max(1000),
+            ..IntakeConfig::default()
         };
         let metrics_listen = match s.metrics_listen.as_deref().map(str::trim) {
             None | Some("") => None,
@@ -687,6 +738,7 @@ impl Config {
             relay,
             listen_notify: s.listen_notify.unwrap_or(true),
             limits,
+            max_batch_bytes,
             intake,
             shutdown_grace: Duration::from_millis(s.shutdown_grace_ms.unwrap_or(30_000)),
             health_interval: Duration::from_millis(s.health_interval_ms.unwrap_or(1000).max(50)),
@@ -818,6 +870,33 @@ mod tests {
             ..Settings::default()
         };
         assert!(Config::resolve(s).is_ok());
+    }
+
+    #[test]
+    fn byte_budgets_have_defaults_and_bounds() {
+        let c = Config::resolve(Settings::default()).unwrap();
+        assert_eq!(c.max_batch_bytes, 64 * 1024 * 1024);
+        assert_eq!(c.relay.max_bytes, 64 * 1024 * 1024);
+        assert_eq!(c.intake.queue_bytes, 256 * 1024 * 1024);
+        assert!(enqueue_request_bytes(&c.limits) < 2 * 1024 * 1024);
+        let e = Config::resolve(Settings {
+            max_batch_bytes: Some(1000),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("MAILROOM_MAX_BATCH_BYTES"), "{e}");
+        let e = Config::resolve(Settings {
+            intake_queue_bytes: Some(1024 * 1024),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("MAILROOM_INTAKE_QUEUE_BYTES"), "{e}");
+        let e = Config::resolve(Settings {
+            relay_max_bytes: Some(0),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("MAILROOM_RELAY_MAX_BYTES"), "{e}");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! the commit of its events.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
@@ -18,6 +19,9 @@ type Reply = oneshot::Sender<Result<Vec<Enqueued>, Error>>;
 
 struct Job {
     events: Vec<NewEvent>,
+    /// The job's weight in the queue's byte budget, given back when the job is dropped
+    /// (answered).
+    bytes: QueuedBytes,
     /// All or nothing, and able to conflict (it carries idempotency keys): the job gets a
     /// transaction of its own. Jobs without idempotency keys cannot conflict, so even an
     /// atomic batch shares the group's single statement, which stores all or nothing.
@@ -34,6 +38,12 @@ pub struct IntakeConfig {
     pub writers: usize,
     /// Events per group transaction at most.
     pub max_group: usize,
+    /// Bytes (payload, headers, key, topic) of the requests queued or being written,
+    /// at most; one request is always admitted when nothing else is queued.
+    pub queue_bytes: usize,
+    /// Bytes per group transaction at most (a single request larger than this still
+    /// gets a transaction of its own).
+    pub max_group_bytes: usize,
 }
 
 impl Default for IntakeConfig {
@@ -42,6 +52,8 @@ impl Default for IntakeConfig {
             queue_depth: 10_000,
             writers: 4,
             max_group: 1_000,
+            queue_bytes: 256 * 1024 * 1024,
+            max_group_bytes: 16 * 1024 * 1024,
         }
     }
 }
@@ -50,6 +62,33 @@ impl Default for IntakeConfig {
 #[derive(Clone)]
 pub struct Intake {
     tx: mpsc::Sender<Job>,
+    queued: Arc<AtomicUsize>,
+    queue_bytes: usize,
+}
+
+/// Bytes an event weighs in the intake's budgets.
+pub fn event_bytes(e: &NewEvent) -> usize {
+    e.payload.len()
+        + e.topic.len()
+        + e.key.as_ref().map_or(0, String::len)
+        + e.headers
+            .iter()
+            .map(|(k, v)| k.len() + v.len())
+            .sum::<usize>()
+        + e.event_type.as_ref().map_or(0, String::len)
+        + e.idempotency_key.as_ref().map_or(0, String::len)
+}
+
+/// A share of the queue's byte budget, given back on drop.
+struct QueuedBytes {
+    n: usize,
+    queued: Arc<AtomicUsize>,
+}
+
+impl Drop for QueuedBytes {
+    fn drop(&mut self) {
+        self.queued.fetch_sub(self.n, Ordering::AcqRel);
+    }
 }
 
 /// Wakes whoever should look at freshly committed events: the local relays at once, and
@@ -86,7 +125,36 @@ impl Intake {
     pub fn start(store: Arc<dyn Store>, config: IntakeConfig, wakeup: Wakeup) -> Intake {
         let (tx, rx) = mpsc::channel(config.queue_depth);
         tokio::spawn(run_committer(store, config, rx, wakeup));
-        Intake { tx }
+        Intake {
+            tx,
+            queued: Arc::new(AtomicUsize::new(0)),
+            queue_bytes: config.queue_bytes,
+        }
+    }
+
+    /// Reserves `n` bytes of the queue's budget; a request is always admitted into an
+    /// empty queue, however large (the gRPC limits bound it).
+    fn reserve(&self, n: usize) -> Option<QueuedBytes> {
+        let mut cur = self.queued.load(Ordering::Acquire);
+        loop {
+            if cur > 0 && cur.saturating_add(n) > self.queue_bytes {
+                return None;
+            }
+            match self.queued.compare_exchange_weak(
+                cur,
+                cur + n,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    return Some(QueuedBytes {
+                        n,
+                        queued: self.queued.clone(),
+                    });
+                }
+                Err(now) => cur = now,
+            }
+        }
     }
 
     /// Stores events; `atomic` makes the whole slice one transaction that stores all or
@@ -97,10 +165,19 @@ impl Intake {
         atomic: bool,
     ) -> Result<Vec<Enqueued>, Error> {
         let (reply, rx) = oneshot::channel();
+        let bytes = self
+            .reserve(events.iter().map(event_bytes).sum())
+            .ok_or_else(|| {
+                Error::Overloaded(
+                    "enqueue queue is full (MAILROOM_INTAKE_QUEUE_BYTES); retry with backoff"
+                        .into(),
+                )
+            })?;
         self.tx
             .try_send(Job {
                 solo: atomic && events.iter().any(|e| e.idempotency_key.is_some()),
                 events,
+                bytes,
                 reply,
             })
             .map_err(|e| match e {
@@ -140,14 +217,16 @@ async fn run_committer(
         let mut group = vec![first];
         if !group[0].solo {
             let mut size = group[0].events.len();
-            while size < config.max_group {
+            let mut bytes = group[0].bytes.n;
+            while size < config.max_group && bytes < config.max_group_bytes {
                 match rx.try_recv() {
-                    Ok(j) if j.solo => {
+                    Ok(j) if !joins(&config, bytes, j.solo, j.bytes.n) => {
                         carry = Some(j);
                         break;
                     }
                     Ok(j) => {
                         size += j.events.len();
+                        bytes += j.bytes.n;
                         group.push(j);
                     }
                     Err(_) => break,
@@ -163,6 +242,14 @@ async fn run_committer(
     }
     // Wait for the last transactions before the committer ends.
     let _ = writers.acquire_many(config.writers.max(1) as u32).await;
+}
+
+/// Whether a queued job joins a group of `bytes` bytes so far: a job with a transaction
+/// of its own (`solo`) never does, and one that would take the group over its byte
+/// budget starts the next group instead. (The event count is checked before each job,
+/// so a group may exceed `max_group` by the events of its last job, as before.)
+fn joins(config: &IntakeConfig, bytes: usize, solo: bool, job_bytes: usize) -> bool {
+    !solo && bytes.saturating_add(job_bytes) <= config.max_group_bytes
 }
 
 async fn commit_group(store: &dyn Store, group: Vec<Job>, wakeup: &Wakeup) {
@@ -224,5 +311,68 @@ fn clone_err(e: &Error) -> Error {
         Error::Unavailable(m) => Error::Unavailable(m.clone()),
         Error::Overloaded(m) => Error::Overloaded(m.clone()),
         other => Error::Internal(other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn intake(queue_bytes: usize) -> Intake {
+        let (tx, _rx) = mpsc::channel(1);
+        Intake {
+            tx,
+            queued: Arc::new(AtomicUsize::new(0)),
+            queue_bytes,
+        }
+    }
+
+    #[test]
+    fn the_queue_is_bounded_in_bytes_but_always_admits_one_request() {
+        let i = intake(100);
+        let big = i.reserve(150).expect("an empty queue admits any request");
+        assert!(i.reserve(1).is_none(), "over the budget");
+        drop(big);
+        let a = i.reserve(60).unwrap();
+        let b = i.reserve(40).unwrap();
+        assert!(i.reserve(1).is_none());
+        drop(a);
+        assert!(
+            i.reserve(60).is_some(),
+            "answered requests give their bytes back"
+        );
+        drop(b);
+        assert_eq!(i.queued.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_group_commit_is_bounded_in_bytes() {
+        let c = IntakeConfig {
+            max_group_bytes: 100,
+            ..IntakeConfig::default()
+        };
+        assert!(joins(&c, 60, false, 40));
+        assert!(!joins(&c, 60, false, 41), "over the budget: next group");
+        assert!(
+            !joins(&c, 0, true, 1),
+            "a solo job has a transaction of its own"
+        );
+        assert!(!joins(&c, usize::MAX, false, 1));
+    }
+
+    #[test]
+    fn an_event_weighs_its_payload_and_strings() {
+        let mut e = NewEvent {
+            topic: "t".into(),
+            key: Some("kk".into()),
+            payload: vec![0; 10],
+            headers: Default::default(),
+            event_type: Some("ty".into()),
+            idempotency_key: None,
+            deliver_after: None,
+            max_attempts: 6,
+        };
+        e.headers.insert("h".into(), "vvv".into());
+        assert_eq!(event_bytes(&e), 10 + 1 + 2 + 4 + 2);
     }
 }

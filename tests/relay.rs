@@ -636,8 +636,18 @@ async fn one_deep_key_drains_in_runs_and_claims_cost_the_same_at_any_depth() {
             .await
             .unwrap(),
     );
-    assert_eq!(shallow.0, 100);
-    assert_eq!(deep.0, 100, "the deep key's read stops at the run limit");
+    // The read walks the line three times (in-line rows; the end of the window, for the
+    // delayed events before it; the last pending id), each stopping at the run limit.
+    println!("line read: shallow {shallow:?}, deep {deep:?} (index rows, buffers)");
+    assert!(
+        (100..=301).contains(&shallow.0),
+        "index rows: {}",
+        shallow.0
+    );
+    assert_eq!(
+        deep.0, shallow.0,
+        "the deep key's read stops at the run limit"
+    );
     assert!(
         deep.1 <= shallow.1 * 2 + 10,
         "buffers: deep {} vs shallow {}",

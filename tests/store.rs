@@ -29,6 +29,7 @@ fn limits(lease: Duration) -> ClaimLimits {
         max_events: 100,
         max_run: 50,
         max_unkeyed: 10,
+        max_bytes: 64 * 1024 * 1024,
         lease,
     }
 }
@@ -313,4 +314,390 @@ async fn per_key_pending_counts_stay_exact() {
     .await
     .unwrap();
     assert_eq!(rows, vec![("a".into(), 2, 2), ("b".into(), 2, 2)]);
+}
+
+/// Enqueue locks key rows in byte order; the settle must take them in the same order
+/// whatever the database's collation. On an ICU (`en-US`) database, where `'a' < 'B'`,
+/// multi-key enqueues of mixed-case and punctuated keys race relays settling the same
+/// keys: no deadlock may be detected and no call may fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lock_order_does_not_depend_on_the_database_collation() {
+    use mailroom::relay::{Relay, RelayConfig};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let (url, name) = fresh_pg_icu().await;
+    let store = open_store(&config(&url)).await.unwrap();
+    // The database really orders text the other way round from bytes.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let icu_first: bool = sqlx::query_scalar("SELECT 'a' < 'B'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(icu_first, "the test database must use a non-C collation");
+    let before = pg_deadlocks(&name).await;
+
+    const KEYS: [&str; 12] = [
+        "a", "B", "a-b", "A_b", "é", "b", "A", "_a", "Z", "z", "e", "É",
+    ];
+    let run_for = Duration::from_secs(6);
+    let enqueued = Arc::new(AtomicU64::new(0));
+    let mut errors: Vec<String> = Vec::new();
+    let mut tasks = Vec::new();
+    for w in 0..8u64 {
+        let store = store.clone();
+        let enqueued = enqueued.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut errs = Vec::new();
+            let start = std::time::Instant::now();
+            let mut i = 0u64;
+            while start.elapsed() < run_for {
+                // Every key, in a rotating order within the slice (the store sorts).
+                let batch: Vec<NewEvent> = (0..KEYS.len())
+                    .map(|j| {
+                        let mut e = new_event(
+                            Some(KEYS[(j + (w + i) as usize) % KEYS.len()]),
+                            &format!("{w}-{i}-{j}"),
+                        );
+                        e.topic = "coll".into();
+                        e
+                    })
+                    .collect();
+                match store.enqueue(&batch, false).await {
+                    Ok(a) => {
+                        enqueued.fetch_add(a.len() as u64, Ordering::Relaxed);
+                    }
+                    Err(e) => errs.push(format!("enqueue: {e}")),
+                }
+                i += 1;
+            }
+            errs
+        }));
+    }
+    for _ in 0..4 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let sink = Arc::new(RecordingSink::default());
+            let mut relay = Relay::new(
+                store,
+                sink,
+                Queue::Outbox,
+                RelayConfig {
+                    batch_size: 50,
+                    max_keys: 4,
+                    lease: Duration::from_secs(30),
+                    ..Default::default()
+                },
+            );
+            let mut errs = Vec::new();
+            let start = std::time::Instant::now();
+            while start.elapsed() < run_for {
+                if let Err(e) = relay.cycle().await {
+                    errs.push(format!("relay cycle: {e}"));
+                }
+            }
+            errs
+        }));
+    }
+    // The inbox: receives of the same keys (its own key rows) against a dispatcher.
+    let received = Arc::new(AtomicU64::new(0));
+    for w in 0..2u64 {
+        let store = store.clone();
+        let received = received.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut errs = Vec::new();
+            let start = std::time::Instant::now();
+            let mut i = 0u64;
+            while start.elapsed() < run_for {
+                let batch: Vec<mailroom::domain::InboundMessage> = (0..KEYS.len())
+                    .map(|j| mailroom::domain::InboundMessage {
+                        message_id: format!("{w}-{i}-{j}"),
+                        topic: "coll".into(),
+                        key: Some(KEYS[(j + (w + i) as usize) % KEYS.len()].into()),
+                        payload: b"x".to_vec(),
+                        headers: Default::default(),
+                        event_type: None,
+                        max_attempts: 6,
+                    })
+                    .collect();
+                match store.receive("sub", &batch).await {
+                    Ok(a) => {
+                        received.fetch_add(a.len() as u64, Ordering::Relaxed);
+                    }
+                    Err(e) => errs.push(format!("receive: {e}")),
+                }
+                i += 1;
+            }
+            errs
+        }));
+    }
+    {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut relay = Relay::new(
+                store,
+                Arc::new(RecordingSink::default()),
+                Queue::Inbox {
+                    subscription: "sub".into(),
+                },
+                RelayConfig {
+                    batch_size: 50,
+                    max_keys: 6,
+                    lease: Duration::from_secs(30),
+                    ..Default::default()
+                },
+            );
+            let mut errs = Vec::new();
+            let start = std::time::Instant::now();
+            while start.elapsed() < run_for {
+                if let Err(e) = relay.cycle().await {
+                    errs.push(format!("inbox relay cycle: {e}"));
+                }
+            }
+            errs
+        }));
+    }
+    // An operator cancelling and requeueing events of several keys at once (the admin
+    // flows lock key rows too). "Changed meanwhile" refusals are expected here; only
+    // database errors count.
+    let admin_rounds = Arc::new(AtomicU64::new(0));
+    {
+        let store = store.clone();
+        let pool = pool.clone();
+        let admin_rounds = admin_rounds.clone();
+        tasks.push(tokio::spawn(async move {
+            use mailroom::admin::{CancelRequest, RequeueRequest, Selection};
+            let mut errs = Vec::new();
+            let start = std::time::Instant::now();
+            while start.elapsed() < run_for {
+                let ids: Vec<i64> = sqlx::query_scalar(
+                    "SELECT max(id) FROM outbox_events WHERE status = 'pending'
+                     GROUP BY event_key LIMIT 6",
+                )
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+                let cancel = CancelRequest {
+                    ids: ids.clone(),
+                    reason: "test".into(),
+                    dry_run: false,
+                    actor: "test".into(),
+                };
+                let requeue = RequeueRequest {
+                    selection: Selection::Ids(ids),
+                    limit: 100,
+                    dry_run: false,
+                    actor: "test".into(),
+                };
+                for r in [
+                    store.cancel_events(BoxKind::Outbox, &cancel).await.err(),
+                    store.requeue_failed(BoxKind::Outbox, &requeue).await.err(),
+                ]
+                .into_iter()
+                .flatten()
+                {
+                    let m = r.to_string();
+                    if m.contains("database") || m.contains("deadlock") {
+                        errs.push(format!("admin: {m}"));
+                    }
+                }
+                admin_rounds.fetch_add(1, Ordering::Relaxed);
+            }
+            errs
+        }));
+    }
+    for t in tasks {
+        errors.extend(t.await.unwrap());
+    }
+    // Backends flush their statistics within about a second of going idle.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let deadlocks = pg_deadlocks(&name).await - before;
+    println!(
+        "collation test: {} events enqueued, {} messages received, {} admin rounds, {} deadlocks, {} failed calls",
+        enqueued.load(Ordering::Relaxed),
+        received.load(Ordering::Relaxed),
+        admin_rounds.load(Ordering::Relaxed),
+        deadlocks,
+        errors.len()
+    );
+    for e in errors.iter().take(5) {
+        println!("  {e}");
+    }
+    assert!(enqueued.load(Ordering::Relaxed) > 0);
+    assert_eq!(deadlocks, 0, "deadlocks detected on the ICU database");
+    assert!(errors.is_empty(), "failed calls: {errors:?}");
+}
+
+/// Ten never-tried events delayed by an hour at the head of a key must not park the due
+/// events behind them, however few rows per key a claim reads (with 301 keys ready, the
+/// default limits read 4 rows per key). The due ones go out in the first cycles, in
+/// order; the delayed ones do not; and the key is not claimed again in a loop while only
+/// delayed events remain (both engines).
+#[tokio::test]
+async fn delayed_events_do_not_park_due_events_behind_them() {
+    use mailroom::relay::{Relay, RelayConfig};
+    use std::sync::Arc;
+
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let later = chrono::Utc::now() + chrono::Duration::hours(1);
+        let delayed: Vec<NewEvent> = (0..10)
+            .map(|i| NewEvent {
+                deliver_after: Some(later),
+                ..new_event(Some("k"), &format!("delayed-{i}"))
+            })
+            .collect();
+        let delayed_ids = ids(&store.enqueue(&delayed, false).await.unwrap());
+        let due: Vec<NewEvent> = (0..5)
+            .map(|i| new_event(Some("k"), &format!("due-{i}")))
+            .collect();
+        let due_ids = ids(&store.enqueue(&due, false).await.unwrap());
+        let others: Vec<NewEvent> = (0..300)
+            .map(|i| new_event(Some(&format!("other-{i:03}")), "x"))
+            .collect();
+        store.enqueue(&others, false).await.unwrap();
+
+        let sink = Arc::new(RecordingSink::default());
+        let mut relay = Relay::new(
+            store.clone(),
+            sink.clone(),
+            Queue::Outbox,
+            RelayConfig::default(),
+        );
+        // 301 keys ready, 250 leased per cycle: two cycles serve them all.
+        let mut reports = Vec::new();
+        for _ in 0..2 {
+            reports.push(relay.cycle().await.unwrap());
+        }
+        let seen = sink.seen.lock().unwrap().clone();
+        let k_ids: Vec<i64> = seen
+            .iter()
+            .filter(|e| e.key.as_deref() == Some("k"))
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(
+            k_ids, due_ids,
+            "the due events of k go out in the first cycles, in order, and the delayed \
+             ones do not ({reports:?})"
+        );
+        assert_eq!(seen.len(), 305, "every due event went out once");
+        for id in &delayed_ids {
+            let e = store
+                .get_event(BoxKind::Outbox, *id)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!((e.status, e.attempts), (Status::Pending, 0));
+        }
+        // Only delayed events are left: no key is ready until they are due.
+        for _ in 0..3 {
+            let r = relay.cycle().await.unwrap();
+            assert_eq!(
+                r.keys, 0,
+                "a key with only delayed events is not claimed again"
+            );
+        }
+    }
+}
+
+/// A claim reads at most its byte budget (payload and headers), keyed and unkeyed each,
+/// but always at least one event; the keys it could not serve are looked at again at
+/// once, and everything drains in order (both engines).
+#[tokio::test]
+async fn claims_are_bounded_in_bytes_as_well_as_rows() {
+    use mailroom::relay::{Relay, RelayConfig};
+    use std::sync::Arc;
+
+    const KIB: usize = 1024;
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let big = |key: Option<&str>, i: usize| NewEvent {
+            payload: vec![b'x'; 100 * KIB],
+            ..new_event(key, &i.to_string())
+        };
+        // 4 keys × 3 events and 4 unkeyed events, 100 KiB each.
+        for k in 0..4 {
+            let key = format!("k{k}");
+            let batch: Vec<NewEvent> = (0..3).map(|i| big(Some(&key), i)).collect();
+            store.enqueue(&batch, false).await.unwrap();
+        }
+        let unkeyed: Vec<NewEvent> = (0..4).map(|i| big(None, i)).collect();
+        store.enqueue(&unkeyed, false).await.unwrap();
+
+        let limits = ClaimLimits {
+            max_bytes: 350 * KIB as u64,
+            ..limits(Duration::from_millis(300))
+        };
+        let c = store.claim(&Queue::Outbox, 1, limits).await.unwrap();
+        let keyed_bytes: usize = c
+            .keyed
+            .iter()
+            .flat_map(|w| &w.rows)
+            .map(|e| e.payload.len())
+            .sum();
+        let unkeyed_bytes: usize = c.unkeyed.iter().map(|e| e.payload.len()).sum();
+        assert_eq!(c.keyed.len(), 4, "the keys are leased");
+        assert_eq!(keyed_bytes, 300 * KIB, "three keyed events fit in 350 KiB");
+        assert_eq!(
+            unkeyed_bytes,
+            300 * KIB,
+            "three unkeyed events fit in 350 KiB"
+        );
+        // The budget is shared in claim order: the first key's three events fill it.
+        let starved: Vec<_> = c.keyed.iter().filter(|w| w.rows.is_empty()).collect();
+        assert_eq!(starved.len(), 3);
+        assert!(
+            starved.iter().all(|w| w.full),
+            "a key the budget left out is marked full (looked at again at once)"
+        );
+
+        // An event larger than the whole budget still goes out, alone.
+        let tiny = ClaimLimits {
+            max_bytes: 1,
+            ..limits
+        };
+        let c2 = store.claim(&Queue::Outbox, 2, tiny).await.unwrap();
+        assert_eq!(c2.unkeyed.len(), 1, "one unkeyed event over budget");
+
+        // Everything drains through the relay, in order per key.
+        let sink = Arc::new(RecordingSink::default());
+        let mut relay = Relay::new(
+            store.clone(),
+            sink.clone(),
+            Queue::Outbox,
+            RelayConfig {
+                max_bytes: 250 * KIB as u64,
+                lease: Duration::from_millis(300),
+                ..RelayConfig::default()
+            },
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while store
+            .count_events(BoxKind::Outbox, Some(Status::Pending))
+            .await
+            .unwrap()
+            > 0
+        {
+            assert!(std::time::Instant::now() < deadline, "did not drain");
+            let r = relay.cycle().await.unwrap();
+            assert!(
+                r.attempted <= 2 + 2,
+                "at most 2 keyed and 2 unkeyed events of 100 KiB per cycle: {r:?}"
+            );
+            if r.keys == 0 && r.attempted == 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let seen = sink.seen.lock().unwrap().clone();
+        for k in 0..4 {
+            let key = format!("k{k}");
+            let got: Vec<i64> = seen
+                .iter()
+                .filter(|e| e.key.as_deref() == Some(key.as_str()))
+                .map(|e| e.id)
+                .collect();
+            assert_eq!(got.len(), 3, "key {key}: {got:?}");
+            assert!(got.windows(2).all(|p| p[0] < p[1]), "key {key} in order");
+        }
+    }
 }

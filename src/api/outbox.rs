@@ -94,3 +94,100 @@ impl pb::outbox_service_server::OutboxService for OutboxApi {
         }))
     }
 }
+
+/// `OutboxService` with a decoding limit per method: an `Enqueue` carries one event (its
+/// largest payload, key and headers plus slack), an `EnqueueBatch` up to
+/// `max_batch_bytes`. tonic checks a limit per service, against the length prefix of
+/// the message before buffering it, so this routes each method to a copy of the service
+/// with its own limit, and turns tonic's `OUT_OF_RANGE` into `RESOURCE_EXHAUSTED` naming
+/// the setting.
+#[derive(Clone)]
+pub struct OutboxLimits {
+    single: pb::outbox_service_server::OutboxServiceServer<OutboxApi>,
+    batch: pb::outbox_service_server::OutboxServiceServer<OutboxApi>,
+    single_limit: usize,
+    batch_limit: usize,
+}
+
+impl OutboxLimits {
+    pub fn new(api: OutboxApi, single_limit: usize, batch_limit: usize) -> Self {
+        use pb::outbox_service_server::OutboxServiceServer;
+        let api = std::sync::Arc::new(api);
+        OutboxLimits {
+            single: OutboxServiceServer::from_arc(api.clone())
+                .max_decoding_message_size(single_limit),
+            batch: OutboxServiceServer::from_arc(api).max_decoding_message_size(batch_limit),
+            single_limit,
+            batch_limit,
+        }
+    }
+}
+
+impl tonic::server::NamedService for OutboxLimits {
+    const NAME: &'static str =
+        <pb::outbox_service_server::OutboxServiceServer<OutboxApi> as tonic::server::NamedService>::NAME;
+}
+
+type HttpResponse = tonic::codegen::http::Response<tonic::body::Body>;
+
+impl tower::Service<tonic::codegen::http::Request<tonic::body::Body>> for OutboxLimits {
+    type Response = HttpResponse;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<HttpResponse, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        // The generated services are always ready.
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
+        let batch = req.uri().path().ends_with("/EnqueueBatch");
+        let (mut svc, limit, what) = if batch {
+            (
+                self.batch.clone(),
+                self.batch_limit,
+                "EnqueueBatch request; the limit is MAILROOM_MAX_BATCH_BYTES",
+            )
+        } else {
+            (
+                self.single.clone(),
+                self.single_limit,
+                "Enqueue request (one event); the limit follows MAILROOM_MAX_PAYLOAD_BYTES and \
+                 MAILROOM_MAX_HEADER_BYTES",
+            )
+        };
+        Box::pin(async move {
+            let resp = tower::Service::call(&mut svc, req).await?;
+            Ok(too_large_is_resource_exhausted(resp, limit, what))
+        })
+    }
+}
+
+/// tonic refuses a message over the decoding limit with `OUT_OF_RANGE` and a message of
+/// its own; callers get `RESOURCE_EXHAUSTED` naming the limit and the setting.
+fn too_large_is_resource_exhausted(resp: HttpResponse, limit: usize, what: &str) -> HttpResponse {
+    match Status::from_header_map(resp.headers()) {
+        Some(s)
+            if s.code() == tonic::Code::OutOfRange
+                && s.message().contains("message length too large") =>
+        {
+            let found = s
+                .message()
+                .split("found ")
+                .nth(1)
+                .and_then(|r| r.split(' ').next())
+                .unwrap_or("?")
+                .to_string();
+            Status::resource_exhausted(format!(
+                "{found} bytes is over the {limit}-byte limit of an {what}"
+            ))
+            .into_http()
+        }
+        _ => resp,
+    }
+}

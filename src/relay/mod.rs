@@ -42,6 +42,9 @@ pub struct RelayConfig {
     pub max_keys: u32,
     /// Longest run of one key in one cycle.
     pub max_run: u32,
+    /// Bytes (payload and headers) one cycle may read, keyed and unkeyed each; at least
+    /// one event goes out whatever its size.
+    pub max_bytes: u64,
     /// Claim lease; longer than any delivery timeout.
     pub lease: Duration,
     /// Fallback poll when nothing wakes the relay.
@@ -65,6 +68,7 @@ impl Default for RelayConfig {
             batch_size: 1000,
             max_keys: 250,
             max_run: 500,
+            max_bytes: 64 * 1024 * 1024,
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_millis(250),
             probe_min: Duration::from_millis(200),
@@ -294,6 +298,7 @@ impl Shared {
             max_events: c.batch_size,
             max_run: c.max_run,
             max_unkeyed: c.batch_size,
+            max_bytes: c.max_bytes,
             lease: c.lease,
         }
     }

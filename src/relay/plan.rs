@@ -9,6 +9,10 @@
 //! - an event that has been tried and waits for its retry blocks the key: the walk stops.
 //!
 //! `failed` events are not pending, so they are not in the line at all.
+//!
+//! The store's window already leaves never-tried delayed events out (however many stand
+//! at the head of a key) and reports the earliest of their schedules (`delayed_at`);
+//! the walk still skips any it is given, so the rule holds either way.
 
 use chrono::{DateTime, Utc};
 use rand::Rng;
@@ -48,9 +52,15 @@ pub fn plan_line<'a>(w: &'a KeyWindow, now: DateTime<Utc>, budget: usize) -> Lin
         line: Some(&w.line),
         run: Vec::new(),
         stop: Stop::End { full: w.full },
-        delayed_min: None,
-        // Zero when nothing was read: any pending event then counts as new.
-        seen_up_to: Some(w.rows.last().map_or(0, |e| e.id)),
+        delayed_min: w.delayed_at,
+        // The key's highest pending id when read (delayed events the window skipped
+        // included); zero when nothing was pending: any pending event then counts as new.
+        seen_up_to: Some(
+            w.rows
+                .last()
+                .map_or(0, |e| e.id)
+                .max(w.line_end.unwrap_or(0)),
+        ),
     };
     for e in &w.rows {
         if e.scheduled_at > now {
@@ -117,14 +127,9 @@ impl LinePlan<'_> {
 
     fn readiness_after_run(&self) -> Readiness {
         match self.stop {
-            // A window made only of delayed, never-tried events: look again when the
-            // first of them is due rather than re-reading the same window in a loop.
-            // (Due events behind more than a window of delayed ones wait for it too;
-            // docs/relay.md lists this limit.)
-            Stop::End { full: true } if self.run.is_empty() => Readiness {
-                at: self.delayed_min,
-                ..Default::default()
-            },
+            // More in line than the window held (the store leaves delayed events out,
+            // so a full window holds only in-line events): look again at once. A window
+            // the claim's byte budget left empty is full too.
             Stop::Budget | Stop::End { full: true } => Readiness::now(),
             Stop::Blocked(until) => Readiness {
                 at: Some(self.delayed_min.map_or(until, |d| d.min(until))),
@@ -307,6 +312,8 @@ mod tests {
             },
             rows,
             full,
+            delayed_at: None,
+            line_end: None,
         }
     }
 
@@ -347,6 +354,64 @@ mod tests {
         // Idle afterwards: ready when the delayed one is due.
         let out = p.settle(&[Delivery::Delivered], &RetryPolicy::default(), &mut rng());
         assert_eq!(out.ready.at, p.delayed_min);
+    }
+
+    #[test]
+    fn due_events_behind_delayed_ones_the_window_skipped_go_out() {
+        // Ten delayed events (ids 1..=10) stood at the head; the store's window holds
+        // the five due ones behind them and the earliest delayed schedule.
+        let now = Utc::now();
+        let mut w = window((11..=15).map(|i| ev(i, 0, -1, now)).collect(), false);
+        let first_delayed = now + chrono::Duration::seconds(3600);
+        w.delayed_at = Some(first_delayed);
+        w.line_end = Some(15);
+        let p = plan_line(&w, now, 100);
+        assert_eq!(ids(&p), vec![11, 12, 13, 14, 15]);
+        let out = p.settle(
+            &std::iter::repeat_n(Delivery::Delivered, 5).collect::<Vec<_>>(),
+            &RetryPolicy::default(),
+            &mut rng(),
+        );
+        // Idle afterwards: ready when the first delayed one is due.
+        assert_eq!(out.ready.at, Some(first_delayed));
+        assert_eq!(out.ready.after, None);
+    }
+
+    #[test]
+    fn a_key_with_only_delayed_events_sleeps_until_the_first_is_due() {
+        // Nothing in line; the delayed events have ids up to 40. The key is released
+        // until the earliest of them, and none of them counts as new (no hot loop).
+        let now = Utc::now();
+        let mut w = window(Vec::new(), false);
+        let first_delayed = now + chrono::Duration::seconds(60);
+        w.delayed_at = Some(first_delayed);
+        w.line_end = Some(40);
+        let p = plan_line(&w, now, 100);
+        assert!(p.run.is_empty());
+        let ready = p.readiness_untouched();
+        assert_eq!(ready.at, Some(first_delayed));
+        assert_eq!(ready.after, None);
+        assert_eq!(ready.seen_up_to, Some(40));
+    }
+
+    #[test]
+    fn a_window_the_byte_budget_emptied_is_looked_at_again_at_once() {
+        let now = Utc::now();
+        let mut w = window(Vec::new(), true);
+        w.delayed_at = Some(now + chrono::Duration::seconds(60));
+        let p = plan_line(&w, now, 100);
+        assert!(p.run.is_empty());
+        assert_eq!(p.readiness_untouched(), Readiness::now());
+    }
+
+    #[test]
+    fn a_blocked_head_wakes_the_key_for_an_earlier_delayed_event() {
+        let now = Utc::now();
+        let mut w = window(vec![ev(3, 1, 600, now), ev(4, 0, -1, now)], false);
+        w.delayed_at = Some(now + chrono::Duration::seconds(60));
+        let p = plan_line(&w, now, 100);
+        assert!(p.run.is_empty());
+        assert_eq!(p.readiness_untouched().at, w.delayed_at);
     }
 
     #[test]

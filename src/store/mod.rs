@@ -79,13 +79,38 @@ pub struct LineKey {
     pub key: String,
 }
 
-/// The front of one leased key's line: its pending events in id order, at most the
-/// claim's per-key limit. `full` says the limit cut it, so more may follow.
+/// The front of one leased key's line: its pending events in id order that are *in
+/// line* (due, or tried and waiting for a retry), at most the claim's per-key limit and
+/// within its byte budget. Never-tried events scheduled for later are not in line: the
+/// read skips them (so any number of them cannot park the due events behind them) and
+/// reports only the earliest schedule among those it passed. `full` says a limit cut
+/// the window, so more may follow.
 #[derive(Debug, Clone)]
 pub struct KeyWindow {
     pub line: LineKey,
     pub rows: Vec<StoredEvent>,
     pub full: bool,
+    /// The earliest schedule of the never-tried delayed events before the window's end
+    /// (of all of them when the window is not full): when the key must be looked at again.
+    pub delayed_at: Option<DateTime<Utc>>,
+    /// The highest pending id (delayed events included) before the window's end, i.e.
+    /// of the whole key when the window is not full: anything above it arrived later.
+    pub line_end: Option<EventId>,
+}
+
+/// How many of the leading items (of the given sizes) fit in `budget` bytes: always at
+/// least one, so an event larger than the budget still goes out, alone.
+pub fn fit_in_budget(sizes: impl IntoIterator<Item = u64>, budget: u64) -> usize {
+    let mut total: u64 = 0;
+    let mut n = 0;
+    for size in sizes {
+        total = total.saturating_add(size);
+        if n > 0 && total > budget {
+            break;
+        }
+        n += 1;
+    }
+    n
 }
 
 /// What one claim handed to a relay. `token` identifies this claim: settling with it
@@ -118,6 +143,9 @@ pub struct ClaimLimits {
     pub max_run: u32,
     /// Unkeyed events to claim.
     pub max_unkeyed: u32,
+    /// Bytes (payload and headers) of the events read, keyed and unkeyed each; at least
+    /// one event is always read, however large.
+    pub max_bytes: u64,
     /// How long the claim holds; longer than any publish timeout.
     pub lease: Duration,
 }
@@ -272,4 +300,19 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
 
     /// Number of events, of one status or of all.
     async fn count_events(&self, box_kind: BoxKind, status: Option<Status>) -> StoreResult<i64>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit_in_budget;
+
+    #[test]
+    fn a_budget_takes_leading_items_and_always_one() {
+        assert_eq!(fit_in_budget([10, 10, 10], 25), 2);
+        assert_eq!(fit_in_budget([10, 10, 10], 30), 3);
+        assert_eq!(fit_in_budget([100, 1], 10), 1, "one event even over budget");
+        assert_eq!(fit_in_budget([], 10), 0);
+        assert_eq!(fit_in_budget([0, 0, 5], 0), 2);
+        assert_eq!(fit_in_budget([u64::MAX, 1], u64::MAX - 1), 1, "no overflow");
+    }
 }

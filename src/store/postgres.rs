@@ -15,7 +15,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 use super::{
     Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
-    Store, StoreError, StoreResult,
+    Store, StoreError, StoreResult, fit_in_budget,
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
@@ -28,6 +28,7 @@ const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers::text AS hea
 struct Sql {
     lease_keys: Arc<str>,
     windows: Arc<str>,
+    events_by_id: Arc<str>,
     claim_unkeyed: Arc<str>,
     lock_keys: Arc<str>,
     settle_events: Arc<str>,
@@ -52,8 +53,20 @@ impl Sql {
         };
         let lease_scope = scope(" AND subscription = $S", 4);
         let lease_join = scope(" AND k.subscription = $S", 4);
-        let window_scope = scope(" AND e.subscription = $S", 4);
-        let unkeyed_scope = scope(" AND subscription = $S", 4);
+        let window_scope = |alias: &str| scope(&format!(" AND {alias}.subscription = $S"), 4);
+        let (e_scope, d_scope, b_scope) = (window_scope("e"), window_scope("d"), window_scope("b"));
+        let by_id_scope = scope(" AND subscription = $S", 2);
+        let unkeyed_scope = scope(" AND u.subscription = $S", 5);
+        // A never-tried event scheduled for later: not in line (docs/relay.md).
+        let delayed = |a: &str| {
+            format!("{a}.attempts = 0 AND {a}.last_error IS NULL AND {a}.scheduled_at > now()")
+        };
+        let (e_delayed, d_delayed, b_delayed) = (delayed("e"), delayed("d"), delayed("b"));
+        // Bytes an event weighs in a claim's budget.
+        let size = |a: &str| {
+            format!("octet_length({a}.payload)::int8 + pg_column_size({a}.headers)::int8")
+        };
+        let (e_size, u_size) = (size("e"), size("u"));
         let lock_scope = scope(" AND k.subscription = $S", 4);
         let settle_scope = scope(" AND k.subscription = e.subscription", 0);
         let release_scope = scope(" AND k.subscription = $S", 7);
@@ -73,22 +86,55 @@ impl Sql {
                  RETURNING k.topic, k.event_key"
             )
             .into(),
+            // The front of each leased key's line, ids and sizes only (the events
+            // themselves are read by id once the byte budget is applied): up to $3
+            // in-line events in id order, skipping never-tried delayed ones; and, over
+            // the pending events before the $3-th in-line one (all of them when there
+            // are fewer), the earliest delayed schedule and the highest id. Each part
+            // walks the line and stops after $3 in-line rows plus the delayed ones in
+            // between, whatever the depth of the key. (`OFFSET 0` keeps the marks one
+            // evaluation per key.)
             windows: format!(
-                "SELECT e.* FROM unnest($1::text[], $2::text[]) AS k(topic, event_key)
+                "SELECT k.o, m.delayed_at, m.line_end, l.id, l.size
+                 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS k(topic, event_key, o)
                  CROSS JOIN LATERAL (
-                    SELECT {c} FROM {events} e
-                    WHERE e.status = 'pending'{window_scope} AND e.topic = k.topic AND e.event_key = k.event_key
-                    ORDER BY e.id LIMIT $3) e"
+                    SELECT min(d.scheduled_at) FILTER (WHERE {d_delayed}) AS delayed_at,
+                           max(d.id) AS line_end
+                    FROM {events} d
+                    WHERE d.status = 'pending'{d_scope} AND d.topic = k.topic
+                      AND d.event_key = k.event_key
+                      AND d.id < COALESCE((
+                          SELECT b.id FROM {events} b
+                          WHERE b.status = 'pending'{b_scope} AND b.topic = k.topic
+                            AND b.event_key = k.event_key AND NOT ({b_delayed})
+                          ORDER BY b.id OFFSET $3 - 1 LIMIT 1), 9223372036854775807)
+                    OFFSET 0) m
+                 LEFT JOIN LATERAL (
+                    SELECT e.id, {e_size} AS size FROM {events} e
+                    WHERE e.status = 'pending'{e_scope} AND e.topic = k.topic AND e.event_key = k.event_key
+                      AND NOT ({e_delayed})
+                    ORDER BY e.id LIMIT $3) l ON true"
             )
             .into(),
+            events_by_id: format!(
+                "SELECT {c} FROM {events} WHERE id = ANY($1) AND status = 'pending'{by_id_scope}"
+            )
+            .into(),
+            // Due unkeyed events in schedule order, at most $1 and $4 bytes (at least one).
             claim_unkeyed: format!(
                 "UPDATE {events} SET claim_token = $2,
                         claimed_until = now() + $3 * interval '1 millisecond'
                  WHERE id IN (
-                    SELECT id FROM {events}
-                    WHERE status = 'pending'{unkeyed_scope} AND event_key IS NULL AND scheduled_at <= now()
-                      AND (claimed_until IS NULL OR claimed_until <= now())
-                    ORDER BY scheduled_at, id LIMIT $1 FOR UPDATE SKIP LOCKED)
+                    SELECT s.id FROM (
+                        SELECT u.id,
+                               sum(u.size) OVER (ORDER BY u.scheduled_at, u.id) AS total,
+                               row_number() OVER (ORDER BY u.scheduled_at, u.id) AS n
+                        FROM (SELECT u.id, u.scheduled_at, {u_size} AS size FROM {events} u
+                              WHERE u.status = 'pending'{unkeyed_scope} AND u.event_key IS NULL
+                                AND u.scheduled_at <= now()
+                                AND (u.claimed_until IS NULL OR u.claimed_until <= now())
+                              ORDER BY u.scheduled_at, u.id LIMIT $1 FOR UPDATE SKIP LOCKED) u) s
+                    WHERE s.n = 1 OR s.total <= $4)
                  RETURNING {c}"
             )
             .into(),
@@ -97,7 +143,7 @@ impl Sql {
                  JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
                    ON k.topic = u.topic AND k.event_key = u.event_key
                  WHERE k.lease_token = $3{lock_scope}
-                 ORDER BY k.topic, k.event_key FOR UPDATE OF k"
+                 ORDER BY k.topic COLLATE \"C\", k.event_key COLLATE \"C\" FOR UPDATE OF k"
             )
             .into(),
             settle_events: format!(
@@ -414,9 +460,10 @@ impl Store for PgStore {
             max_attempts.push(e.max_attempts as i32);
             sched.push(e.deliver_after);
         }
-        // One statement: the CTE upserts (and so locks) the key rows in sorted order; the
-        // uncorrelated `(SELECT count(*) FROM keys)` is an InitPlan, evaluated before the
-        // insert draws its first id. Locking the keys before drawing ids keeps ids and
+        // One statement: the CTE upserts (and so locks) the key rows in byte order (the
+        // BTreeMap's, fed through `ORDER BY o`: no collation involved, the same order as
+        // the settle's `COLLATE "C"`); the uncorrelated `(SELECT count(*) FROM keys)` is
+        // an InitPlan, evaluated before the insert draws its first id. Locking the keys before drawing ids keeps ids and
         // commits in the same order within a key. Idempotency keys already taken insert
         // nothing.
         let insert = sqlx::query(
@@ -521,7 +568,8 @@ impl Store for PgStore {
         messages: &[InboundMessage],
     ) -> StoreResult<Vec<Admission>> {
         let mut tx = self.pool.begin().await?;
-        // Key rows first, sorted: the same ordering invariant as the outbox.
+        // Key rows first, in byte order (BTreeSet, fed through `ORDER BY o`): the order
+        // the settle locks them in, whatever the collation.
         let keys: std::collections::BTreeSet<(&str, &str)> = messages
             .iter()
             .filter_map(|m| m.key.as_deref().map(|k| (m.topic.as_str(), k)))
@@ -625,7 +673,6 @@ impl Store for PgStore {
         if !leased.is_empty() {
             let mut topics = Vec::with_capacity(leased.len());
             let mut names = Vec::with_capacity(leased.len());
-            let mut index = HashMap::with_capacity(leased.len());
             for r in &leased {
                 let line = LineKey {
                     topic: r.try_get(0)?,
@@ -633,15 +680,16 @@ impl Store for PgStore {
                 };
                 topics.push(line.topic.clone());
                 names.push(line.key.clone());
-                index.insert(line.clone(), keyed.len());
                 keyed.push(KeyWindow {
                     line,
                     rows: Vec::new(),
                     full: false,
+                    delayed_at: None,
+                    line_end: None,
                 });
             }
             let per_key = limits.per_key(leased.len());
-            let rows = scoped(
+            let heads = scoped(
                 q(&sql.windows)
                     .bind(topics)
                     .bind(names)
@@ -650,17 +698,57 @@ impl Store for PgStore {
             )
             .fetch_all(&self.pool)
             .await?;
-            for r in &rows {
-                let e = decode_event(r)?;
-                let line = LineKey {
-                    topic: e.topic.clone(),
-                    key: e.key.clone().unwrap_or_default(),
-                };
-                keyed[index[&line]].rows.push(e);
+            // In-line ids and sizes per key (in claim order, ids ascending).
+            let mut in_line: Vec<Vec<(EventId, u64)>> = vec![Vec::new(); keyed.len()];
+            for r in &heads {
+                let i = usize::try_from(r.try_get::<i64, _>("o")? - 1)
+                    .map_err(|_| StoreError::Other("bad ordinality".into()))?;
+                let w = &mut keyed[i];
+                w.line_end = r.try_get("line_end")?;
+                w.delayed_at = r.try_get("delayed_at")?;
+                if let Some(id) = r.try_get::<Option<i64>, _>("id")? {
+                    let size = r.try_get::<Option<i64>, _>("size")?.unwrap_or(0).max(0) as u64;
+                    in_line[i].push((id, size));
+                }
             }
-            for w in &mut keyed {
-                w.rows.sort_by_key(|e| e.id);
-                w.full = w.rows.len() >= per_key as usize;
+            for v in &mut in_line {
+                v.sort_unstable();
+            }
+            // The byte budget, shared in claim order: the keys past it get an empty
+            // window marked full (looked at again at once).
+            let mut take = fit_in_budget(
+                in_line.iter().flatten().map(|&(_, size)| size),
+                limits.max_bytes,
+            );
+            let mut ids = Vec::new();
+            for (w, v) in keyed.iter_mut().zip(&in_line) {
+                let n = take.min(v.len());
+                take -= n;
+                w.full = v.len() >= per_key as usize || n < v.len();
+                ids.extend(v[..n].iter().map(|&(id, _)| id));
+            }
+            if !ids.is_empty() {
+                let index: HashMap<LineKey, usize> = keyed
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| (w.line.clone(), i))
+                    .collect();
+                let rows = scoped(q(&sql.events_by_id).bind(ids), queue)
+                    .fetch_all(&self.pool)
+                    .await?;
+                for r in &rows {
+                    let e = decode_event(r)?;
+                    let line = LineKey {
+                        topic: e.topic.clone(),
+                        key: e.key.clone().unwrap_or_default(),
+                    };
+                    if let Some(&i) = index.get(&line) {
+                        keyed[i].rows.push(e);
+                    }
+                }
+                for w in &mut keyed {
+                    w.rows.sort_by_key(|e| e.id);
+                }
             }
         }
         let unkeyed = if limits.max_unkeyed > 0 {
@@ -668,7 +756,8 @@ impl Store for PgStore {
                 q(&sql.claim_unkeyed)
                     .bind(limits.max_unkeyed as i64)
                     .bind(token)
-                    .bind(lease_ms),
+                    .bind(lease_ms)
+                    .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
                 queue,
             )
             .fetch_all(&self.pool)
@@ -699,7 +788,9 @@ impl Store for PgStore {
         let sql = self.sql(queue.box_kind());
         let mut tx = self.pool.begin().await?;
         if !releases.is_empty() {
-            // Lock our still-valid keys in sorted order (enqueue locks in the same order).
+            // Lock our still-valid keys in byte order, the order enqueue, receive and the
+            // admin flows take them (Rust's sort of `(topic, key)`): `COLLATE "C"` in the
+            // statement, so that the database's collation (ICU, en_US…) cannot reverse it.
             let mut sorted: Vec<&LineKey> = releases.iter().map(|r| &r.line).collect();
             sorted.sort();
             let topics: Vec<&str> = sorted.iter().map(|l| l.topic.as_str()).collect();

@@ -16,7 +16,7 @@ use sqlx::{AssertSqlSafe, Row};
 use super::postgres::{admissions, batch_keys, headers_json, inbox_admissions};
 use super::{
     Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
-    Store, StoreError, StoreResult,
+    Store, StoreError, StoreResult, fit_in_budget,
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
@@ -291,39 +291,109 @@ impl Store for SqliteStore {
         .bind(sub)
         .fetch_all(&mut *tx)
         .await?;
-        let window_sql = format!(
+        // Per leased key, as on PostgreSQL: the in-line ids and sizes (never-tried delayed
+        // events skipped), the earliest delayed schedule before the window's end, the
+        // highest pending id; then the byte budget, then the events themselves.
+        let line = format!("status = 'pending' AND topic = ?1 AND event_key = ?2{window_scope}");
+        let delayed = "attempts = 0 AND last_error IS NULL AND scheduled_at > ?3";
+        let heads_sql = format!(
+            "SELECT id, length(payload) + length(headers) AS size FROM {events}
+             WHERE {line} AND NOT ({delayed}) ORDER BY id LIMIT ?5"
+        );
+        let marks_sql = format!(
+            "SELECT (SELECT min(scheduled_at) FROM {events}
+                     WHERE {line} AND {delayed} AND id < ?5) AS delayed_at,
+                    (SELECT max(id) FROM {events} WHERE {line}) AS line_end"
+        );
+        let rows_sql = format!(
             "SELECT {EVENT_COLUMNS} FROM {events}
-             WHERE status = 'pending' AND topic = ?1 AND event_key = ?2{window_scope}
-             ORDER BY id LIMIT ?3"
+             WHERE {line} AND NOT ({delayed}) AND id >= ?5 AND id <= ?6 ORDER BY id"
         );
         let mut keyed = Vec::with_capacity(leased.len());
+        let mut in_line: Vec<Vec<(EventId, u64)>> = Vec::with_capacity(leased.len());
         let per_key = limits.per_key(leased.len());
         for r in &leased {
             let line = LineKey {
                 topic: r.try_get(0)?,
                 key: r.try_get(1)?,
             };
-            let rows = sqlx::query(AssertSqlSafe(window_sql.as_str()))
+            let heads: Vec<(EventId, u64)> = sqlx::query(AssertSqlSafe(heads_sql.as_str()))
                 .bind(&line.topic)
                 .bind(&line.key)
-                .bind(per_key as i64)
+                .bind(now)
                 .bind(sub)
+                .bind(per_key as i64)
+                .fetch_all(&mut *tx)
+                .await?
+                .iter()
+                .map(|r| Ok((r.try_get(0)?, r.try_get::<i64, _>(1)?.max(0) as u64)))
+                .collect::<StoreResult<_>>()?;
+            let boundary = if heads.len() >= per_key as usize {
+                heads.last().map_or(i64::MAX, |h| h.0)
+            } else {
+                i64::MAX
+            };
+            let marks = sqlx::query(AssertSqlSafe(marks_sql.as_str()))
+                .bind(&line.topic)
+                .bind(&line.key)
+                .bind(now)
+                .bind(sub)
+                .bind(boundary)
+                .fetch_one(&mut *tx)
+                .await?;
+            keyed.push(KeyWindow {
+                line,
+                rows: Vec::new(),
+                full: heads.len() >= per_key as usize,
+                delayed_at: marks
+                    .try_get::<Option<i64>, _>("delayed_at")?
+                    .map(from_micros),
+                line_end: marks.try_get("line_end")?,
+            });
+            in_line.push(heads);
+        }
+        // The byte budget, shared in claim order: keys past it get an empty window
+        // marked full (looked at again at once).
+        let mut take = fit_in_budget(
+            in_line.iter().flatten().map(|&(_, size)| size),
+            limits.max_bytes,
+        );
+        for (w, heads) in keyed.iter_mut().zip(&in_line) {
+            let n = take.min(heads.len());
+            take -= n;
+            if n < heads.len() {
+                w.full = true;
+            }
+            if n == 0 {
+                continue;
+            }
+            w.rows = sqlx::query(AssertSqlSafe(rows_sql.as_str()))
+                .bind(&w.line.topic)
+                .bind(&w.line.key)
+                .bind(now)
+                .bind(sub)
+                .bind(heads[0].0)
+                .bind(heads[n - 1].0)
                 .fetch_all(&mut *tx)
                 .await?
                 .iter()
                 .map(decode_event)
                 .collect::<StoreResult<Vec<_>>>()?;
-            let full = rows.len() >= per_key as usize;
-            keyed.push(KeyWindow { line, rows, full });
         }
         let unkeyed = if limits.max_unkeyed > 0 {
             let mut v = sqlx::query(AssertSqlSafe(format!(
                 "UPDATE {events} SET claim_token = ?1, claimed_until = ?2
                  WHERE id IN (
-                    SELECT id FROM {events}
-                    WHERE status = 'pending' AND event_key IS NULL AND scheduled_at <= ?3
-                      AND (claimed_until IS NULL OR claimed_until <= ?3){lease_scope}
-                    ORDER BY scheduled_at, id LIMIT ?4)
+                    SELECT id FROM (
+                        SELECT id,
+                               sum(size) OVER (ORDER BY scheduled_at, id) AS total,
+                               row_number() OVER (ORDER BY scheduled_at, id) AS n
+                        FROM (SELECT id, scheduled_at, length(payload) + length(headers) AS size
+                              FROM {events}
+                              WHERE status = 'pending' AND event_key IS NULL AND scheduled_at <= ?3
+                                AND (claimed_until IS NULL OR claimed_until <= ?3){lease_scope}
+                              ORDER BY scheduled_at, id LIMIT ?4))
+                    WHERE n = 1 OR total <= ?6)
                  RETURNING {EVENT_COLUMNS}"
             )))
             .bind(token)
@@ -331,6 +401,7 @@ impl Store for SqliteStore {
             .bind(now)
             .bind(limits.max_unkeyed as i64)
             .bind(sub)
+            .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX))
             .fetch_all(&mut *tx)
             .await?
             .iter()

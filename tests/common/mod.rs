@@ -56,6 +56,70 @@ pub async fn fresh_pg() -> String {
     format!("{base}/{name}")
 }
 
+/// Creates a fresh, empty PostgreSQL database whose default collation is ICU `en-US`
+/// (where `'a' < 'B'`, the reverse of byte order), as many managed services default to.
+/// Returns its URL and its name (for `pg_stat_database`).
+pub async fn fresh_pg_icu() -> (String, String) {
+    use sqlx::Connection;
+    let admin = pg_admin_url();
+    let mut conn = sqlx::PgConnection::connect(&admin)
+        .await
+        .unwrap_or_else(|e| {
+            panic!("PostgreSQL at {admin} is required (scripts/test.sh starts it): {e}")
+        });
+    let name = unique("mailroom_icu");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' \
+         LOCALE 'C.UTF-8'"
+    )))
+    .execute(&mut conn)
+    .await
+    .expect("create ICU database");
+    let base = admin.rsplit_once('/').expect("url has a database").0;
+    (format!("{base}/{name}"), name)
+}
+
+/// Deadlocks PostgreSQL detected in database `name` so far (cumulative statistics,
+/// flushed by backends within about a second).
+pub async fn pg_deadlocks(name: &str) -> i64 {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(&pg_admin_url())
+        .await
+        .expect("connect");
+    sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = $1")
+        .bind(name)
+        .fetch_one(&mut conn)
+        .await
+        .expect("pg_stat_database")
+}
+
+/// A sink that records every event it is handed (in delivery order) and delivers all.
+#[derive(Default)]
+pub struct RecordingSink {
+    pub seen: std::sync::Mutex<Vec<mailroom::domain::StoredEvent>>,
+}
+
+#[async_trait::async_trait]
+impl Sink for RecordingSink {
+    async fn deliver(
+        &self,
+        lines: &[Vec<&mailroom::domain::StoredEvent>],
+    ) -> Vec<Vec<mailroom::sink::Delivery>> {
+        let mut seen = self.seen.lock().unwrap();
+        lines
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .map(|e| {
+                        seen.push((*e).clone());
+                        mailroom::sink::Delivery::Delivered
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+}
+
 /// A fresh SQLite file URL in a temp dir that lives as long as the returned guard.
 pub fn fresh_sqlite() -> (String, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -1,0 +1,138 @@
+//! Byte budgets (issue 11, item 8): the gRPC decoding limit is per method, and an
+//! oversized request is refused before it is buffered, with a status naming the limit.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use mailroom::pb;
+use mailroom::pb::outbox_service_client::OutboxServiceClient;
+
+const MIB: usize = 1024 * 1024;
+
+/// Peak resident memory of a process, from /proc/<pid>/status.
+fn vm_hwm_bytes(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .expect("VmHWM line");
+    let kb: usize = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .expect("VmHWM value");
+    kb * 1024
+}
+
+fn big_event(key: &str, bytes: usize) -> pb::Event {
+    event("budget", key, &vec![b'x'; bytes])
+}
+
+/// A 300 MiB `EnqueueBatch` and a 200 MiB `Enqueue` are refused with
+/// `RESOURCE_EXHAUSTED` naming their setting, while an 8 MiB batch (above the single
+/// event limit) is accepted: the limits are per method. The server's peak RSS stays
+/// within twice the default batch limit (64 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_requests_are_refused_per_method_without_buffering_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("m.db").display());
+    let sink = dir.path().join("sink.jsonl");
+    let port = free_port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+        .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
+        .env("MAILROOM_DATABASE_URL", &db)
+        .env("MAILROOM_LOCAL_SINK", &sink)
+        .env_remove("MAILROOM_MAX_BATCH_BYTES")
+        // No relays: the memory measured is the request path's alone.
+        .env("MAILROOM_RELAYS", "0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let channel = loop {
+        match tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{port}"))
+            .unwrap()
+            .connect()
+            .await
+        {
+            Ok(c) => break c,
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("mailroom did not start: {e}"),
+        }
+    };
+    let mut client = OutboxServiceClient::new(channel)
+        .max_encoding_message_size(usize::MAX)
+        .max_decoding_message_size(usize::MAX);
+    let baseline = vm_hwm_bytes(pid);
+
+    // Per method: a batch of 8 MiB is fine although one Enqueue may carry ~1 MiB.
+    let ok = client
+        .enqueue_batch(pb::EnqueueBatchRequest {
+            events: (0..8)
+                .map(|i| big_event(&format!("ok{i}"), MIB - 1024))
+                .collect(),
+        })
+        .await;
+    assert!(ok.is_ok(), "an 8 MiB batch is accepted: {ok:?}");
+    let after_batch = vm_hwm_bytes(pid);
+
+    // One Enqueue of 200 MiB: refused before it is buffered.
+    let err = client
+        .enqueue(pb::EnqueueRequest {
+            event: Some(big_event("one", 200 * MIB)),
+        })
+        .await
+        .expect_err("a 200 MiB Enqueue is refused");
+    println!("200 MiB Enqueue: {:?} {}", err.code(), err.message());
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("MAILROOM_MAX_PAYLOAD_BYTES"),
+        "the status names the limit: {}",
+        err.message()
+    );
+
+    // A 300 MiB batch: over MAILROOM_MAX_BATCH_BYTES (64 MiB by default).
+    let err = client
+        .enqueue_batch(pb::EnqueueBatchRequest {
+            events: (0..300)
+                .map(|i| big_event(&format!("b{i}"), MIB - 1024))
+                .collect(),
+        })
+        .await
+        .expect_err("a 300 MiB batch is refused");
+    println!("300 MiB EnqueueBatch: {:?} {}", err.code(), err.message());
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("MAILROOM_MAX_BATCH_BYTES"),
+        "the status names the limit: {}",
+        err.message()
+    );
+
+    // The service still works, and never held anything like the refused requests.
+    let ok = client
+        .enqueue(pb::EnqueueRequest {
+            event: Some(big_event("after", 1024)),
+        })
+        .await;
+    assert!(ok.is_ok(), "{ok:?}");
+    let peak = vm_hwm_bytes(pid);
+    println!(
+        "server VmHWM: {} MiB at start, {} MiB after the 8 MiB batch, {} MiB at the end",
+        baseline / MIB,
+        after_batch / MIB,
+        peak / MIB
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        peak <= 2 * 64 * MIB,
+        "peak RSS {} MiB exceeds twice the 64 MiB batch limit",
+        peak / MIB
+    );
+}
