@@ -818,6 +818,7 @@ async fn keys_a_dispatcher_held_during_a_requeue_are_woken_once_released() {
             headers: Default::default(),
             event_type: None,
             max_attempts: 5,
+            failure: None,
         };
         let a = store.receive("s1", &[msg("a")]).await.unwrap()[0];
         store.receive("s2", &[msg("a")]).await.unwrap();
