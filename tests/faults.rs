@@ -705,7 +705,7 @@ async fn inbox_survives_handler_faults_and_consumer_restarts() {
             first
                 .entry(&c.key)
                 .or_default()
-                .push(c.message_id.parse().unwrap());
+                .push(event_id(&c.message_id));
         }
     }
     let keys_out_of_order = first

@@ -148,7 +148,7 @@ fn successes_by_key(calls: &[Call]) -> HashMap<String, Vec<i64>> {
         per_key
             .entry(c.key.clone())
             .or_default()
-            .push(c.message_id.parse().unwrap());
+            .push(event_id(&c.message_id));
     }
     per_key
 }
@@ -218,7 +218,8 @@ async fn outbox_to_broker_to_handler_once_each_in_order() {
         ) >= 101.0
     );
     assert!(calls.iter().all(|c| c.attempt == 1));
-    // message_id is the outbox event id (ce_id); per key, handled in enqueue order.
+    // message_id is `ce:<n>:<ce_source>:<ce_id>`, the ce_id `<outbox event id>-<µs>`;
+    // per key, handled in enqueue order.
     assert_eq!(successes_by_key(&calls), sent);
     s.app.stop().await.unwrap();
 }
@@ -284,7 +285,7 @@ async fn redelivered_records_are_handled_once() {
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), 50);
-    assert!(ids.iter().all(|id| id.starts_with("raw:")), "{ids:?}");
+    assert!(ids.iter().all(|id| id.starts_with("kafka:raw:")), "{ids:?}");
     s.app.stop().await.unwrap();
 }
 
@@ -1010,4 +1011,117 @@ async fn a_topic_created_after_the_subscription_starts_is_seen_within_seconds() 
     );
     assert_eq!(done, 6);
     s.app.stop().await.unwrap();
+}
+
+/// Item 2, upgrade: inbox rows stored before migration 0006 get the identities the intake
+/// now computes (a redelivered record is still a duplicate), on both engines; the
+/// installation id is generated once.
+#[tokio::test]
+async fn existing_inbox_rows_migrate_to_namespaced_ids() {
+    use mailroom::domain::InboundMessage;
+    use mailroom::inbox::identity;
+    use mailroom::store::Admission;
+    let long_id = "L".repeat(600);
+    let old_rows: [(&str, &str, String); 4] = [
+        (
+            "42",
+            "orders",
+            r#"{"ce_id":"42","ce_source":"mailroom"}"#.into(),
+        ),
+        ("orders:0:17", "orders", "{}".into()),
+        ("wh-1", "direct", r#"{"x":"y"}"#.into()),
+        (
+            &long_id,
+            "orders",
+            format!(r#"{{"ce_id":"{long_id}","ce_source":"s"}}"#),
+        ),
+    ];
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (url, _dir) = fresh_db(&engine).await;
+        let insert = "INSERT INTO inbox_events (subscription, message_id, idempotency_key, topic,
+             payload, headers, max_attempts, scheduled_at, created_at, updated_at)
+             VALUES ('sub', $1, $1, $2, $3, $4, 5, $5, $5, $5)";
+        match engine {
+            Engine::Postgres => {
+                let pool = pg(&url).await;
+                sqlx::migrate::Migrator::new(std::path::Path::new("migrations/postgres"))
+                    .await
+                    .unwrap()
+                    .run_to(5, &pool)
+                    .await
+                    .unwrap();
+                let insert = insert.replace("$4,", "$4::jsonb,");
+                for (id, topic, headers) in &old_rows {
+                    sqlx::query(sqlx::AssertSqlSafe(insert.clone()))
+                        .bind(id)
+                        .bind(topic)
+                        .bind(&b"x"[..])
+                        .bind(headers)
+                        .bind(chrono::Utc::now())
+                        .execute(&pool)
+                        .await
+                        .unwrap();
+                }
+                pool.close().await;
+            }
+            Engine::Sqlite => {
+                let pool = sqlx::sqlite::SqlitePool::connect(&format!("{url}?mode=rwc"))
+                    .await
+                    .unwrap();
+                sqlx::migrate::Migrator::new(std::path::Path::new("migrations/sqlite"))
+                    .await
+                    .unwrap()
+                    .run_to(5, &pool)
+                    .await
+                    .unwrap();
+                for (id, topic, headers) in &old_rows {
+                    sqlx::query(sqlx::AssertSqlSafe(insert))
+                        .bind(id)
+                        .bind(topic)
+                        .bind(&b"x"[..])
+                        .bind(headers)
+                        .bind(0i64)
+                        .execute(&pool)
+                        .await
+                        .unwrap();
+                }
+                pool.close().await;
+            }
+        }
+        let store = mailroom::app::open_store(&config(&url)).await.unwrap();
+        let installation = store.installation_id().await.unwrap();
+        assert!(
+            uuid::Uuid::parse_str(&installation).is_ok(),
+            "{installation}"
+        );
+        store.migrate().await.unwrap();
+        assert_eq!(store.installation_id().await.unwrap(), installation);
+        let long = identity::cloud_event(b"s", long_id.as_bytes());
+        let long = match engine {
+            Engine::Postgres => long,
+            // SQLite has no SHA-256 in SQL: the plain form stays (docs/inbox.md).
+            Engine::Sqlite => format!("ce:1:s:{long_id}"),
+        };
+        let expected = [
+            (identity::cloud_event(b"mailroom", b"42"), "orders"),
+            (identity::kafka("orders", 0, 17), "orders"),
+            (identity::rpc("wh-1"), "direct"),
+            (long, "orders"),
+        ];
+        for (id, topic) in expected {
+            let again = InboundMessage {
+                message_id: id.clone(),
+                topic: topic.into(),
+                key: None,
+                payload: b"x".to_vec(),
+                headers: Default::default(),
+                event_type: None,
+                max_attempts: 5,
+                failure: None,
+            };
+            let a = store.receive("sub", &[again]).await.unwrap();
+            assert!(matches!(a[0], Admission::Duplicate(_)), "{id}: {a:?}");
+        }
+        assert_eq!(store.count_events(BoxKind::Inbox, None).await.unwrap(), 4);
+    }
 }
