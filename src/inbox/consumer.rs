@@ -437,6 +437,18 @@ mod tests {
     }
 
     #[test]
+    fn new_topics_are_looked_up_every_few_seconds_unless_overridden() {
+        let c = consumer_config("b:9092", "g", &BTreeMap::new());
+        assert_eq!(c.get("topic.metadata.refresh.interval.ms"), Some("3000"));
+        let extra = [(
+            "topic.metadata.refresh.interval.ms".to_string(),
+            "60000".to_string(),
+        )];
+        let c = consumer_config("b:9092", "g", &extra.into_iter().collect());
+        assert_eq!(c.get("topic.metadata.refresh.interval.ms"), Some("60000"));
+    }
+
+    #[test]
     fn records_over_the_limits_are_bounded_and_failed() {
         let limits = Limits::default();
         let long_key = vec![b'k'; 5000];
