@@ -110,15 +110,17 @@ pub fn inbound(m: &OwnedMessage, max_attempts: u32, limits: &Limits) -> InboundM
         ));
     }
     let key = m.key().filter(|k| !k.is_empty()).map(|k| {
-        if k.len() > limits.max_key_bytes {
+        // Measured as stored: each invalid UTF-8 byte becomes a 3-byte U+FFFD.
+        let t = text(k);
+        if t.len() > limits.max_key_bytes {
             problems.push(format!(
                 "key is {} bytes: the limit is {} (stored as its SHA-256)",
-                k.len(),
+                t.len(),
                 limits.max_key_bytes
             ));
             format!("sha256:{}", identity::sha256_hex(&[k]))
         } else {
-            text(k)
+            t
         }
     });
     let payload = m.payload().unwrap_or_default();
@@ -463,6 +465,11 @@ mod tests {
             (i.headers.len(), i.failure),
             (64, None),
             "64 headers are allowed"
+        );
+        let i = inbound(&record(&[0xff; 600], &[]), 3, &limits);
+        assert!(
+            i.key.as_deref().unwrap().starts_with("sha256:"),
+            "600 invalid bytes are 1,800 bytes of text"
         );
         let i = inbound(&record(b"k", &many), 3, &limits);
         assert_eq!(i.headers.len(), 64);
