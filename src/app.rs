@@ -63,9 +63,29 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     Ok(store)
 }
 
-/// Builds the configured sink.
+/// The CloudEvents `ce_source` of published events: `MAILROOM_SOURCE` when set, else
+/// `mailroom/<installation id>` (a UUID the migrations generate once per database), so
+/// that two deployments never publish the same (`ce_source`, `ce_id`).
+pub async fn ce_source(config: &Config, store: &dyn Store) -> anyhow::Result<String> {
+    if let Some(s) = &config.source {
+        return Ok(s.clone());
+    }
+    let id = store
+        .installation_id()
+        .await
+        .context("reading the installation id (run `mailroom migrate`)")?;
+    Ok(format!("mailroom/{id}"))
+}
+
+/// Builds the configured sink. A Kafka sink without `MAILROOM_SOURCE` opens (and
+/// migrates, when asked) the store to read the installation id.
 pub async fn open_sink(config: &Config) -> anyhow::Result<Arc<dyn Sink>> {
-    let sink = base_sink(config).await?;
+    let source = match (&config.sink, &config.source) {
+        (_, Some(s)) => s.clone(),
+        (SinkConfig::Kafka { .. }, None) => ce_source(config, &*open_store(config).await?).await?,
+        (SinkConfig::Local { .. }, None) => String::new(),
+    };
+    let sink = base_sink(config, source).await?;
     let (counted, transient) = config.faults;
     if counted > 0.0 || transient > 0.0 {
         tracing::warn!(counted, transient, "fault injection is ON (testing only)");
@@ -79,7 +99,7 @@ pub async fn open_sink(config: &Config) -> anyhow::Result<Arc<dyn Sink>> {
     Ok(sink)
 }
 
-async fn base_sink(config: &Config) -> anyhow::Result<Arc<dyn Sink>> {
+async fn base_sink(config: &Config, source: String) -> anyhow::Result<Arc<dyn Sink>> {
     Ok(match &config.sink {
         SinkConfig::Kafka {
             brokers,
@@ -99,7 +119,7 @@ async fn base_sink(config: &Config) -> anyhow::Result<Arc<dyn Sink>> {
                     .map_err(anyhow::Error::msg)?;
                     c
                 },
-                config.source.clone(),
+                source,
                 *message_timeout,
             )
             .context("creating the Kafka producer")?,

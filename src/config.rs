@@ -59,7 +59,9 @@ pub struct Settings {
     /// Local sink target: `stdout` or a file path for JSON lines [default: stdout].
     #[arg(long, env = "MAILROOM_LOCAL_SINK", global = true)]
     pub local_sink: Option<String>,
-    /// CloudEvents `ce_source` attribute [default: mailroom].
+    /// CloudEvents `ce_source` attribute; must differ between deployments that can feed
+    /// one consumer [default: mailroom/<installation id>, a UUID generated once per
+    /// database].
     #[arg(long, env = "MAILROOM_SOURCE", global = true)]
     pub source: Option<String>,
     /// Relay tasks in this process [default: 2].
@@ -368,7 +370,8 @@ pub struct Config {
     pub migrate: bool,
     pub log_format: LogFormat,
     pub sink: SinkConfig,
-    pub source: String,
+    /// `MAILROOM_SOURCE`; `None` means `mailroom/<installation id>` (see `app::ce_source`).
+    pub source: Option<String>,
     pub relays: usize,
     pub relay: RelayConfig,
     pub listen_notify: bool,
@@ -733,7 +736,7 @@ impl Config {
             migrate: s.migrate.unwrap_or(true),
             log_format,
             sink,
-            source: s.source.unwrap_or_else(|| "mailroom".into()),
+            source: s.source.filter(|x| !x.is_empty()),
             relays,
             relay,
             listen_notify: s.listen_notify.unwrap_or(true),

@@ -157,7 +157,8 @@ impl Fnv {
 /// A message arriving for a subscription's inbox (from Kafka or `InboxService.Receive`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct InboundMessage {
-    /// Deduplication id: the `ce_id` header, the producer's id, or topic:partition:offset.
+    /// Deduplication identity, namespaced by origin (`src/inbox/identity.rs`):
+    /// `ce:…` (ce_source and ce_id), `kafka:topic:partition:offset`, or `rpc:<id>`.
     pub message_id: String,
     pub topic: String,
     pub key: Option<String>,
@@ -165,6 +166,9 @@ pub struct InboundMessage {
     pub headers: BTreeMap<String, String>,
     pub event_type: Option<String>,
     pub max_attempts: u32,
+    /// Set when the message must be stored as `failed` at once (a Kafka record over the
+    /// inbox limits, or refused by the database): the reason, kept as its last error.
+    pub failure: Option<String>,
 }
 
 /// What storing one event did.

@@ -50,7 +50,7 @@ impl From<StoreError> for Error {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::Unavailable(m) => Error::Unavailable(m),
-            StoreError::Other(m) => Error::Internal(m),
+            StoreError::Other(m) | StoreError::Refused(m) => Error::Internal(m),
         }
     }
 }

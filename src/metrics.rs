@@ -279,6 +279,27 @@ impl Collector for InboxCollector {
                 }
             }
         }
+        for (name, help, field) in [
+            (
+                "mailroom_inbox_intake_failed",
+                "Records stored as failed at intake: over the inbox limits, or refused by the database and stored stripped.",
+                (|i: &crate::inbox::consumer::IntakeStats| i.failed.load(Ordering::Relaxed))
+                    as fn(&crate::inbox::consumer::IntakeStats) -> u64,
+            ),
+            (
+                "mailroom_inbox_intake_unstorable",
+                "Records the database refused in every form: skipped and logged with their topic, partition and offset.",
+                |i| i.unstorable.load(Ordering::Relaxed),
+            ),
+        ] {
+            let mut e = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for s in &subs {
+                if let Some(i) = self.inbox.intake_stats.get(*s) {
+                    e.encode_family(&[("subscription", s.as_str())])?
+                        .encode_counter::<NoLabelSet, _, u64>(&field(i), None)?;
+                }
+            }
+        }
         {
             let mut e = encoder.encode_descriptor(
                 "mailroom_inbox_duplicates",

@@ -50,11 +50,17 @@ impl HandlerService for Handler {
     ) -> Result<Response<pb::HandleResponse>, GrpcStatus> {
         use pb::handle_response::Outcome;
         let r = request.into_inner();
+        // Messages pushed with Receive reach the handler as `rpc:<the producer's id>`.
+        let message_id = r
+            .message_id
+            .strip_prefix("rpc:")
+            .expect("a Receive id is rpc:<id>")
+            .to_string();
         let seen_before = {
             let mut calls = self.calls.lock().unwrap();
-            let seen = calls.iter().any(|c| c.message_id == r.message_id);
+            let seen = calls.iter().any(|c| c.message_id == message_id);
             calls.push(Call {
-                message_id: r.message_id.clone(),
+                message_id,
                 key: r.key.clone(),
                 attempt: r.attempt,
             });
@@ -388,7 +394,7 @@ async fn the_inbox_backlog_by_subscription_and_key_stats_events_and_the_cli() {
             .unwrap();
         assert_eq!(
             (e.subscription.as_str(), e.message_id.as_str()),
-            ("shipping", "shipping-k1-1")
+            ("shipping", "rpc:shipping-k1-1")
         );
         assert_eq!((e.status, e.attempts), (pb::EventStatus::Pending as i32, 0));
         assert_eq!(e.payload, b"x");
@@ -442,11 +448,11 @@ async fn the_inbox_backlog_by_subscription_and_key_stats_events_and_the_cli() {
         assert_eq!(j["total_pending"], 6, "--subscription implies --inbox");
         let out = cli_ok(s.app.addr, &["get", &id.to_string(), "--inbox"]).await;
         assert!(out.contains("subscription    shipping"), "{out}");
-        assert!(out.contains("message_id      shipping-k1-1"), "{out}");
+        assert!(out.contains("message_id      rpc:shipping-k1-1"), "{out}");
         let j = cli_json(s.app.addr, &["get", &id.to_string(), "--inbox"]).await;
         assert_eq!(
             (j["subscription"].as_str(), j["message_id"].as_str()),
-            (Some("shipping"), Some("shipping-k1-1"))
+            (Some("shipping"), Some("rpc:shipping-k1-1"))
         );
         let out = cli_ok(s.app.addr, &["stats", "--inbox"]).await;
         assert!(out.starts_with("SUBSCRIPTION  TOPIC"), "{out}");
@@ -818,6 +824,7 @@ async fn keys_a_dispatcher_held_during_a_requeue_are_woken_once_released() {
             headers: Default::default(),
             event_type: None,
             max_attempts: 5,
+            failure: None,
         };
         let a = store.receive("s1", &[msg("a")]).await.unwrap()[0];
         store.receive("s2", &[msg("a")]).await.unwrap();

@@ -879,6 +879,8 @@ async fn inbox_survives_handler_faults_and_consumer_restarts() {
             .await
             .unwrap()
             .into_iter()
+            // `ce:<n>:<source>:<event id>-<µs>`: the outbox event id.
+            .map(|id: String| event_id(&id).to_string())
             .collect();
     let acked: HashSet<String> = log.acked.iter().map(|(_, id)| id.to_string()).collect();
     let lost: Vec<&String> = acked.difference(&inbox_ids).collect();
@@ -904,7 +906,7 @@ async fn inbox_survives_handler_faults_and_consumer_restarts() {
             first
                 .entry(&c.key)
                 .or_default()
-                .push(c.message_id.parse().unwrap());
+                .push(event_id(&c.message_id));
         }
     }
     let keys_out_of_order = first

@@ -418,6 +418,7 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
                         headers: Default::default(),
                         event_type: None,
                         max_attempts: 6,
+                        failure: None,
                     })
                     .collect();
                 match store.receive("sub", &batch).await {

@@ -64,6 +64,12 @@ impl pb::inbox_service_server::InboxService for InboxApi {
                 "is required, at most 256 bytes",
             ));
         }
+        if r.message_id.contains('\0') {
+            v.push(FieldViolation::new(
+                "message_id",
+                "must not contain NUL characters",
+            ));
+        }
         // The rest of a message follows the outbox's event rules.
         let as_event = pb::Event {
             topic: r.topic,
@@ -84,14 +90,16 @@ impl pb::inbox_service_server::InboxService for InboxApi {
                 return Err(Error::InvalidArgument(v).into());
             }
         };
+        // Receive's ids have a namespace of their own: they never meet a Kafka record's.
         let message = crate::domain::InboundMessage {
-            message_id: r.message_id,
+            message_id: crate::inbox::identity::rpc(&r.message_id),
             topic: event.topic,
             key: event.key,
             payload: event.payload,
             headers: event.headers,
             event_type: event.event_type,
             max_attempts: sub.retry.max_attempts,
+            failure: None,
         };
         let admitted = self
             .store

@@ -1620,7 +1620,8 @@ impl TopicReader {
                 let id = m
                     .headers()
                     .and_then(|h| h.iter().find(|x| x.key == "ce_id").and_then(|x| x.value))
-                    .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
+                    // ce_id is `<event id>-<created µs>` (mailroom) or a number (raw runs).
+                    .and_then(|v| std::str::from_utf8(v).ok()?.split('-').next()?.parse().ok());
                 let timestamp = match m.timestamp() {
                     Timestamp::CreateTime(ms) => Some(("CreateTime", ms)),
                     Timestamp::LogAppendTime(ms) => Some(("LogAppendTime", ms)),

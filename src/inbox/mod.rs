@@ -4,6 +4,7 @@
 
 pub mod consumer;
 pub mod handler;
+pub mod identity;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -92,6 +93,7 @@ pub fn start(
                 store.clone(),
                 sub.clone(),
                 cc,
+                config.limits,
                 waker,
                 stats,
                 shutdown.clone(),

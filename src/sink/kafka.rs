@@ -256,8 +256,12 @@ impl KafkaSink {
         }
     }
 
+    /// CloudEvents headers. `ce_id` is `<event id>-<created_at in µs since the epoch>`:
+    /// unique within a database even after a restore from a backup (the restored
+    /// database issues the lost ids again, at later times); `ce_source` tells
+    /// deployments apart (`app::ce_source`).
     fn headers(&self, e: &StoredEvent) -> OwnedHeaders {
-        let id = e.id.to_string();
+        let id = format!("{}-{}", e.id, e.created_at.timestamp_micros());
         let time = e.created_at.to_rfc3339();
         let mut h = OwnedHeaders::new_with_capacity(e.headers.len() + 5);
         for (k, v) in &e.headers {

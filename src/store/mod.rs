@@ -26,6 +26,11 @@ pub enum StoreError {
     /// The database cannot be reached or refused the connection: retry later.
     #[error("database unavailable: {0}")]
     Unavailable(String),
+    /// The database refused the statement because of the data (PostgreSQL classes 22
+    /// data exception, 23 integrity constraint, 54 program limit such as an index row
+    /// too large; SQLite TOOBIG, CONSTRAINT, MISMATCH, RANGE): retrying cannot help.
+    #[error("database refused the data: {0}")]
+    Refused(String),
     #[error("database error: {0}")]
     Other(String),
 }
@@ -52,6 +57,8 @@ impl From<sqlx::Error> for StoreError {
                     || code == "517"
                 {
                     StoreError::Unavailable(e.to_string())
+                } else if refusal(&code) {
+                    StoreError::Refused(e.to_string())
                 } else {
                     StoreError::Other(e.to_string())
                 }
@@ -59,6 +66,16 @@ impl From<sqlx::Error> for StoreError {
             _ => StoreError::Other(e.to_string()),
         }
     }
+}
+
+/// Whether a database error code says the data was refused (see `StoreError::Refused`).
+fn refusal(code: &str) -> bool {
+    if code.len() == 5 {
+        // PostgreSQL SQLSTATE: five characters, the class first.
+        return code.starts_with("22") || code.starts_with("23") || code.starts_with("54");
+    }
+    // SQLite: extended result codes (at most four digits); the primary code is the low byte.
+    matches!(code.parse::<u32>().map(|c| c & 0xff), Ok(18 | 19 | 20 | 25))
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -254,6 +271,10 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
 
     /// A cheap round trip, for health checks.
     async fn ping(&self) -> StoreResult<()>;
+
+    /// The UUID generated once for this database by its migrations (0006): names this
+    /// installation in the default CloudEvents source.
+    async fn installation_id(&self) -> StoreResult<String>;
 
     /// Stores events in one transaction, in order (ids increase in slice order within a
     /// key). With `atomic`, a `Conflict` anywhere rolls everything back: the returned

@@ -416,6 +416,14 @@ impl Store for PgStore {
         Ok(())
     }
 
+    async fn installation_id(&self) -> StoreResult<String> {
+        Ok(
+            sqlx::query_scalar("SELECT installation_id::text FROM mailroom_installation")
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+
     async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>> {
         // Sorted distinct keys with the earliest schedule of each.
         let keys = batch_keys(events);
@@ -570,8 +578,10 @@ impl Store for PgStore {
         let mut tx = self.pool.begin().await?;
         // Key rows first, in byte order (BTreeSet, fed through `ORDER BY o`): the order
         // the settle locks them in, whatever the collation.
+        // Messages stored as failed need no key row: they never hold their key.
         let keys: std::collections::BTreeSet<(&str, &str)> = messages
             .iter()
+            .filter(|m| m.failure.is_none())
             .filter_map(|m| m.key.as_deref().map(|k| (m.topic.as_str(), k)))
             .collect();
         if !keys.is_empty() {
@@ -599,6 +609,7 @@ impl Store for PgStore {
             Vec::with_capacity(n),
             Vec::with_capacity(n),
         );
+        let mut failure = Vec::with_capacity(n);
         for m in messages {
             mid.push(m.message_id.as_str());
             topic.push(m.topic.as_str());
@@ -607,13 +618,15 @@ impl Store for PgStore {
             headers.push(headers_json(&m.headers));
             etype.push(m.event_type.as_deref());
             max.push(m.max_attempts as i32);
+            failure.push(m.failure.as_deref());
         }
         let rows = sqlx::query(
             "INSERT INTO inbox_events (subscription, message_id, idempotency_key, topic, event_key,
-                 payload, headers, event_type, max_attempts, scheduled_at)
-             SELECT $1, i, i, t, k, p, h::jsonb, ty, m, now()
-             FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[], $8::int4[])
-                  WITH ORDINALITY AS u(i, t, k, p, h, ty, m, o)
+                 payload, headers, event_type, max_attempts, scheduled_at, status, last_error)
+             SELECT $1, i, i, t, k, p, h::jsonb, ty, m, now(),
+                    CASE WHEN f IS NULL THEN 'pending' ELSE 'failed' END, f
+             FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[], $8::int4[], $9::text[])
+                  WITH ORDINALITY AS u(i, t, k, p, h, ty, m, f, o)
              ORDER BY o
              ON CONFLICT (subscription, message_id) DO NOTHING
              RETURNING id, message_id",
@@ -626,6 +639,7 @@ impl Store for PgStore {
         .bind(&headers)
         .bind(&etype)
         .bind(&max)
+        .bind(&failure)
         .fetch_all(&mut *tx)
         .await?;
         let mut inserted = HashMap::new();

@@ -127,6 +127,14 @@ impl Store for SqliteStore {
         Ok(())
     }
 
+    async fn installation_id(&self) -> StoreResult<String> {
+        Ok(
+            sqlx::query_scalar("SELECT installation_id FROM mailroom_installation")
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+
     async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>> {
         let now = micros(Utc::now());
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
@@ -212,6 +220,7 @@ impl Store for SqliteStore {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let keys: std::collections::BTreeSet<(&str, &str)> = messages
             .iter()
+            .filter(|m| m.failure.is_none())
             .filter_map(|m| m.key.as_deref().map(|k| (m.topic.as_str(), k)))
             .collect();
         for (topic, key) in keys {
@@ -231,8 +240,10 @@ impl Store for SqliteStore {
         for m in messages {
             let row = sqlx::query(
                 "INSERT INTO inbox_events (subscription, message_id, idempotency_key, topic, event_key,
-                     payload, headers, event_type, max_attempts, scheduled_at, created_at, updated_at)
-                 VALUES (?1, ?2, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?9)
+                     payload, headers, event_type, max_attempts, scheduled_at, created_at, updated_at,
+                     status, last_error)
+                 VALUES (?1, ?2, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?9,
+                     CASE WHEN ?10 IS NULL THEN 'pending' ELSE 'failed' END, ?10)
                  ON CONFLICT (subscription, message_id) DO NOTHING
                  RETURNING id",
             )
@@ -245,6 +256,7 @@ impl Store for SqliteStore {
             .bind(&m.event_type)
             .bind(m.max_attempts as i64)
             .bind(now)
+            .bind(&m.failure)
             .fetch_optional(&mut *tx)
             .await?;
             match row {

@@ -363,6 +363,17 @@ pub fn consume(brokers: &str, topic: &str, expected: usize, timeout: Duration) -
     out
 }
 
+/// The outbox event id in a `ce_id` (`<id>-<created_at µs>`) or in an inbox message id
+/// (`ce:<n>:<source>:<ce_id>`).
+pub fn event_id(id: &str) -> i64 {
+    let ce_id = id.rsplit(':').next().unwrap_or(id);
+    ce_id
+        .split('-')
+        .next()
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("{id:?} carries no outbox event id"))
+}
+
 /// Per key, the event ids (from `ce_id`) in the order they were first seen on the topic,
 /// and how many deliveries were repeats.
 pub fn first_deliveries(records: &[Record]) -> (HashMap<String, Vec<i64>>, usize) {
@@ -370,7 +381,7 @@ pub fn first_deliveries(records: &[Record]) -> (HashMap<String, Vec<i64>>, usize
     let mut per_key: HashMap<String, Vec<i64>> = HashMap::new();
     let mut dups = 0;
     for r in records {
-        let id: i64 = r.headers["ce_id"].parse().expect("ce_id is the event id");
+        let id = event_id(&r.headers["ce_id"]);
         if seen.insert(id) {
             per_key.entry(r.key.clone()).or_default().push(id);
         } else {
