@@ -398,6 +398,12 @@ async fn slow_broker_and_random_cuts_lose_and_reorder_nothing() {
         v.keys_out_of_order,
         recover.min(calm.elapsed()),
     );
+    // The fault fired: connections were cut under the relays and the producer noticed.
+    assert!(cuts >= 3, "{cuts} cuts");
+    assert!(
+        transient > 0 || v.duplicates > 0,
+        "the cuts reached the relays (transient deliveries or redeliveries)"
+    );
     v.assert_sound("slow broker");
     assert_eq!(v.delivered, total);
     drop(broker);
@@ -670,6 +676,12 @@ async fn three_replicas_one_killed_at_random_keep_order() {
     );
     v.assert_sound("replicas");
     assert_eq!(v.delivered, total);
+    // The fault fired: the kill landed while publishing, and the survivors took over.
+    assert!(at_kill > 0, "the kill landed after publishing had started");
+    assert!(
+        total as i64 > at_kill,
+        "the surviving replicas published after the kill"
+    );
 }
 
 /// One call the faulty handler received.

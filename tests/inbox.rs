@@ -160,9 +160,12 @@ async fn outbox_to_broker_to_handler_once_each_in_order() {
     let url = handler.serve().await;
     let db = fresh_pg().await;
     let mut c: Config = config(&db);
-    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(3));
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(1));
+    // The shortest lease the configuration allows, so the quiet window stays short.
+    c.relay.lease = Duration::from_millis(6100);
     c.subscriptions = vec![subscription("billing", &["flow"], &url)];
     c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let quiet = quiet_window(&c);
     let mut s = Service::start(c).await;
     let mut sent: HashMap<String, Vec<i64>> = HashMap::new();
     // The first event carries W3C trace context from its producer.
@@ -187,6 +190,8 @@ async fn outbox_to_broker_to_handler_once_each_in_order() {
         inbox_count(&s, Status::Completed).await == 101
     })
     .await;
+    // Nothing more may come: not from a poll, not from an expired lease.
+    tokio::time::sleep(quiet).await;
     let calls = handler.calls();
     assert_eq!(calls.len(), 101, "each message handled once");
     // Trace context: stored with the event, a Kafka header, then handler metadata.
@@ -247,9 +252,11 @@ async fn redelivered_records_are_handled_once() {
     let url = handler.serve().await;
     let db = fresh_pg().await;
     let mut c = config(&db);
-    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(3));
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(1));
+    c.relay.lease = Duration::from_millis(6100);
     let sub = subscription("audit", &["raw"], &url);
     c.subscriptions = vec![sub.clone()];
+    let quiet = quiet_window(&c);
     let s = Service::start(c.clone()).await;
     eventually(Duration::from_secs(60), "50 handled", || async {
         inbox_count(&s, Status::Completed).await == 50
@@ -267,7 +274,7 @@ async fn redelivered_records_are_handled_once() {
         async move { stats.received.load(std::sync::atomic::Ordering::Relaxed) >= 50 }
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(quiet).await;
     assert_eq!(
         stats.duplicates.load(std::sync::atomic::Ordering::Relaxed),
         50
@@ -409,7 +416,9 @@ async fn receive_deduplicates_by_message_id() {
     let db = fresh_pg().await;
     let mut c = config(&db);
     c.relays = 0;
+    c.relay.lease = Duration::from_secs(2);
     c.subscriptions = vec![subscription("hooks", &[], &url)];
+    let quiet = quiet_window(&c);
     let s = Service::start(c).await;
     let mut ic = inbox_client(&s).await;
     let first = receive(&mut ic, "hooks", "wh-1", "", "ok").await;
@@ -453,10 +462,12 @@ async fn receive_deduplicates_by_message_id() {
     assert_eq!(subs.len(), 1);
     assert_eq!(subs[0].name, "hooks");
     assert_eq!(subs[0].max_attempts, 5);
-    eventually(Duration::from_secs(10), "handled once", || async {
+    eventually(Duration::from_secs(10), "handled", || async {
         handler.calls().len() == 1
     })
     .await;
+    tokio::time::sleep(quiet).await;
+    assert_eq!(handler.calls().len(), 1, "handled once");
     s.app.stop().await.unwrap();
 }
 

@@ -461,3 +461,17 @@ pub fn assert_no_gaps(stats: &[std::sync::Arc<mailroom::relay::RelayStats>]) {
         "events delivered after an earlier one of their key failed"
     );
 }
+
+/// How long a "handled once" or "published once" check must keep watching before it
+/// may conclude nothing more comes: twice the poll interval and twice the longest lease
+/// (the outbox relay's, or a subscription's dispatcher lease), so that a redelivery by a
+/// poll or by a lease that expired would have shown.
+pub fn quiet_window(c: &Config) -> Duration {
+    let dispatch = c
+        .subscriptions
+        .iter()
+        .map(|s| c.relay.lease.max(s.handler_timeout * 3))
+        .max()
+        .unwrap_or(c.relay.lease);
+    2 * c.relay.poll_interval.max(dispatch)
+}
