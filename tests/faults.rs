@@ -401,8 +401,8 @@ async fn slow_broker_and_random_cuts_lose_and_reorder_nothing() {
     // The fault fired: connections were cut under the relays and the producer noticed.
     assert!(cuts >= 3, "{cuts} cuts");
     assert!(
-        transient > 0 || v.duplicates > 0,
-        "the cuts reached the relays (transient deliveries or redeliveries)"
+        proxy.dropped.load(Ordering::SeqCst) > 0,
+        "the cuts closed open broker connections"
     );
     v.assert_sound("slow broker");
     assert_eq!(v.delivered, total);

@@ -27,6 +27,9 @@ pub struct Proxy {
     /// Stalls so far, and chunks that a stall held back (proof that a stall bit).
     pub stalls: Arc<AtomicU64>,
     pub held_chunks: Arc<AtomicU64>,
+    /// Connections open now, and connections a cut or a drop closed (proof a cut bit).
+    open: Arc<AtomicU64>,
+    pub dropped: Arc<AtomicU64>,
 }
 
 /// Copies one direction, each chunk held back by the current delay, and not forwarded
@@ -71,6 +74,8 @@ impl Proxy {
         let (generation, _) = watch::channel(0u64);
         let (stalled, _) = watch::channel(false);
         let held_chunks = Arc::new(AtomicU64::new(0));
+        let open = Arc::new(AtomicU64::new(0));
+        let open2 = open.clone();
         let delay_ms = Arc::new(AtomicU64::new(0));
         let target = Arc::new(Mutex::new(target));
         let gen_tx = generation.clone();
@@ -91,10 +96,12 @@ impl Proxy {
                 let target = target2.lock().unwrap().clone();
                 let mut cut = gen_tx.subscribe();
                 let (delay, stall, held) = (delay2.clone(), stall_tx.clone(), held2.clone());
+                let open = open2.clone();
                 tokio::spawn(async move {
                     let Ok(outbound) = TcpStream::connect(&target).await else {
                         return;
                     };
+                    open.fetch_add(1, Ordering::SeqCst);
                     let _ = inbound.set_nodelay(true);
                     let _ = outbound.set_nodelay(true);
                     let (ir, iw) = inbound.into_split();
@@ -110,6 +117,7 @@ impl Proxy {
                     // Dropping the halves closes both sockets.
                     a.abort();
                     b.abort();
+                    open.fetch_sub(1, Ordering::SeqCst);
                 });
             }
         });
@@ -123,6 +131,8 @@ impl Proxy {
             stalled,
             stalls: Arc::new(AtomicU64::new(0)),
             held_chunks,
+            open,
+            dropped: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -153,6 +163,8 @@ impl Proxy {
 
     /// Drops every open connection; new ones are still accepted (unless cut).
     pub fn drop_connections(&self) {
+        self.dropped
+            .fetch_add(self.open.load(Ordering::SeqCst), Ordering::SeqCst);
         let n = self.counter.fetch_add(1, Ordering::SeqCst) + 1;
         let _ = self.generation.send(n);
     }
