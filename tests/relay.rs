@@ -969,6 +969,31 @@ impl Sink for LogSink {
     }
 }
 
+/// A relay over `s`'s store whose sink writes to `log` after `delay`.
+fn log_relay(s: &Service, log: &Log, delay: Duration, config: RelayConfig) -> Relay {
+    Relay::new(
+        s.app.store.clone(),
+        Arc::new(LogSink {
+            log: log.clone(),
+            delay,
+        }),
+        Queue::Outbox,
+        config,
+    )
+}
+
+/// Starts `relay.cycle()` in a task and returns once the cycle has claimed.
+async fn cycle_in_background(
+    mut relay: Relay,
+) -> tokio::task::JoinHandle<mailroom::relay::CycleReport> {
+    let stats = relay.stats();
+    let task = tokio::spawn(async move { relay.cycle().await.unwrap() });
+    while stats.cycles.load(Ordering::Relaxed) == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    task
+}
+
 /// Per key, are the first deliveries in id order?
 fn first_deliveries_in_order(log: &[(String, EventId)]) -> bool {
     let mut seen = HashSet::new();
@@ -1095,12 +1120,7 @@ struct DeadTopicSink {
 #[async_trait::async_trait]
 impl Sink for DeadTopicSink {
     async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>> {
-        let mut out: Vec<Vec<Delivery>> = lines
-            .iter()
-            .map(|l| vec![Delivery::NotAttempted; l.len()])
-            .collect();
-        self.deliver_each(lines, &mut |i, d| out[i] = d).await;
-        out
+        mailroom::sink::deliver_by_line(self, lines).await
     }
     async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: mailroom::sink::LineDone<'_>) {
         use futures::StreamExt;
@@ -1248,30 +1268,10 @@ async fn a_lease_that_expires_during_a_slow_delivery_is_taken_over_without_reord
     let mut slow_config = relay_config(Duration::ZERO);
     slow_config.lease = Duration::from_secs(1);
     slow_config.renew_leases = false;
-    let mut slow = Relay::new(
-        s.app.store.clone(),
-        Arc::new(LogSink {
-            log: log.clone(),
-            delay: Duration::from_millis(2500),
-        }),
-        Queue::Outbox,
-        slow_config,
-    );
-    let slow_stats = slow.stats();
-    let slow_task = tokio::spawn(async move { slow.cycle().await.unwrap() });
-    while slow_stats.cycles.load(Ordering::Relaxed) == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let slow = log_relay(&s, &log, Duration::from_millis(2500), slow_config);
+    let slow_task = cycle_in_background(slow).await;
     tokio::time::sleep(Duration::from_millis(1300)).await;
-    let mut fast = Relay::new(
-        s.app.store.clone(),
-        Arc::new(LogSink {
-            log: log.clone(),
-            delay: Duration::ZERO,
-        }),
-        Queue::Outbox,
-        relay_config(Duration::ZERO),
-    );
+    let mut fast = log_relay(&s, &log, Duration::ZERO, relay_config(Duration::ZERO));
     let taken = fast.cycle().await.unwrap();
     assert_eq!(
         taken.delivered, 5,
@@ -1298,30 +1298,11 @@ async fn renewed_leases_keep_a_slow_delivery_exclusive() {
     let log: Log = Arc::default();
     let mut slow_config = relay_config(Duration::ZERO);
     slow_config.lease = Duration::from_secs(1);
-    let mut slow = Relay::new(
-        s.app.store.clone(),
-        Arc::new(LogSink {
-            log: log.clone(),
-            delay: Duration::from_millis(2500),
-        }),
-        Queue::Outbox,
-        slow_config,
-    );
+    let slow = log_relay(&s, &log, Duration::from_millis(2500), slow_config);
     let slow_stats = slow.stats();
-    let slow_task = tokio::spawn(async move { slow.cycle().await.unwrap() });
     // The slow relay holds the key before the other starts looking.
-    while slow_stats.cycles.load(Ordering::Relaxed) == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let mut fast = Relay::new(
-        s.app.store.clone(),
-        Arc::new(LogSink {
-            log: log.clone(),
-            delay: Duration::ZERO,
-        }),
-        Queue::Outbox,
-        relay_config(Duration::ZERO),
-    );
+    let slow_task = cycle_in_background(slow).await;
+    let mut fast = log_relay(&s, &log, Duration::ZERO, relay_config(Duration::ZERO));
     let t0 = std::time::Instant::now();
     let mut taken = 0;
     while t0.elapsed() < Duration::from_millis(2300) {
@@ -1344,15 +1325,7 @@ async fn renewed_leases_keep_a_slow_delivery_exclusive() {
     let mut unrenewed = relay_config(Duration::ZERO);
     unrenewed.lease = Duration::from_millis(300);
     unrenewed.renew_leases = false;
-    let mut late = Relay::new(
-        s.app.store.clone(),
-        Arc::new(LogSink {
-            log: log.clone(),
-            delay: Duration::from_millis(900),
-        }),
-        Queue::Outbox,
-        unrenewed,
-    );
+    let mut late = log_relay(&s, &log, Duration::from_millis(900), unrenewed);
     let r = late.cycle().await.unwrap();
     assert_eq!(
         (r.delivered, r.stale),

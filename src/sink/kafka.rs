@@ -403,12 +403,7 @@ async fn await_line(
 #[async_trait::async_trait]
 impl Sink for KafkaSink {
     async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>> {
-        let mut out: Vec<Vec<Delivery>> = lines
-            .iter()
-            .map(|l| vec![Delivery::NotAttempted; l.len()])
-            .collect();
-        self.deliver_each(lines, &mut |i, d| out[i] = d).await;
-        out
+        super::deliver_by_line(self, lines).await
     }
 
     async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: LineDone<'_>) {

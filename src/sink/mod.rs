@@ -77,6 +77,19 @@ pub trait Sink: Send + Sync + 'static {
     }
 }
 
+/// `Sink::deliver` for a sink that implements `deliver_each`: gathers each line's report.
+pub async fn deliver_by_line<S: Sink + ?Sized>(
+    sink: &S,
+    lines: &[Vec<&StoredEvent>],
+) -> Vec<Vec<Delivery>> {
+    let mut out: Vec<Vec<Delivery>> = lines
+        .iter()
+        .map(|l| vec![Delivery::NotAttempted; l.len()])
+        .collect();
+    sink.deliver_each(lines, &mut |i, d| out[i] = d).await;
+    out
+}
+
 /// A shared sink is a sink (so wrappers such as `FaultySink` can hold one).
 #[async_trait::async_trait]
 impl Sink for std::sync::Arc<dyn Sink> {
