@@ -165,6 +165,117 @@ async fn an_expired_claim_cannot_settle() {
     }
 }
 
+/// Issue 11, item 9 (both engines): the lease token alone fences a settle, so a late
+/// settle that no other relay raced is applied; a renewal keeps keys and unkeyed events
+/// out of other claims, and renews nothing once another relay holds them.
+#[tokio::test]
+async fn leases_renew_and_the_token_alone_fences_a_settle() {
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let b = BoxKind::Outbox;
+        let q = &Queue::Outbox;
+        let keyed = ids(&store
+            .enqueue(&[new_event(Some("k"), "1")], false)
+            .await
+            .unwrap())[0];
+        let unkeyed = ids(&store.enqueue(&[new_event(None, "u")], false).await.unwrap())[0];
+        let c1 = store
+            .claim(q, 1, limits(Duration::from_millis(300)))
+            .await
+            .unwrap();
+        assert_eq!((c1.keyed.len(), c1.unkeyed.len()), (1, 1));
+        let line = c1.keyed[0].line.clone();
+        // Renewed for 30 s: after the original 300 ms, nothing can be taken.
+        let held = store
+            .renew(
+                q,
+                1,
+                std::slice::from_ref(&line),
+                &[unkeyed],
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap();
+        assert_eq!(held, 2);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let c2 = store
+            .claim(q, 2, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(
+            (c2.keyed.len(), c2.unkeyed.len()),
+            (0, 0),
+            "renewed leases hold"
+        );
+        // Let the renewed lease run out (renew for 1 ms): no one takes it, the late
+        // settle is still applied.
+        store
+            .renew(
+                q,
+                1,
+                std::slice::from_ref(&line),
+                &[unkeyed],
+                Duration::from_millis(1),
+            )
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let r = store
+            .settle(
+                q,
+                1,
+                &[
+                    EventUpdate::Completed { id: keyed },
+                    EventUpdate::Completed { id: unkeyed },
+                ],
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (r.applied, r.stale),
+            (2, 0),
+            "a late settle no one raced applies"
+        );
+        assert_eq!(
+            store.get_event(b, keyed).await.unwrap().unwrap().status,
+            Status::Completed
+        );
+        // Once another relay holds a key, the old token renews nothing.
+        let next = ids(&store
+            .enqueue(&[new_event(Some("k"), "2")], false)
+            .await
+            .unwrap())[0];
+        let c3 = store
+            .claim(q, 3, limits(Duration::from_millis(100)))
+            .await
+            .unwrap();
+        assert_eq!(c3.keyed.len(), 1);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let c4 = store
+            .claim(q, 4, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(c4.keyed.len(), 1, "an expired lease is taken over");
+        let held = store
+            .renew(
+                q,
+                3,
+                std::slice::from_ref(&line),
+                &[],
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap();
+        assert_eq!(held, 0, "a lease taken over is not renewed");
+        let r = store
+            .settle(q, 3, &[EventUpdate::Completed { id: next }], &[])
+            .await
+            .unwrap();
+        assert_eq!((r.applied, r.stale), (0, 1));
+    }
+}
+
 #[tokio::test]
 async fn an_event_enqueued_during_a_claim_wakes_its_key() {
     for engine in [Engine::Postgres, Engine::Sqlite] {
