@@ -37,22 +37,35 @@ pub async fn notifier(
     }
 }
 
-/// Listens for other processes' commits and wakes the local relays. Reconnects on error.
+/// Listens for other processes' commits and wakes the local relays. Reconnects on error,
+/// backing off from 1 s to 30 s while connecting or `LISTEN` keeps failing (a pooler in
+/// transaction mode refuses `LISTEN` on every connection: that must not be a hot loop).
+/// After each reconnect the local relays are woken once: notifications sent while the
+/// listener was away are lost, so they look for work themselves.
 pub async fn listener(pool: PgPool, wakeup: Wakeup, shutdown: CancellationToken) {
+    let mut pause = Duration::from_secs(1);
     while !shutdown.is_cancelled() {
-        let mut l = match PgListener::connect_with(&pool).await {
+        let listening = match PgListener::connect_with(&pool).await {
+            Ok(mut l) => match l.listen(CHANNEL).await {
+                Ok(()) => Ok(l),
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        };
+        let mut l = match listening {
             Ok(l) => l,
             Err(e) => {
-                tracing::debug!(error = %e, "LISTEN connection failed; retrying");
+                tracing::debug!(error = %e, pause_ms = pause.as_millis() as u64, "LISTEN failed; retrying");
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    _ = tokio::time::sleep(pause) => {}
                 }
+                pause = (pause * 2).min(Duration::from_secs(30));
+                continue;
             }
         };
-        if l.listen(CHANNEL).await.is_err() {
-            continue;
-        }
+        pause = Duration::from_secs(1);
+        wakeup.wake_local();
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
