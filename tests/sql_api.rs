@@ -851,3 +851,173 @@ async fn a_commit_wakes_the_relays_and_a_rollback_wakes_nobody() {
     assert_eq!(seen, [b"committed".to_vec(), b"silent".to_vec()]);
     s.app.stop().await.unwrap();
 }
+
+async fn run_python(args: &[&str]) -> serde_json::Value {
+    let out = tokio::process::Command::new("python3")
+        .args(args)
+        .output()
+        .await
+        .expect("python3 is required (scripts/test.sh installs psycopg)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).expect("one JSON line")
+}
+
+fn payloads_by_key(recs: &[Record]) -> HashMap<String, Vec<String>> {
+    let mut m: HashMap<String, Vec<String>> = HashMap::new();
+    for r in recs {
+        m.entry(r.key.clone())
+            .or_default()
+            .push(String::from_utf8(r.payload.clone()).unwrap());
+    }
+    m
+}
+
+/// The same from Python (psycopg 3): commit, rollback, a killed caller, concurrent
+/// transactions, SQLSTATEs; then the worked example (examples/python-orders) against a
+/// second database with its own mailroom, both publishing to one broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_psycopg_caller_and_the_orders_example() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(2));
+    let quiet = quiet_window(&c);
+    let s = Service::start(c).await;
+    let (role, _pool) = app_role(&url).await;
+    let app_url = as_user(&url, &role);
+    let out = run_python(&[&format!("{root}/tests/python/sql_api_client.py"), &app_url]).await;
+
+    let committed: HashMap<String, Vec<String>> =
+        serde_json::from_value(out["committed"].clone()).unwrap();
+    let n: usize = committed.values().map(Vec::len).sum();
+    assert_eq!(n, 12);
+    // Plus the one event of the idempotency checks, on topic `t`.
+    wait_completed(&s.app.store, n as i64 + 1, Duration::from_secs(30)).await;
+    let recs = consume(&broker.addr(), "py.sql.orders", n, Duration::from_secs(30));
+    assert_eq!(
+        payloads_by_key(&recs),
+        committed,
+        "published in commit order per key"
+    );
+    let unwanted: Vec<i64> = out["rolled_back"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(out["crashed"].as_array().unwrap())
+        .map(|v| v.as_i64().unwrap())
+        .collect();
+    assert_eq!(unwanted.len(), 2, "{out}");
+    let (per_key, dups) = first_deliveries(&recs);
+    assert_eq!(dups, 0);
+    assert!(per_key.values().flatten().all(|id| !unwanted.contains(id)));
+    let errors = &out["errors"];
+    assert_eq!(errors["bad_topic"], serde_json::json!(["MR001", "topic"]));
+    assert_eq!(
+        errors["reserved_header"],
+        serde_json::json!(["MR008", "headers"])
+    );
+    assert_eq!(
+        errors["payload_too_large"],
+        serde_json::json!(["MR003", "payload"])
+    );
+    assert_eq!(
+        errors["conflict"],
+        serde_json::json!(["MR020", "idempotency_key"])
+    );
+    assert_eq!(errors["select_outbox"][0], "42501");
+    assert_eq!(
+        out["orders"],
+        serde_json::json!([1, 3, 5, 200, 201, 202, 203, 204, 205])
+    );
+
+    // The worked example, in a database of its own with its own mailroom.
+    let url2 = fresh_pg().await;
+    let mut c2 = config(&url2);
+    kafka_sink_config(&mut c2, &broker.addr(), Duration::from_secs(2));
+    let s2 = Service::start(c2).await;
+    let shop_role = unique("orders_service");
+    let mut a = admin(&url2).await;
+    let schema =
+        std::fs::read_to_string(format!("{root}/examples/python-orders/schema.sql")).unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(schema))
+        .execute(&mut a)
+        .await
+        .unwrap();
+    for sql in [
+        format!("CREATE ROLE {shop_role} LOGIN IN ROLE mailroom_producer"),
+        format!("GRANT SELECT, INSERT, UPDATE ON orders TO {shop_role}"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut a)
+            .await
+            .unwrap();
+    }
+    let shop = run_python(&[
+        &format!("{root}/examples/python-orders/orders_service.py"),
+        &as_user(&url2, &shop_role),
+    ])
+    .await;
+    assert_eq!(shop["refused"], serde_json::json!(["mallory"]));
+    let placed: Vec<(i64, i64)> = serde_json::from_value(shop["placed"].clone()).unwrap();
+    assert_eq!(placed.len(), 3);
+    wait_completed(&s2.app.store, 4, Duration::from_secs(30)).await;
+    let recs2 = consume(&broker.addr(), "orders", 4, Duration::from_secs(30));
+    let types: Vec<(String, String)> = recs2
+        .iter()
+        .map(|r| (r.key.clone(), r.headers["ce_type"].clone()))
+        .collect();
+    let first = placed[0].0.to_string();
+    let of_first: Vec<&str> = types
+        .iter()
+        .filter(|(k, _)| *k == first)
+        .map(|(_, t)| t.as_str())
+        .collect();
+    assert_eq!(of_first, ["order.placed", "order.cancelled"]);
+    assert_eq!(recs2.len(), 4);
+    assert!(
+        recs2
+            .iter()
+            .all(|r| !String::from_utf8_lossy(&r.payload).contains("mallory"))
+    );
+    let statuses: Vec<(String, String)> =
+        sqlx::query_as("SELECT customer, status FROM orders ORDER BY id")
+            .fetch_all(&mut a)
+            .await
+            .unwrap();
+    assert_eq!(
+        statuses,
+        [
+            ("ada".to_string(), "cancelled".to_string()),
+            ("grace".to_string(), "placed".to_string()),
+            ("edsger".to_string(), "placed".to_string())
+        ]
+    );
+
+    // Nothing more comes from either database: twice the poll and lease windows.
+    tokio::time::sleep(quiet).await;
+    let again = consume(
+        &broker.addr(),
+        "py.sql.orders",
+        n + 1,
+        Duration::from_secs(5),
+    );
+    assert_eq!(
+        again.len(),
+        n,
+        "rolled back and crashed events stay unpublished"
+    );
+    let again2 = consume(&broker.addr(), "orders", 5, Duration::from_secs(5));
+    assert_eq!(again2.len(), 4);
+    assert_eq!(outbox_rows(&url).await, n as i64 + 1);
+    for (key, counted, actual) in pending_counts(&url).await {
+        assert_eq!((counted, actual), (0, 0), "pending count of {key}");
+    }
+    s.app.stop().await.unwrap();
+    s2.app.stop().await.unwrap();
+}
