@@ -1021,3 +1021,88 @@ async fn a_python_psycopg_caller_and_the_orders_example() {
     s.app.stop().await.unwrap();
     s2.app.stop().await.unwrap();
 }
+
+/// Idempotent retries from transactions that overlap: the second waits for the first;
+/// the first's commit makes it a duplicate, the first's rollback lets it insert. Under
+/// REPEATABLE READ the waiting retry gets 40001, as docs/sql-api.md says: the key row
+/// was updated by a transaction that committed after its snapshot (any enqueue of the
+/// key, or a relay's claim or settle, does that too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_idempotent_retries_wait_for_the_first_transaction() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    let s = Service::start(c).await;
+    let (_role, pool) = app_role(&url).await;
+    const CALL: &str = "SELECT mailroom.enqueue('t', 'k', 'same'::bytea, idempotency_key => $1)";
+
+    for (first_commits, isolation) in [
+        (true, "READ COMMITTED"),
+        (false, "READ COMMITTED"),
+        (true, "REPEATABLE READ"),
+    ] {
+        let idem = unique("idem");
+        let mut t1 = pool.begin().await.unwrap();
+        let id1: i64 = sqlx::query_scalar(CALL)
+            .bind(&idem)
+            .fetch_one(&mut *t1)
+            .await
+            .unwrap();
+        let (p, i2) = (pool.clone(), idem.clone());
+        let second = tokio::spawn(async move {
+            let mut t2 = p.begin().await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SET TRANSACTION ISOLATION LEVEL {isolation}"
+            )))
+            .execute(&mut *t2)
+            .await
+            .unwrap();
+            // Take the snapshot before the first transaction ends.
+            sqlx::query("SELECT 1").execute(&mut *t2).await.unwrap();
+            let r = sqlx::query_scalar::<_, i64>(CALL)
+                .bind(&i2)
+                .fetch_one(&mut *t2)
+                .await;
+            if r.is_ok() {
+                t2.commit().await.unwrap();
+            }
+            r
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !second.is_finished(),
+            "the retry did not wait for the first transaction"
+        );
+        if first_commits {
+            t1.commit().await.unwrap();
+        } else {
+            t1.rollback().await.unwrap();
+        }
+        let r = second.await.unwrap();
+        let stored: Vec<i64> =
+            sqlx::query_scalar("SELECT id FROM outbox_events WHERE idempotency_key = $1")
+                .bind(&idem)
+                .fetch_all(&mut admin(&url).await)
+                .await
+                .unwrap();
+        match (first_commits, isolation) {
+            (true, "READ COMMITTED") => {
+                assert_eq!(r.unwrap(), id1, "a duplicate of the committed event");
+                assert_eq!(stored, [id1]);
+            }
+            (false, _) => {
+                let id2 = r.unwrap();
+                assert!(id2 > id1, "inserted anew after the rollback");
+                assert_eq!(stored, [id2]);
+            }
+            _ => {
+                assert_eq!(sqlstate(&r.unwrap_err()).0, "40001");
+                assert_eq!(stored, [id1]);
+            }
+        }
+    }
+    for (key, counted, actual) in pending_counts(&url).await {
+        assert_eq!(counted, actual, "pending count of {key}");
+    }
+    s.app.stop().await.unwrap();
+}
