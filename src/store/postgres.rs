@@ -389,7 +389,7 @@ pub(crate) fn admissions(
                     Admission::Inserted(id)
                 } else {
                     match existing.get(k) {
-                        Some(&(id, fp)) if fp == e.fingerprint() => Admission::Duplicate(id),
+                        Some(&(id, fp)) if e.same_content(fp) => Admission::Duplicate(id),
                         _ => Admission::Conflict,
                     }
                 }

@@ -1,0 +1,1108 @@
+//! The SQL API (issue 16, docs/sql-api.md): `mailroom.enqueue` and `mailroom.enqueue_batch`
+//! called inside the caller's own business transaction, from Rust (sqlx), against a real
+//! mailroom. Commit publishes in key order; rollback and a crashed caller publish nothing;
+//! concurrent transactions on one key publish in commit order; the rules, SQLSTATEs,
+//! idempotency, pending counts and wake-ups are those of gRPC Enqueue; the producer role
+//! can do nothing else.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use mailroom::domain::{BoxKind, NewEvent, Status};
+use mailroom::pb;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::{Connection, Row};
+
+fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
+}
+
+/// `url` with another user.
+fn as_user(url: &str, user: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let host = rest.split_once('@').map_or(rest, |(_, h)| h);
+    format!("{scheme}://{user}@{host}")
+}
+
+async fn admin(url: &str) -> sqlx::PgConnection {
+    sqlx::PgConnection::connect(url).await.expect("connect")
+}
+
+/// An application login role that holds `mailroom_producer`, and its business table
+/// `orders`, in the database at `url` (migrated already). Returns the role's pool.
+async fn app_role(url: &str) -> (String, PgPool) {
+    let role = unique("app");
+    let mut a = admin(url).await;
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN IN ROLE mailroom_producer"),
+        "CREATE TABLE IF NOT EXISTS orders (id BIGINT PRIMARY KEY, total INTEGER NOT NULL)"
+            .to_string(),
+        format!("GRANT SELECT, INSERT ON orders TO {role}"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut a)
+            .await
+            .unwrap();
+    }
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .connect(&as_user(url, &role))
+        .await
+        .expect("connect as the application role");
+    (role, pool)
+}
+
+/// The SQLSTATE and the COLUMN field of a database error.
+fn sqlstate(e: &sqlx::Error) -> (String, Option<String>) {
+    let db = e.as_database_error().unwrap_or_else(|| panic!("{e}"));
+    let pg = db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .unwrap();
+    (pg.code().to_string(), pg.column().map(str::to_string))
+}
+
+async fn outbox_rows(url: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox_events")
+        .fetch_one(&mut admin(url).await)
+        .await
+        .unwrap()
+}
+
+/// Per key, `outbox_keys.pending` and the pending events actually stored.
+async fn pending_counts(url: &str) -> Vec<(String, i64, i64)> {
+    sqlx::query(
+        "SELECT k.event_key, k.pending,
+                (SELECT count(*) FROM outbox_events e WHERE e.topic = k.topic
+                 AND e.event_key = k.event_key AND e.status = 'pending')
+         FROM outbox_keys k ORDER BY 1",
+    )
+    .fetch_all(&mut admin(url).await)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2)))
+    .collect()
+}
+
+/// One business transaction: the order row and its events commit together or not at all.
+async fn place_order(pool: &PgPool, order: i64, key: &str, payloads: &[&str], commit: bool) {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders (id, total) VALUES ($1, 10)")
+        .bind(order)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    for p in payloads {
+        let id: i64 = sqlx::query_scalar(
+            "SELECT mailroom.enqueue(topic => $1, key => $2, payload => $3,
+                                     headers => $4, type => 'order.created')",
+        )
+        .bind("sql.orders")
+        .bind(key)
+        .bind(p.as_bytes())
+        .bind(serde_json::json!({"order": order.to_string()}))
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+        assert!(id > 0);
+    }
+    if commit {
+        tx.commit().await.unwrap();
+    } else {
+        tx.rollback().await.unwrap();
+    }
+}
+
+/// Starts `psql` as `user`, opens a transaction that inserts an order and enqueues an
+/// event on `key`, waits until the server shows it idle in that transaction, holding the
+/// key row, then kills the process (SIGKILL) with the transaction open.
+async fn crash_in_transaction(url: &str, user: &str, order: i64, key: &str) {
+    use tokio::io::AsyncWriteExt;
+    let app_name = unique("crash");
+    let mut child = tokio::process::Command::new("psql")
+        .arg("-X")
+        .arg("-q")
+        .arg(as_user(url, user) + &format!("?application_name={app_name}"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("psql is required");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(
+            format!(
+                "BEGIN;\nINSERT INTO orders (id, total) VALUES ({order}, 10);\n\
+                 SELECT mailroom.enqueue('sql.orders', '{key}', 'crash'::bytea);\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    stdin.flush().await.unwrap();
+    let mut a = admin(url).await;
+    // The fault must fire with the event inserted: the caller's backend sits idle in its
+    // transaction after the enqueue, and holds the key row (a NOWAIT probe fails).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state: Option<String> = sqlx::query_scalar(
+            "SELECT state FROM pg_stat_activity WHERE application_name = $1
+             AND query LIKE '%mailroom.enqueue%'",
+        )
+        .bind(&app_name)
+        .fetch_optional(&mut a)
+        .await
+        .unwrap();
+        if state.as_deref() == Some("idle in transaction") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "psql never reached its enqueue");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut probe = a.begin().await.unwrap();
+    let held = sqlx::query(
+        "SELECT 1 FROM outbox_keys WHERE topic = 'sql.orders' AND event_key = $1
+         FOR UPDATE NOWAIT",
+    )
+    .bind(key)
+    .fetch_optional(&mut *probe)
+    .await
+    .expect_err("the crashing caller holds the key row");
+    assert_eq!(sqlstate(&held).0, "55P03");
+    probe.rollback().await.unwrap();
+    // Crash: the process dies with its transaction open.
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(&app_name)
+                .fetch_one(&mut a)
+                .await
+                .unwrap();
+        if n == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server kept the dead backend"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_publishes_in_key_order_rollback_and_crash_publish_nothing() {
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(2));
+    let quiet = quiet_window(&c);
+    let s = Service::start(c).await;
+    let (role, pool) = app_role(&url).await;
+
+    // Committed: three events on o-1, then a batch of two on o-2 and one more on o-1.
+    place_order(&pool, 1, "o-1", &["c1", "c2", "c3"], true).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders (id, total) VALUES (2, 20)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let rows = sqlx::query(
+        "SELECT ord, id, duplicate FROM mailroom.enqueue_batch(
+             topics => $1, keys => $2, payloads => $3)",
+    )
+    .bind(vec!["sql.orders"; 3])
+    .bind(vec!["o-2", "o-2", "o-1"])
+    .bind(vec![b"d1".to_vec(), b"d2".to_vec(), b"c4".to_vec()])
+    .fetch_all(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let batch_ids: Vec<i64> = rows.iter().map(|r| r.get(1)).collect();
+    assert!(batch_ids.windows(2).all(|w| w[0] < w[1]), "{batch_ids:?}");
+    assert!(rows.iter().all(|r| !r.get::<bool, _>(2)));
+
+    // Rolled back: the order and its event vanish together.
+    place_order(&pool, 3, "o-1", &["rolled-back"], false).await;
+    // Crashed between its insert and its commit.
+    crash_in_transaction(&url, &role, 4, "o-1").await;
+    // A last committed event on o-1, after both.
+    place_order(&pool, 5, "o-1", &["c5"], true).await;
+
+    wait_completed(&s.app.store, 7, Duration::from_secs(30)).await;
+    let recs = consume(&broker.addr(), "sql.orders", 7, Duration::from_secs(30));
+    let payloads = |key: &str| -> Vec<String> {
+        recs.iter()
+            .filter(|r| r.key == key)
+            .map(|r| String::from_utf8(r.payload.clone()).unwrap())
+            .collect()
+    };
+    assert_eq!(payloads("o-1"), ["c1", "c2", "c3", "c4", "c5"]);
+    assert_eq!(payloads("o-2"), ["d1", "d2"]);
+    let (per_key, dups) = first_deliveries(&recs);
+    assert_eq!(dups, 0);
+    for ids in per_key.values() {
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+    }
+
+    // Nothing more comes: watch twice the poll and lease windows.
+    tokio::time::sleep(quiet).await;
+    let recs = consume(&broker.addr(), "sql.orders", 8, Duration::from_secs(5));
+    assert_eq!(recs.len(), 7, "only the committed events were published");
+    assert!(
+        recs.iter()
+            .all(|r| r.payload != b"rolled-back" && r.payload != b"crash")
+    );
+    assert_eq!(
+        outbox_rows(&url).await,
+        7,
+        "rollback and crash stored nothing"
+    );
+    let orders: Vec<i64> = sqlx::query_scalar("SELECT id FROM orders ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(orders, [1, 2, 5]);
+    for (key, counted, actual) in pending_counts(&url).await {
+        assert_eq!((counted, actual), (0, 0), "pending count of {key}");
+    }
+    assert_no_gaps(&s.app.relay_stats);
+    s.app.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_transactions_on_one_key_publish_in_commit_order() {
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(2));
+    let s = Service::start(c).await;
+    let (_role, pool) = app_role(&url).await;
+
+    const N: usize = 8;
+    let barrier = Arc::new(tokio::sync::Barrier::new(N));
+    // Order in which the transactions got the key (the enqueue returns once the key row
+    // is locked, and it stays locked until the commit): the commit order.
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..N {
+        let (pool, barrier, order) = (pool.clone(), barrier.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query("INSERT INTO orders (id, total) VALUES ($1, 1)")
+                .bind(100 + i as i64)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            barrier.wait().await;
+            let t0 = Instant::now();
+            let id: i64 = sqlx::query_scalar("SELECT mailroom.enqueue('sql.hot', 'hot', $1)")
+                .bind(format!("t{i}").into_bytes())
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            let waited = t0.elapsed();
+            order.lock().unwrap().push((id, format!("t{i}")));
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            // One of them rolls back: its id is never published.
+            if i == 3 {
+                tx.rollback().await.unwrap();
+                (id, waited, false)
+            } else {
+                tx.commit().await.unwrap();
+                (id, waited, true)
+            }
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.unwrap());
+    }
+    // The transactions really overlapped: all but the first waited for the key row.
+    let waited = results
+        .iter()
+        .filter(|(_, w, _)| *w >= Duration::from_millis(20))
+        .count();
+    assert!(
+        waited >= N - 1,
+        "only {waited} transactions waited for the key"
+    );
+    let order = order.lock().unwrap().clone();
+    let ids: Vec<i64> = order.iter().map(|(id, _)| *id).collect();
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]),
+        "ids in commit order: {ids:?}"
+    );
+    let rolled_back = results.iter().find(|r| !r.2).unwrap().0;
+    let expected: Vec<String> = order
+        .iter()
+        .filter(|(id, _)| *id != rolled_back)
+        .map(|(_, p)| p.clone())
+        .collect();
+
+    wait_completed(&s.app.store, (N - 1) as i64, Duration::from_secs(30)).await;
+    let recs = consume(&broker.addr(), "sql.hot", N - 1, Duration::from_secs(30));
+    let got: Vec<String> = recs
+        .iter()
+        .map(|r| String::from_utf8(r.payload.clone()).unwrap())
+        .collect();
+    assert_eq!(got, expected, "published in commit order");
+    let (per_key, _) = first_deliveries(&recs);
+    assert!(!per_key["hot"].contains(&rolled_back));
+    assert_no_gaps(&s.app.relay_stats);
+    s.app.stop().await.unwrap();
+}
+
+/// The same content fingerprint, idempotency answers and pending counts as gRPC Enqueue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_and_pending_counts_match_grpc() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    let mut s = Service::start(c).await;
+    let (_role, pool) = app_role(&url).await;
+
+    // The SQL fingerprint is Rust's, for every content field.
+    let after = chrono::DateTime::parse_from_rfc3339("2030-01-02T03:04:05.123456Z")
+        .unwrap()
+        .with_timezone(&chrono::Utc);
+    let cases = [
+        NewEvent {
+            topic: "orders".into(),
+            key: Some("42".into()),
+            payload: vec![0, 1, 2],
+            headers: [("a".to_string(), "b".to_string())].into(),
+            event_type: None,
+            idempotency_key: Some("k".into()),
+            deliver_after: None,
+            max_attempts: 6,
+        },
+        NewEvent {
+            topic: "a.b-c_d".into(),
+            key: None,
+            payload: (0..=255u8).collect(),
+            headers: [
+                ("zz".to_string(), "ünï ✓".to_string()),
+                ("B".to_string(), String::new()),
+                ("a".to_string(), "x".to_string()),
+                ("traceparent".to_string(), "00-1-2-01".to_string()),
+            ]
+            .into(),
+            event_type: Some("t".into()),
+            idempotency_key: Some("k".into()),
+            deliver_after: Some(after),
+            max_attempts: 100,
+        },
+    ];
+    let mut a = admin(&url).await;
+    for e in &cases {
+        let sql: i64 =
+            sqlx::query_scalar("SELECT mailroom_fingerprint($1, $2, $3, $4, $5, $6, $7)")
+                .bind(&e.topic)
+                .bind(&e.key)
+                .bind(&e.payload)
+                .bind(serde_json::to_value(&e.headers).unwrap())
+                .bind(&e.event_type)
+                .bind(e.deliver_after)
+                .bind(e.max_attempts as i32)
+                .fetch_one(&mut a)
+                .await
+                .unwrap();
+        assert_eq!(sql, e.fingerprint(), "{e:?}");
+    }
+
+    // SQL first, then gRPC with the same content: the original id, a duplicate.
+    let sql_id: i64 = sqlx::query_scalar(
+        "SELECT mailroom.enqueue('shared', 'k1', '\\x0102', '{\"h\":\"v\"}', 'ty', 'idem-1',
+                                 '2030-01-02T03:04:05.123456Z', 0)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let grpc_event = pb::Event {
+        topic: "shared".into(),
+        key: "k1".into(),
+        payload: vec![1, 2],
+        headers: [("h".to_string(), "v".to_string())].into(),
+        r#type: "ty".into(),
+        idempotency_key: "idem-1".into(),
+        deliver_after: Some(prost_types::Timestamp {
+            seconds: after.timestamp(),
+            nanos: 123_456_000,
+        }),
+        max_attempts: 0,
+    };
+    let r = s
+        .client
+        .enqueue(pb::EnqueueRequest {
+            event: Some(grpc_event.clone()),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((r.id, r.duplicate), (sql_id, true));
+    // gRPC with other content: ALREADY_EXISTS.
+    let mut other = grpc_event.clone();
+    other.payload = vec![9];
+    let e = s
+        .client
+        .enqueue(pb::EnqueueRequest { event: Some(other) })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::AlreadyExists);
+    // SQL again: same content is the original id; other content is MR020 and stores nothing.
+    let again: i64 = sqlx::query_scalar(
+        "SELECT mailroom.enqueue('shared', 'k1', '\\x0102', '{\"h\":\"v\", \"traceparent\": \"00-x\"}',
+                                 'ty', 'idem-1', '2030-01-02T03:04:05.123456Z', 6)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(again, sql_id);
+    let e = sqlx::query_scalar::<_, i64>(
+        "SELECT mailroom.enqueue('shared', 'k1', '\\x09', idempotency_key => 'idem-1')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap_err();
+    assert_eq!(
+        sqlstate(&e),
+        ("MR020".to_string(), Some("idempotency_key".to_string()))
+    );
+    // gRPC first, then SQL.
+    let r = s
+        .client
+        .enqueue(pb::EnqueueRequest {
+            event: Some(pb::Event {
+                topic: "shared".into(),
+                key: "k2".into(),
+                payload: b"p".to_vec(),
+                idempotency_key: "idem-2".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let from_sql: i64 = sqlx::query_scalar(
+        "SELECT mailroom.enqueue('shared', 'k2', 'p'::bytea, idempotency_key => 'idem-2')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(from_sql, r.id);
+
+    // The batch form: duplicates within the batch and of stored events are flagged.
+    let rows = sqlx::query(
+        "SELECT ord, id, duplicate FROM mailroom.enqueue_batch(
+             ARRAY['shared','shared','shared','shared'], ARRAY['k1','k3','k3','k1'],
+             ARRAY['\\x0102'::bytea, 'a', 'a', 'plain'],
+             ARRAY['{\"h\":\"v\"}'::jsonb, NULL, NULL, NULL], ARRAY['ty', NULL, NULL, NULL],
+             ARRAY['idem-1', 'idem-3', 'idem-3', NULL],
+             ARRAY['2030-01-02T03:04:05.123456Z'::timestamptz, NULL, NULL, NULL])",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let got: Vec<(i32, bool)> = rows.iter().map(|r| (r.get(0), r.get(2))).collect();
+    assert_eq!(got, [(1, true), (2, false), (3, true), (4, false)]);
+    assert_eq!(rows[0].get::<i64, _>(1), sql_id);
+    assert_eq!(rows[1].get::<i64, _>(1), rows[2].get::<i64, _>(1));
+    // A batch with a conflict stores nothing of it.
+    let before = outbox_rows(&url).await;
+    let e = sqlx::query(
+        "SELECT * FROM mailroom.enqueue_batch(ARRAY['shared','shared'], ARRAY['k4','k1'],
+             idempotency_keys => ARRAY[NULL, 'idem-1'])",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap_err();
+    assert_eq!(
+        sqlstate(&e),
+        (
+            "MR020".to_string(),
+            Some("events[2].idempotency_key".to_string())
+        )
+    );
+    assert_eq!(outbox_rows(&url).await, before);
+
+    // Rolled back events leave the counts alone; every key's count is exact.
+    let mut tx = pool.begin().await.unwrap();
+    for k in ["k1", "k5", "k5"] {
+        sqlx::query("SELECT mailroom.enqueue('shared', $1)")
+            .bind(k)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.rollback().await.unwrap();
+    let counts = pending_counts(&url).await;
+    assert!(!counts.is_empty());
+    for (key, counted, actual) in &counts {
+        assert_eq!(counted, actual, "pending count of {key}: {counts:?}");
+    }
+    let k1 = counts.iter().find(|c| c.0 == "k1").unwrap();
+    assert_eq!(k1.2, 2, "idem-1 once, plus the batch's plain event");
+    // The stored event has the content and the resolved defaults.
+    let stored = s
+        .app
+        .store
+        .get_event(BoxKind::Outbox, sql_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.payload, vec![1, 2]);
+    assert_eq!(stored.max_attempts, 6);
+    assert_eq!(stored.event_type.as_deref(), Some("ty"));
+    assert_eq!(stored.scheduled_at, after);
+    assert_eq!(stored.status, Status::Pending);
+    s.app.stop().await.unwrap();
+}
+
+/// Every rule has its SQLSTATE and names its argument; a refused call stores nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validation_errors_have_documented_sqlstates_and_store_nothing() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    let s = Service::start(c).await;
+    let (_role, pool) = app_role(&url).await;
+    let long = |n: usize| format!("'{}'", "x".repeat(n));
+    let cases: Vec<(String, &str, &str)> = vec![
+        ("mailroom.enqueue('')".into(), "MR001", "topic"),
+        ("mailroom.enqueue(NULL)".into(), "MR001", "topic"),
+        ("mailroom.enqueue('a b')".into(), "MR001", "topic"),
+        ("mailroom.enqueue('é')".into(), "MR001", "topic"),
+        ("mailroom.enqueue('..')".into(), "MR001", "topic"),
+        (format!("mailroom.enqueue({})", long(250)), "MR001", "topic"),
+        (format!("mailroom.enqueue('t', {})", long(1025)), "MR002", "key"),
+        (
+            "mailroom.enqueue('t', payload => convert_to(repeat('x', 1048577), 'UTF8'))".into(),
+            "MR003",
+            "payload",
+        ),
+        ("mailroom.enqueue('t', headers => '[1]')".into(), "MR004", "headers"),
+        ("mailroom.enqueue('t', headers => '{\"a\": 1}')".into(), "MR004", "headers"),
+        (
+            "mailroom.enqueue('t', headers => (SELECT jsonb_object_agg('h' || i, 'v') FROM generate_series(1, 65) i))"
+                .into(),
+            "MR005",
+            "headers",
+        ),
+        (
+            "mailroom.enqueue('t', headers => jsonb_build_object('h', repeat('v', 16384)))".into(),
+            "MR006",
+            "headers",
+        ),
+        ("mailroom.enqueue('t', headers => '{\"\": \"v\"}')".into(), "MR007", "headers"),
+        ("mailroom.enqueue('t', headers => '{\"ce_id\": \"v\"}')".into(), "MR008", "headers"),
+        (format!("mailroom.enqueue('t', type => {})", long(257)), "MR009", "type"),
+        (
+            format!("mailroom.enqueue('t', idempotency_key => {})", long(257)),
+            "MR010",
+            "idempotency_key",
+        ),
+        ("mailroom.enqueue('t', max_attempts => 101)".into(), "MR011", "max_attempts"),
+        ("mailroom.enqueue('t', max_attempts => -1)".into(), "MR011", "max_attempts"),
+        ("mailroom.enqueue('t', deliver_after => 'infinity')".into(), "MR012", "deliver_after"),
+        (
+            "mailroom.enqueue('t', deliver_after => '10000-01-01T00:00:00Z')".into(),
+            "MR012",
+            "deliver_after",
+        ),
+        ("mailroom.enqueue_batch(ARRAY[]::text[])".into(), "MR030", "topics"),
+        (
+            "mailroom.enqueue_batch(array_fill('t'::text, ARRAY[1001]))".into(),
+            "MR031",
+            "topics",
+        ),
+        ("mailroom.enqueue_batch(ARRAY['t','t'], ARRAY['k'])".into(), "MR032", "keys"),
+        (
+            "mailroom.enqueue_batch(ARRAY['t','t'], payloads => ARRAY['\\x'::bytea])".into(),
+            "MR032",
+            "payloads",
+        ),
+        (
+            "mailroom.enqueue_batch(ARRAY['t','bad topic'], ARRAY['k1','k2'])".into(),
+            "MR001",
+            "events[2].topic",
+        ),
+        // PostgreSQL itself refuses NUL in text and jsonb, before the function runs.
+        ("mailroom.enqueue('t', headers => '{\"a\": \"\\u0000\"}')".into(), "22P05", ""),
+    ];
+    for (call, code, column) in &cases {
+        let mut tx = pool.begin().await.unwrap();
+        // The key row of a refused event must not be left behind either.
+        let e = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT * FROM {call}")))
+            .fetch_all(&mut *tx)
+            .await
+            .expect_err(call);
+        let (got, col) = sqlstate(&e);
+        assert_eq!(got, *code, "{call}: {e}");
+        if !column.is_empty() {
+            assert_eq!(col.as_deref(), Some(*column), "{call}");
+            assert!(e.to_string().contains("mailroom: "), "{call}: {e}");
+        }
+        tx.rollback().await.unwrap();
+    }
+    // NUL in text arguments never reaches the function either (22021).
+    let e = sqlx::query("SELECT mailroom.enqueue('t', $1)")
+        .bind("a\0b")
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&e).0, "22021");
+    // The limits are exactly gRPC's defaults: the largest valid values pass.
+    let id: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT mailroom.enqueue({}, {}, convert_to(repeat('x', 1048576), 'UTF8'),
+             jsonb_build_object('h', repeat('v', 16383)), {}, {}, '9999-12-31T23:59:59Z', 100)",
+        long(249),
+        long(1024),
+        long(256),
+        long(256)
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(outbox_rows(&url).await, 1, "only the valid event is stored");
+    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_keys")
+        .fetch_one(&mut admin(&url).await)
+        .await
+        .unwrap();
+    assert_eq!(keys, 1, "refused events left no key rows");
+    assert!(id > 0);
+    s.app.stop().await.unwrap();
+}
+
+/// Migrated by a non-superuser owner: the functions run as that owner with a pinned
+/// search_path; the producer role can call them and nothing else; other roles nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_producer_role_may_only_call_the_functions() {
+    let admin_url = pg_admin_url();
+    let owner = unique("mr_owner");
+    let db = unique("mailroom_test_sqlapi");
+    let mut a = admin(&admin_url).await;
+    for sql in [
+        format!("CREATE ROLE {owner} LOGIN"),
+        format!("CREATE DATABASE {db} OWNER {owner}"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut a)
+            .await
+            .unwrap();
+    }
+    // The role is cluster-wide; the owner has no CREATEROLE, so it must exist already.
+    let _ = sqlx::query("CREATE ROLE mailroom_producer NOLOGIN")
+        .execute(&mut a)
+        .await;
+    let base = admin_url.rsplit_once('/').unwrap().0;
+    let owner_url = as_user(&format!("{base}/{db}"), &owner);
+    let mut c = config(&owner_url);
+    c.relays = 0;
+    let s = Service::start(c).await;
+    let url = format!("{base}/{db}");
+    let (_app, pool) = app_role(&url).await;
+
+    let id: i64 = sqlx::query_scalar("SELECT mailroom.enqueue('t', 'k', 'x'::bytea)")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(id > 0);
+    let version: i32 = sqlx::query_scalar("SELECT mailroom.api_version()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(version, 1);
+    for sql in [
+        "SELECT * FROM outbox_events",
+        "SELECT * FROM outbox_keys",
+        "SELECT * FROM mailroom_sql_settings",
+        "UPDATE outbox_events SET status = 'failed'",
+        "DELETE FROM outbox_events",
+        "INSERT INTO outbox_keys (topic, event_key, ready_at) VALUES ('t', 'x', now())",
+        "UPDATE mailroom_sql_settings SET max_payload_bytes = 1",
+        "SELECT mailroom_fingerprint('t', NULL, '', '{}', NULL, NULL, 6)",
+        "SELECT mailroom_fp_field('x')",
+    ] {
+        let e = sqlx::query(sql).execute(&pool).await.expect_err(sql);
+        assert_eq!(sqlstate(&e).0, "42501", "{sql}: {e}");
+    }
+    // A temporary table cannot stand in for the private one: the search_path is pinned.
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("CREATE TEMP TABLE outbox_events (id bigint, topic text)")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let id2: i64 = sqlx::query_scalar("SELECT mailroom.enqueue('t', 'k', 'y'::bytea)")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(id2, id + 1);
+    drop(conn);
+    assert_eq!(outbox_rows(&url).await, 2);
+
+    // A role without the grant cannot even see the schema.
+    let stranger = unique("stranger");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE ROLE {stranger} LOGIN")))
+        .execute(&mut a)
+        .await
+        .unwrap();
+    let mut sc = sqlx::PgConnection::connect(&as_user(&url, &stranger))
+        .await
+        .unwrap();
+    let e = sqlx::query("SELECT mailroom.enqueue('t')")
+        .execute(&mut sc)
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&e).0, "42501");
+
+    // Run as the owner, SECURITY DEFINER, with the pinned search_path.
+    let rows = sqlx::query(
+        "SELECT p.proname, pg_get_userbyid(p.proowner), p.prosecdef, p.proconfig::text
+         FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname = 'mailroom' ORDER BY 1",
+    )
+    .fetch_all(&mut admin(&url).await)
+    .await
+    .unwrap();
+    let got: HashMap<String, (String, bool, Option<String>)> = rows
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3))))
+        .collect();
+    assert_eq!(got.len(), 3);
+    for name in ["enqueue", "enqueue_batch"] {
+        let (o, secdef, cfg) = &got[name];
+        assert_eq!(o, &owner);
+        assert!(secdef);
+        assert_eq!(
+            cfg.as_deref(),
+            Some("{\"search_path=pg_catalog, public, pg_temp\"}")
+        );
+    }
+    drop(sc);
+    s.app.stop().await.unwrap();
+}
+
+/// NOTIFY on commit wakes the relays at once; a rollback wakes nobody; with the switch
+/// off only the poll finds the event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_wakes_the_relays_and_a_rollback_wakes_nobody() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relay.poll_interval = Duration::from_secs(8);
+    let sink = Arc::new(RecordingSink::default());
+    let s = Service::start_with_sink(c, sink.clone()).await;
+    let (_role, pool) = app_role(&url).await;
+    let mut listener = sqlx::postgres::PgListener::connect(&url).await.unwrap();
+    listener.listen("mailroom_outbox").await.unwrap();
+    // Let the relays go idle (into their 8 s poll sleep).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    place_order(&pool, 1, "w-1", &["rolled-back"], false).await;
+    let n = tokio::time::timeout(Duration::from_secs(1), listener.recv()).await;
+    assert!(n.is_err(), "a rollback notified: {n:?}");
+
+    let t0 = Instant::now();
+    place_order(&pool, 2, "w-1", &["committed"], true).await;
+    let n = tokio::time::timeout(Duration::from_secs(2), listener.recv())
+        .await
+        .expect("a commit notifies")
+        .unwrap();
+    assert_eq!(n.channel(), "mailroom_outbox");
+    wait_completed(&s.app.store, 1, Duration::from_secs(3)).await;
+    let woke = t0.elapsed();
+    assert!(woke < Duration::from_secs(3), "published after {woke:?}");
+
+    // Control: with NOTIFY switched off the same commit waits for the 8 s poll.
+    sqlx::query("UPDATE mailroom_sql_settings SET notify = false")
+        .execute(&mut admin(&url).await)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    place_order(&pool, 3, "w-1", &["silent"], true).await;
+    let n = tokio::time::timeout(Duration::from_secs(1), listener.recv()).await;
+    assert!(n.is_err(), "notify=false still notified");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let done = s
+        .app
+        .store
+        .count_events(BoxKind::Outbox, Some(Status::Completed))
+        .await
+        .unwrap();
+    assert_eq!(done, 1, "without NOTIFY the relay slept through the commit");
+    wait_completed(&s.app.store, 2, Duration::from_secs(15)).await;
+    let seen: Vec<Vec<u8>> = sink
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| e.payload.clone())
+        .collect();
+    assert_eq!(seen, [b"committed".to_vec(), b"silent".to_vec()]);
+    s.app.stop().await.unwrap();
+}
+
+async fn run_python(args: &[&str]) -> serde_json::Value {
+    let out = tokio::process::Command::new("python3")
+        .args(args)
+        .output()
+        .await
+        .expect("python3 is required (scripts/test.sh installs psycopg)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).expect("one JSON line")
+}
+
+fn payloads_by_key(recs: &[Record]) -> HashMap<String, Vec<String>> {
+    let mut m: HashMap<String, Vec<String>> = HashMap::new();
+    for r in recs {
+        m.entry(r.key.clone())
+            .or_default()
+            .push(String::from_utf8(r.payload.clone()).unwrap());
+    }
+    m
+}
+
+/// The same from Python (psycopg 3): commit, rollback, a killed caller, concurrent
+/// transactions, SQLSTATEs; then the worked example (examples/python-orders) against a
+/// second database with its own mailroom, both publishing to one broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_psycopg_caller_and_the_orders_example() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(2));
+    let quiet = quiet_window(&c);
+    let s = Service::start(c).await;
+    let (role, _pool) = app_role(&url).await;
+    let app_url = as_user(&url, &role);
+    let out = run_python(&[&format!("{root}/tests/python/sql_api_client.py"), &app_url]).await;
+
+    let committed: HashMap<String, Vec<String>> =
+        serde_json::from_value(out["committed"].clone()).unwrap();
+    let n: usize = committed.values().map(Vec::len).sum();
+    assert_eq!(n, 12);
+    // Plus the one event of the idempotency checks, on topic `t`.
+    wait_completed(&s.app.store, n as i64 + 1, Duration::from_secs(30)).await;
+    let recs = consume(&broker.addr(), "py.sql.orders", n, Duration::from_secs(30));
+    assert_eq!(
+        payloads_by_key(&recs),
+        committed,
+        "published in commit order per key"
+    );
+    let unwanted: Vec<i64> = out["rolled_back"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(out["crashed"].as_array().unwrap())
+        .map(|v| v.as_i64().unwrap())
+        .collect();
+    assert_eq!(unwanted.len(), 2, "{out}");
+    let (per_key, dups) = first_deliveries(&recs);
+    assert_eq!(dups, 0);
+    assert!(per_key.values().flatten().all(|id| !unwanted.contains(id)));
+    let errors = &out["errors"];
+    assert_eq!(errors["bad_topic"], serde_json::json!(["MR001", "topic"]));
+    assert_eq!(
+        errors["reserved_header"],
+        serde_json::json!(["MR008", "headers"])
+    );
+    assert_eq!(
+        errors["payload_too_large"],
+        serde_json::json!(["MR003", "payload"])
+    );
+    assert_eq!(
+        errors["conflict"],
+        serde_json::json!(["MR020", "idempotency_key"])
+    );
+    assert_eq!(errors["select_outbox"][0], "42501");
+    assert_eq!(
+        out["orders"],
+        serde_json::json!([1, 3, 5, 200, 201, 202, 203, 204, 205])
+    );
+
+    // The worked example, in a database of its own with its own mailroom.
+    let url2 = fresh_pg().await;
+    let mut c2 = config(&url2);
+    kafka_sink_config(&mut c2, &broker.addr(), Duration::from_secs(2));
+    let s2 = Service::start(c2).await;
+    let shop_role = unique("orders_service");
+    let mut a = admin(&url2).await;
+    let schema =
+        std::fs::read_to_string(format!("{root}/examples/python-orders/schema.sql")).unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(schema))
+        .execute(&mut a)
+        .await
+        .unwrap();
+    for sql in [
+        format!("CREATE ROLE {shop_role} LOGIN IN ROLE mailroom_producer"),
+        format!("GRANT SELECT, INSERT, UPDATE ON orders TO {shop_role}"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut a)
+            .await
+            .unwrap();
+    }
+    let shop = run_python(&[
+        &format!("{root}/examples/python-orders/orders_service.py"),
+        &as_user(&url2, &shop_role),
+    ])
+    .await;
+    assert_eq!(shop["refused"], serde_json::json!(["mallory"]));
+    let placed: Vec<(i64, i64)> = serde_json::from_value(shop["placed"].clone()).unwrap();
+    assert_eq!(placed.len(), 3);
+    wait_completed(&s2.app.store, 4, Duration::from_secs(30)).await;
+    let recs2 = consume(&broker.addr(), "orders", 4, Duration::from_secs(30));
+    let types: Vec<(String, String)> = recs2
+        .iter()
+        .map(|r| (r.key.clone(), r.headers["ce_type"].clone()))
+        .collect();
+    let first = placed[0].0.to_string();
+    let of_first: Vec<&str> = types
+        .iter()
+        .filter(|(k, _)| *k == first)
+        .map(|(_, t)| t.as_str())
+        .collect();
+    assert_eq!(of_first, ["order.placed", "order.cancelled"]);
+    assert_eq!(recs2.len(), 4);
+    assert!(
+        recs2
+            .iter()
+            .all(|r| !String::from_utf8_lossy(&r.payload).contains("mallory"))
+    );
+    let statuses: Vec<(String, String)> =
+        sqlx::query_as("SELECT customer, status FROM orders ORDER BY id")
+            .fetch_all(&mut a)
+            .await
+            .unwrap();
+    assert_eq!(
+        statuses,
+        [
+            ("ada".to_string(), "cancelled".to_string()),
+            ("grace".to_string(), "placed".to_string()),
+            ("edsger".to_string(), "placed".to_string())
+        ]
+    );
+
+    // Nothing more comes from either database: twice the poll and lease windows.
+    tokio::time::sleep(quiet).await;
+    let again = consume(
+        &broker.addr(),
+        "py.sql.orders",
+        n + 1,
+        Duration::from_secs(5),
+    );
+    assert_eq!(
+        again.len(),
+        n,
+        "rolled back and crashed events stay unpublished"
+    );
+    let again2 = consume(&broker.addr(), "orders", 5, Duration::from_secs(5));
+    assert_eq!(again2.len(), 4);
+    assert_eq!(outbox_rows(&url).await, n as i64 + 1);
+    for (key, counted, actual) in pending_counts(&url).await {
+        assert_eq!((counted, actual), (0, 0), "pending count of {key}");
+    }
+    s.app.stop().await.unwrap();
+    s2.app.stop().await.unwrap();
+}
+
+/// Idempotent retries from transactions that overlap: the second waits for the first;
+/// the first's commit makes it a duplicate, the first's rollback lets it insert. Under
+/// REPEATABLE READ the waiting retry gets 40001, as docs/sql-api.md says: the key row
+/// was updated by a transaction that committed after its snapshot (any enqueue of the
+/// key, or a relay's claim or settle, does that too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_idempotent_retries_wait_for_the_first_transaction() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    let s = Service::start(c).await;
+    let (_role, pool) = app_role(&url).await;
+    const CALL: &str = "SELECT mailroom.enqueue('t', 'k', 'same'::bytea, idempotency_key => $1)";
+
+    for (first_commits, isolation) in [
+        (true, "READ COMMITTED"),
+        (false, "READ COMMITTED"),
+        (true, "REPEATABLE READ"),
+    ] {
+        let idem = unique("idem");
+        let mut t1 = pool.begin().await.unwrap();
+        let id1: i64 = sqlx::query_scalar(CALL)
+            .bind(&idem)
+            .fetch_one(&mut *t1)
+            .await
+            .unwrap();
+        let (p, i2) = (pool.clone(), idem.clone());
+        let second = tokio::spawn(async move {
+            let mut t2 = p.begin().await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SET TRANSACTION ISOLATION LEVEL {isolation}"
+            )))
+            .execute(&mut *t2)
+            .await
+            .unwrap();
+            // Take the snapshot before the first transaction ends.
+            sqlx::query("SELECT 1").execute(&mut *t2).await.unwrap();
+            let r = sqlx::query_scalar::<_, i64>(CALL)
+                .bind(&i2)
+                .fetch_one(&mut *t2)
+                .await;
+            if r.is_ok() {
+                t2.commit().await.unwrap();
+            }
+            r
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !second.is_finished(),
+            "the retry did not wait for the first transaction"
+        );
+        if first_commits {
+            t1.commit().await.unwrap();
+        } else {
+            t1.rollback().await.unwrap();
+        }
+        let r = second.await.unwrap();
+        let stored: Vec<i64> =
+            sqlx::query_scalar("SELECT id FROM outbox_events WHERE idempotency_key = $1")
+                .bind(&idem)
+                .fetch_all(&mut admin(&url).await)
+                .await
+                .unwrap();
+        match (first_commits, isolation) {
+            (true, "READ COMMITTED") => {
+                assert_eq!(r.unwrap(), id1, "a duplicate of the committed event");
+                assert_eq!(stored, [id1]);
+            }
+            (false, _) => {
+                let id2 = r.unwrap();
+                assert!(id2 > id1, "inserted anew after the rollback");
+                assert_eq!(stored, [id2]);
+            }
+            _ => {
+                assert_eq!(sqlstate(&r.unwrap_err()).0, "40001");
+                assert_eq!(stored, [id1]);
+            }
+        }
+    }
+    for (key, counted, actual) in pending_counts(&url).await {
+        assert_eq!(counted, actual, "pending count of {key}");
+    }
+    s.app.stop().await.unwrap();
+}
