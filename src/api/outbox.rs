@@ -183,9 +183,10 @@ fn too_large_is_resource_exhausted(resp: HttpResponse, limit: usize, what: &str)
                 .and_then(|r| r.split(' ').next())
                 .unwrap_or("?")
                 .to_string();
-            Status::resource_exhausted(format!(
-                "{found} bytes is over the {limit}-byte limit of an {what}"
-            ))
+            super::status::too_large(
+                format!("{found} bytes is over the {limit}-byte limit of an {what}"),
+                limit,
+            )
             .into_http()
         }
         _ => resp,
