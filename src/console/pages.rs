@@ -521,7 +521,7 @@ pub fn event(nav: &Nav, t: &Target, d: &EventDetail, line: &[EventDetail]) -> Ma
         None,
         html! {
             h1 { (t.title()) " · event #" (e.id) " " (status_badge(e.status)) }
-            (tabs(t, ""))
+            (tabs(t, "none"))
             dl.kv #event {
                 dt { "topic" } dd { (e.topic) }
                 dt { "key" } dd { code { (e.key.as_deref().unwrap_or("(unkeyed)")) } }
