@@ -322,6 +322,50 @@ async fn the_console_in_a_real_browser() {
     .await;
     assert!(r.starts_with("HTTP/1.1 303"), "{r}");
 
+    // A session's forms must carry its CSRF token.
+    let login = format!("token={TOKEN}&next=%2Foutbox");
+    let r = http(
+        console,
+        &format!(
+            "POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{login}",
+            login.len()
+        ),
+    )
+    .await;
+    let session = r
+        .lines()
+        .find_map(|l| l.strip_prefix("set-cookie: "))
+        .and_then(|c| c.split(';').next())
+        .unwrap_or_else(|| panic!("no session cookie: {r}"))
+        .to_string();
+    let r = http(
+        console,
+        &format!(
+            "POST /outbox/events HTTP/1.1\r\nHost: x\r\nCookie: {session}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        ),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    // And a cross-origin POST is refused even with a bearer token.
+    let r = http(
+        console,
+        &format!(
+            "POST /outbox/events HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.example\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        ),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    let e = s
+        .app
+        .store
+        .get_event(BoxKind::Outbox, failed_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.status, Status::Failed, "no request above acted");
+
     let (_driver, b) = start_browser().await;
     let base = format!("http://{console}");
 
@@ -402,6 +446,25 @@ async fn the_console_in_a_real_browser() {
     assert!(text(&b, "#totals").await.contains("15 pending in 5 keys"));
     // Keyset paging keeps the filter (a page of 50 holds all 5 here: no next link).
     assert!(b.find(Locator::Css("#next-page")).await.is_err());
+    // Two keys a page: three pages, every key once, in order, the filter kept.
+    b.goto(&format!("{base}/outbox/backlog?topic=slow&size=2"))
+        .await
+        .unwrap();
+    let mut keys = Vec::new();
+    loop {
+        for r in b
+            .find_all(Locator::Css("table.backlog tbody tr"))
+            .await
+            .unwrap()
+        {
+            keys.push(r.attr("data-key").await.unwrap().unwrap());
+        }
+        match b.find(Locator::Css("#next-page")).await {
+            Ok(next) => next.click().await.unwrap(),
+            Err(_) => break,
+        }
+    }
+    assert_eq!(keys, ["cust-5", "cust-4", "cust-3", "cust-2", "cust-1"]);
 
     // One event: headers, pretty JSON, error, its key's line.
     b.goto(&format!("{base}/outbox/events/{failed_id}"))
@@ -536,5 +599,50 @@ async fn the_console_in_a_real_browser() {
     assert!(b.current_url().await.unwrap().path().starts_with("/login"));
 
     b.close().await.unwrap();
+    s.app.stop().await.unwrap();
+}
+
+/// `console_read_only`: pages show no actions and a POST is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_console_refuses_actions() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.console_read_only = true;
+    let mut s = Service::start(c).await;
+    let console = s.app.console_addr.unwrap();
+    let id = enqueue(&mut s.client, event("ro", "k", b"x")).await;
+    let r = http(
+        console,
+        "GET /outbox/events?status=pending HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(
+        r.starts_with("HTTP/1.1 200") && r.contains("read-only"),
+        "{r}"
+    );
+    assert!(
+        r.contains(&format!("sel-{id}")) && !r.contains("cancel-selected"),
+        "{r}"
+    );
+    let form = format!("action=cancel&id={id}&confirm=yes");
+    let r = http(
+        console,
+        &format!(
+            "POST /outbox/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        ),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    let e = s
+        .app
+        .store
+        .get_event(BoxKind::Outbox, id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.status, Status::Pending);
     s.app.stop().await.unwrap();
 }

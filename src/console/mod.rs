@@ -510,6 +510,8 @@ pub struct BacklogFilter {
     pub key_prefix: String,
     pub only_blocked: bool,
     pub oldest_first: bool,
+    /// Keys per page, when not the default.
+    pub size: Option<String>,
 }
 
 async fn backlog(c: &Console, nav: &pages::Nav, t: &Target, q: &Params) -> Result<Response, Error> {
@@ -518,6 +520,7 @@ async fn backlog(c: &Console, nav: &pages::Nav, t: &Target, q: &Params) -> Resul
         key_prefix: param(q, "key_prefix").unwrap_or("").to_string(),
         only_blocked: param(q, "blocked").is_some(),
         oldest_first: param(q, "order") == Some("oldest"),
+        size: param(q, "size").map(str::to_string),
     };
     if !f.topic.is_empty() {
         crate::api::convert::check_topic(&f.topic).map_err(|why| Error::invalid("topic", why))?;
@@ -526,6 +529,11 @@ async fn backlog(c: &Console, nav: &pages::Nav, t: &Target, q: &Params) -> Resul
         PendingOrder::Oldest
     } else {
         PendingOrder::MostPending
+    };
+    let page_size = match param(q, "size").map(str::parse::<u32>) {
+        None => BACKLOG_PAGE,
+        Some(Ok(n @ 1..=1000)) => n,
+        Some(_) => return Err(Error::invalid("size", "must be 1..=1000")),
     };
     let after = match param(q, "page") {
         None => None,
@@ -556,7 +564,7 @@ async fn backlog(c: &Console, nav: &pages::Nav, t: &Target, q: &Params) -> Resul
         .admin
         .list_pending(
             t.box_kind(),
-            &query(f.only_blocked, after.clone(), BACKLOG_PAGE),
+            &query(f.only_blocked, after.clone(), page_size),
         )
         .await?;
     let next = page.next.as_ref().map(encode_token);

@@ -345,6 +345,9 @@ pub fn backlog(
     if f.oldest_first {
         q.push("order=oldest".into());
     }
+    if let Some(n) = &f.size {
+        q.push(format!("size={}", url_escape(n)));
+    }
     let keep = q.join("&");
     layout(
         Some(nav),
