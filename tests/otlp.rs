@@ -1,8 +1,11 @@
 //! Optional OTLP trace export: the binary, pointed at a collector, exports the span of an
-//! `Enqueue` call inside the producer's trace (its W3C `traceparent`).
+//! `Enqueue` call inside the producer's trace (its W3C `traceparent`), named and tagged
+//! after OpenTelemetry's RPC conventions, configured by the standard `OTEL_*` variables,
+//! and not silenced by `RUST_LOG`.
 
 mod common;
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,12 +17,33 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
+use opentelemetry_proto::tonic::common::v1::AnyValue;
 use tokio_stream::wrappers::TcpListenerStream;
 
-/// (trace id hex, span name) of every span received.
+/// One span received.
+#[derive(Clone, Debug)]
+struct Seen {
+    trace_id: String,
+    name: String,
+    kind: i32,
+    attributes: HashMap<String, String>,
+    service_name: String,
+}
+
 #[derive(Clone, Default)]
 struct Collector {
-    spans: Arc<Mutex<Vec<(String, String)>>>,
+    spans: Arc<Mutex<Vec<Seen>>>,
+}
+
+fn value(v: &Option<AnyValue>) -> String {
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    match v.as_ref().and_then(|v| v.value.as_ref()) {
+        Some(Value::StringValue(s)) => s.clone(),
+        Some(Value::IntValue(i)) => i.to_string(),
+        Some(Value::BoolValue(b)) => b.to_string(),
+        Some(Value::DoubleValue(d)) => d.to_string(),
+        other => format!("{other:?}"),
+    }
 }
 
 #[tonic::async_trait]
@@ -30,10 +54,26 @@ impl TraceService for Collector {
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
         let mut spans = self.spans.lock().unwrap();
         for rs in request.into_inner().resource_spans {
+            let service_name = rs
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|a| a.key == "service.name")
+                .map(|a| value(&a.value))
+                .unwrap_or_default();
             for ss in rs.scope_spans {
                 for s in ss.spans {
-                    let id: String = s.trace_id.iter().map(|b| format!("{b:02x}")).collect();
-                    spans.push((id, s.name));
+                    spans.push(Seen {
+                        trace_id: s.trace_id.iter().map(|b| format!("{b:02x}")).collect(),
+                        name: s.name,
+                        kind: s.kind,
+                        attributes: s
+                            .attributes
+                            .iter()
+                            .map(|a| (a.key.clone(), value(&a.value)))
+                            .collect(),
+                        service_name: service_name.clone(),
+                    });
                 }
             }
         }
@@ -64,7 +104,14 @@ async fn enqueue_spans_join_the_producers_trace() {
             format!("sqlite://{}", dir.path().join("m.db").display()),
         )
         .env("MAILROOM_LOCAL_SINK", dir.path().join("out.jsonl"))
-        .env("MAILROOM_OTLP_ENDPOINT", format!("http://{collector_addr}"))
+        // OpenTelemetry's own variables, and logs quieted to errors only.
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://{collector_addr}"),
+        )
+        .env("OTEL_SERVICE_NAME", "mailroom-under-test")
+        .env("RUST_LOG", "error")
+        .env_remove("MAILROOM_OTLP_ENDPOINT")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -105,10 +152,23 @@ async fn enqueue_spans_join_the_producers_trace() {
         .unwrap();
     assert!(status.success(), "{status}");
     let spans = collector.spans.lock().unwrap().clone();
-    assert!(
-        spans
-            .iter()
-            .any(|(id, name)| id == trace_id && name == "rpc"),
-        "no rpc span in the producer's trace among {spans:?}"
-    );
+    let rpc = spans
+        .iter()
+        .find(|s| s.trace_id == trace_id && s.name == "mailroom.v1.OutboxService/Enqueue")
+        .unwrap_or_else(|| panic!("no Enqueue span in the producer's trace among {spans:#?}"));
+    // SpanKind::Server = 2.
+    assert_eq!(rpc.kind, 2, "{rpc:?}");
+    for (k, v) in [
+        ("rpc.system", "grpc"),
+        ("rpc.service", "mailroom.v1.OutboxService"),
+        ("rpc.method", "Enqueue"),
+        ("rpc.grpc.status_code", "0"),
+    ] {
+        assert_eq!(
+            rpc.attributes.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {rpc:?}"
+        );
+    }
+    assert_eq!(rpc.service_name, "mailroom-under-test");
 }
