@@ -110,11 +110,33 @@ pub fn export_endpoint(
 /// Makes `span` a child of the W3C `traceparent` given, when it is well formed (a no-op
 /// without an OTLP exporter).
 pub fn join_trace(span: &tracing::Span, traceparent: Option<&str>) {
+    join_trace_state(span, traceparent, None);
+}
+
+/// `join_trace` with the W3C `tracestate` that goes with the `traceparent`.
+pub fn join_trace_state(span: &tracing::Span, traceparent: Option<&str>, tracestate: Option<&str>) {
     if let Some(tp) = traceparent {
-        let carrier = HashMap::from([("traceparent".to_string(), tp.to_string())]);
+        let mut carrier = HashMap::from([("traceparent".to_string(), tp.to_string())]);
+        if let Some(ts) = tracestate {
+            carrier.insert("tracestate".to_string(), ts.to_string());
+        }
         let cx = TraceContextPropagator::new().extract(&carrier);
         let _ = span.set_parent(cx);
     }
+}
+
+/// The W3C headers (`traceparent`, and `tracestate` when there is one) that make a
+/// receiver a child of `span`; `None` when spans are not exported (then the producer's
+/// own headers travel on unchanged).
+pub fn inject(span: &tracing::Span) -> Option<HashMap<String, String>> {
+    use opentelemetry::trace::TraceContextExt as _;
+    let cx = span.context();
+    if !cx.span().span_context().is_valid() {
+        return None;
+    }
+    let mut carrier = HashMap::new();
+    TraceContextPropagator::new().inject_context(&cx, &mut carrier);
+    carrier.contains_key("traceparent").then_some(carrier)
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 #[derive(Clone, Debug)]
 struct Seen {
     trace_id: String,
+    span_id: String,
     name: String,
     kind: i32,
     attributes: HashMap<String, String>,
@@ -65,6 +66,7 @@ impl TraceService for Collector {
                 for s in ss.spans {
                     spans.push(Seen {
                         trace_id: s.trace_id.iter().map(|b| format!("{b:02x}")).collect(),
+                        span_id: s.span_id.iter().map(|b| format!("{b:02x}")).collect(),
                         name: s.name,
                         kind: s.kind,
                         attributes: s
@@ -171,4 +173,113 @@ async fn enqueue_spans_join_the_producers_trace() {
         );
     }
     assert_eq!(rpc.service_name, "mailroom-under-test");
+}
+
+/// A producer span per Kafka publish (OpenTelemetry messaging conventions), a child of the
+/// event's trace; the record carries the producer span as its parent and keeps the
+/// caller's `tracestate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_publishes_get_producer_spans() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let collector_addr = listener.local_addr().unwrap();
+    let collector = Collector::default();
+    let svc = TraceServiceServer::new(collector.clone());
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(TcpListenerStream::new(listener))
+            .await
+            .unwrap();
+    });
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+        .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
+        .env(
+            "MAILROOM_DATABASE_URL",
+            format!("sqlite://{}", dir.path().join("m.db").display()),
+        )
+        .env("MAILROOM_KAFKA_BROKERS", broker.addr())
+        .env("MAILROOM_SOURCE", "otel-test")
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://{collector_addr}"),
+        )
+        .env_remove("MAILROOM_OTLP_ENDPOINT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "mailroom listening",
+        || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        },
+    )
+    .await;
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let caller_span = "b7ad6b7169203331";
+    let mut c = client(format!("127.0.0.1:{port}").parse().unwrap()).await;
+    let mut req = tonic::Request::new(pb::EnqueueRequest {
+        event: Some(event("otel.orders", "o-1", b"x")),
+    });
+    let md = req.metadata_mut();
+    md.insert(
+        "traceparent",
+        format!("00-{trace_id}-{caller_span}-01").parse().unwrap(),
+    );
+    md.insert("tracestate", "vendor=abc,other=1".parse().unwrap());
+    c.enqueue(req).await.unwrap();
+    let brokers = broker.addr();
+    let records = tokio::task::spawn_blocking(move || {
+        consume(&brokers, "otel.orders", 1, Duration::from_secs(30))
+    })
+    .await
+    .unwrap();
+    assert_eq!(records.len(), 1);
+    let h = &records[0].headers;
+    let tp: Vec<&str> = h["traceparent"].split('-').collect();
+    assert_eq!(tp[1], trace_id, "the record stays in the caller's trace");
+    assert_ne!(tp[2], caller_span, "its parent is mailroom's producer span");
+    assert_eq!(h["tracestate"], "vendor=abc,other=1");
+    let pid = child.id().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}");
+    let spans = collector.spans.lock().unwrap().clone();
+    let send = spans
+        .iter()
+        .find(|s| s.name == "send otel.orders")
+        .unwrap_or_else(|| panic!("no producer span among {spans:#?}"));
+    // SpanKind::Producer = 4.
+    assert_eq!(send.kind, 4, "{send:?}");
+    assert_eq!(send.trace_id, trace_id);
+    assert_eq!(
+        send.span_id, tp[2],
+        "the record's parent is the producer span"
+    );
+    for (k, v) in [
+        ("messaging.system", "kafka"),
+        ("messaging.operation.type", "send"),
+        ("messaging.destination.name", "otel.orders"),
+        ("messaging.kafka.message.key", "o-1"),
+    ] {
+        assert_eq!(
+            send.attributes.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {send:?}"
+        );
+    }
 }

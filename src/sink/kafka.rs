@@ -17,7 +17,7 @@
 //! key reaches the partition in id order. The cost is duplicates after an outage
 //! (docs/relay.md, "Ordering under failures").
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -256,9 +256,14 @@ impl KafkaSink {
         }
     }
 
-    /// The record's headers (`cloud_event_headers`).
-    fn headers(&self, e: &StoredEvent) -> OwnedHeaders {
-        let all = cloud_event_headers(e, &self.source);
+    /// The record's headers (`cloud_event_headers`), with the producer span's trace
+    /// context when spans are exported.
+    fn headers(&self, e: &StoredEvent, trace: Option<&HashMap<String, String>>) -> OwnedHeaders {
+        let mut all = cloud_event_headers(e, &self.source);
+        if let Some(trace) = trace {
+            all.retain(|(k, _)| k != "traceparent" && k != "tracestate");
+            all.extend(trace.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
         let mut h = OwnedHeaders::new_with_capacity(all.len());
         for (k, v) in &all {
             h = h.insert(Header {
@@ -270,29 +275,59 @@ impl KafkaSink {
     }
 
     /// Hands one line's records to librdkafka in order, stopping at the first it refuses.
+    /// Each record gets a producer span (OpenTelemetry messaging conventions), a child of
+    /// the event's own trace context, kept open until the line's acknowledgements are in.
     fn produce_line(
         &self,
         producer: &FutureProducer,
         line: &[&StoredEvent],
-    ) -> (Vec<DeliveryFuture>, Option<(Delivery, ErrorClass, String)>) {
+    ) -> (
+        Vec<DeliveryFuture>,
+        Option<(Delivery, ErrorClass, String)>,
+        Vec<tracing::Span>,
+    ) {
         let mut futures = Vec::with_capacity(line.len());
+        let mut spans = Vec::with_capacity(line.len());
         for e in line {
+            let span = tracing::info_span!(
+                "send",
+                otel.name = %format!("send {}", e.topic),
+                otel.kind = "producer",
+                otel.status_code = tracing::field::Empty,
+                messaging.system = "kafka",
+                messaging.operation.type = "send",
+                messaging.operation.name = "send",
+                messaging.destination.name = %e.topic,
+                messaging.message.id = %format!("{}-{}", e.id, e.created_at.timestamp_micros()),
+                messaging.kafka.message.key = e.key.as_deref().unwrap_or(""),
+                mailroom.event_id = e.id,
+            );
+            crate::telemetry::join_trace_state(
+                &span,
+                e.headers.get("traceparent").map(String::as_str),
+                e.headers.get("tracestate").map(String::as_str),
+            );
+            let trace = crate::telemetry::inject(&span);
             let mut record = FutureRecord::<str, [u8]>::to(&e.topic)
                 .payload(&e.payload)
-                .headers(self.headers(e));
+                .headers(self.headers(e, trace.as_ref()));
             if let Some(k) = &e.key {
                 record = record.key(k.as_str());
             }
             match producer.send_result(record) {
-                Ok(f) => futures.push(f),
+                Ok(f) => {
+                    futures.push(f);
+                    spans.push(span);
+                }
                 Err((err, _)) => {
+                    span.record("otel.status_code", "ERROR");
                     let class = class_of(&err);
                     let d = Delivery::Failed(failure(&err, class));
-                    return (futures, Some((d, class, err.to_string())));
+                    return (futures, Some((d, class, err.to_string())), spans);
                 }
             }
         }
-        (futures, None)
+        (futures, None, spans)
     }
 }
 
@@ -413,10 +448,17 @@ impl Sink for KafkaSink {
         // Every line is handed to librdkafka first, so the whole cycle is pipelined.
         let mut running = FuturesUnordered::new();
         for (i, line) in lines.iter().enumerate() {
-            let (futures, refused) = self.produce_line(&producer, line);
+            let (futures, refused, spans) = self.produce_line(&producer, line);
             let (len, timeout) = (line.len(), self.deadline);
             running.push(async move {
                 let (d, notes) = await_line(futures, refused, len, deadline, timeout).await;
+                // A producer span ends at its record's acknowledgement (or failure).
+                for (span, d) in spans.iter().zip(&d) {
+                    if !matches!(d, Delivery::Delivered) {
+                        span.record("otel.status_code", "ERROR");
+                    }
+                }
+                drop(spans);
                 (i, d, notes)
             });
         }
