@@ -281,11 +281,7 @@ impl KafkaSink {
         &self,
         producer: &FutureProducer,
         line: &[&StoredEvent],
-    ) -> (
-        Vec<DeliveryFuture>,
-        Option<(Delivery, ErrorClass, String)>,
-        Vec<tracing::Span>,
-    ) {
+    ) -> ProducedLine {
         let mut futures = Vec::with_capacity(line.len());
         let mut spans = Vec::with_capacity(line.len());
         for e in line {
@@ -330,6 +326,14 @@ impl KafkaSink {
         (futures, None, spans)
     }
 }
+
+/// A line handed to librdkafka: its records' acknowledgements, the refusal that stopped
+/// it (if any), and the records' producer spans.
+type ProducedLine = (
+    Vec<DeliveryFuture>,
+    Option<(Delivery, ErrorClass, String)>,
+    Vec<tracing::Span>,
+);
 
 fn failure(e: &KafkaError, class: ErrorClass) -> Failure {
     let error = format!("kafka: {e}");
