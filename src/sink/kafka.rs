@@ -277,11 +277,7 @@ impl KafkaSink {
     /// Hands one line's records to librdkafka in order, stopping at the first it refuses.
     /// Each record gets a producer span (OpenTelemetry messaging conventions), a child of
     /// the event's own trace context, kept open until the line's acknowledgements are in.
-    fn produce_line(
-        &self,
-        producer: &FutureProducer,
-        line: &[&StoredEvent],
-    ) -> ProducedLine {
+    fn produce_line(&self, producer: &FutureProducer, line: &[&StoredEvent]) -> ProducedLine {
         let mut futures = Vec::with_capacity(line.len());
         let mut spans = Vec::with_capacity(line.len());
         for e in line {
