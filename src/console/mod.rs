@@ -391,7 +391,9 @@ async fn login(State(c): State<Console>, headers: HeaderMap, Form(f): Form<Param
         return (StatusCode::FORBIDDEN, "cross-origin request refused").into_response();
     }
     let next = param(&f, "next")
-        .filter(|n| n.starts_with('/') && !n.starts_with("//"))
+        // Only a path on this console: never `//host` or `/\host` (browsers read both
+        // as another site).
+        .filter(|n| n.starts_with('/') && !n.starts_with("//") && !n.starts_with("/\\"))
         .unwrap_or("/outbox")
         .to_string();
     let token = param(&f, "token").unwrap_or("").to_string();
