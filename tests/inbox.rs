@@ -479,7 +479,7 @@ async fn a_python_grpcio_handler_is_a_subscriber() {
     let log = dir.path().join("handled.jsonl");
     let root = env!("CARGO_MANIFEST_DIR");
     let mut py = tokio::process::Command::new("python3")
-        .arg(format!("{root}/tests/python/handler_server.py"))
+        .arg(format!("{root}/examples/python/handler.py"))
         .arg(port.to_string())
         .arg(format!("{root}/proto"))
         .arg(&log)
