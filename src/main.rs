@@ -58,8 +58,9 @@ fn shutdown_signal() -> CancellationToken {
     token
 }
 
-/// `mailroom admin …` on its own: the operator client's options only, so that
-/// `mailroom admin --help` does not list the server's settings.
+// `mailroom admin …` is parsed on its own, with the operator client's options only, so
+// that `mailroom admin --help` does not list the server's settings.
+/// Operate a running mailroom: backlog, failed events, requeue, cancel, stats, audit.
 #[derive(Parser)]
 #[command(name = "mailroom admin", version)]
 struct AdminCli {

@@ -222,6 +222,7 @@ fn admin_help_shows_only_the_client_options() {
         assert!(!help.contains(server_only), "{server_only} in:\n{help}");
     }
     assert!(help.lines().count() < 40, "{help}");
+    assert!(help.starts_with("Operate a running mailroom"), "{help}");
     // A subcommand's help too.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
         .args(["admin", "pending", "--help"])
