@@ -98,14 +98,12 @@ impl From<Error> for Status {
                 details.set_error_info(reason::INVALID_ARGUMENT, DOMAIN, none());
                 Status::with_error_details(Code::InvalidArgument, message, details)
             }
-            e @ Error::AlreadyExists { .. } => {
-                let Error::AlreadyExists { key } = &e else {
-                    unreachable!()
-                };
-                let metadata = HashMap::from([("idempotency_key".to_string(), key.clone())]);
+            Error::AlreadyExists { key } => {
+                let message = Error::AlreadyExists { key: key.clone() }.to_string();
+                let metadata = HashMap::from([("idempotency_key".to_string(), key)]);
                 status(
                     Code::AlreadyExists,
-                    e.to_string(),
+                    message,
                     reason::IDEMPOTENCY_KEY_REUSED,
                     metadata,
                     None,
