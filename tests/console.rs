@@ -149,12 +149,45 @@ async fn shot(c: &Client, name: &str) {
 }
 
 async fn text(c: &Client, css: &str) -> String {
-    c.find(Locator::Css(css))
+    c.wait()
+        .at_most(Duration::from_secs(20))
+        .for_element(Locator::Css(css))
         .await
         .unwrap_or_else(|e| panic!("{css}: {e}"))
         .text()
         .await
         .unwrap()
+}
+
+/// Clicks what `css` finds and waits until the page it leads to has loaded (the old
+/// document gone stale, the new one complete): a form submission is not awaited by
+/// every driver, and a slow machine shows it.
+async fn click_nav(c: &Client, css: &str) {
+    let old = c.find(Locator::Css("html")).await.unwrap();
+    c.find(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("{css}: {e}"))
+        .click()
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let stale = old.tag_name().await.is_err();
+        let ready = c
+            .execute("return document.readyState", vec![])
+            .await
+            .ok()
+            .and_then(|v| v.as_str().map(|s| s == "complete"))
+            .unwrap_or(false);
+        if stale && ready {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "clicking {css} did not load a page"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A raw HTTP/1.1 exchange (status line and body), for what a browser does not show.
@@ -379,12 +412,7 @@ async fn the_console_in_a_real_browser() {
         .send_keys("wrong-token")
         .await
         .unwrap();
-    b.find(Locator::Css("#login"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click_nav(&b, "#login").await;
     assert!(text(&b, "[role=alert]").await.contains("not valid"));
     b.find(Locator::Css("#token"))
         .await
@@ -392,12 +420,7 @@ async fn the_console_in_a_real_browser() {
         .send_keys(TOKEN)
         .await
         .unwrap();
-    b.find(Locator::Css("#login"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click_nav(&b, "#login").await;
     assert_eq!(b.current_url().await.unwrap().path(), "/outbox");
 
     // Overview.
@@ -427,12 +450,7 @@ async fn the_console_in_a_real_browser() {
         .send_keys("slow")
         .await
         .unwrap();
-    b.find(Locator::Css("#f-apply"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click_nav(&b, "#f-apply").await;
     let rows = b
         .find_all(Locator::Css("table.backlog tbody tr"))
         .await
@@ -459,10 +477,10 @@ async fn the_console_in_a_real_browser() {
         {
             keys.push(r.attr("data-key").await.unwrap().unwrap());
         }
-        match b.find(Locator::Css("#next-page")).await {
-            Ok(next) => next.click().await.unwrap(),
-            Err(_) => break,
+        if b.find(Locator::Css("#next-page")).await.is_err() {
+            break;
         }
+        click_nav(&b, "#next-page").await;
     }
     assert_eq!(keys, ["cust-5", "cust-4", "cust-3", "cust-2", "cust-1"]);
 
@@ -505,12 +523,7 @@ async fn the_console_in_a_real_browser() {
         .click()
         .await
         .unwrap();
-    b.find(Locator::Css("#requeue-selected"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click_nav(&b, "#requeue-selected").await;
     assert!(text(&b, "#preview").await.contains("would requeue 1 event"));
     shot(&b, "requeue-preview").await;
     // The dry run changed nothing.
@@ -522,12 +535,7 @@ async fn the_console_in_a_real_browser() {
         .unwrap()
         .unwrap();
     assert_eq!(e.status, Status::Failed);
-    b.find(Locator::Css("#confirm"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click_nav(&b, "#confirm").await;
     assert!(text(&b, "#done").await.contains("requeue 1 event"));
     eventually_status(
         &s,
@@ -589,12 +597,7 @@ async fn the_console_in_a_real_browser() {
     );
 
     // Log out: back to the login form.
-    b.find(Locator::Css("header form button"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click_nav(&b, "header form button").await;
     b.goto(&format!("{base}/outbox")).await.unwrap();
     assert!(b.current_url().await.unwrap().path().starts_with("/login"));
 

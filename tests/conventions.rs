@@ -164,14 +164,14 @@ async fn errors_carry_error_info_and_retry_info() {
     assert!(delay > Duration::ZERO);
     s.app.stop().await.unwrap();
 
-    // RESOURCE_EXHAUSTED from load: one RPC in flight at most, eight batches at once.
+    // RESOURCE_EXHAUSTED from load: one RPC in flight at most, sixteen batches at once.
     let mut c = config(&url);
     c.relays = 0;
     c.overload.max_concurrent_rpcs = 1;
     let s = Service::start(c).await;
     let mut seen_busy = None;
     let mut calls = Vec::new();
-    for _ in 0..8 {
+    for _ in 0..16 {
         let mut client = s.client.clone();
         calls.push(tokio::spawn(async move {
             let events = (0..500)
@@ -187,7 +187,7 @@ async fn errors_carry_error_info_and_retry_info() {
             seen_busy = Some(e);
         }
     }
-    let e = seen_busy.expect("eight concurrent batches against a limit of one: some are refused");
+    let e = seen_busy.expect("sixteen concurrent batches against a limit of one: some are refused");
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert_eq!(reason_of(&e), reason::SERVER_BUSY);
     assert!(e.get_details_retry_info().unwrap().retry_delay.is_some());
