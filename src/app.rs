@@ -143,6 +143,8 @@ pub struct App {
     pub metrics: Metrics,
     /// Where `/metrics` is served, when `metrics_listen` is set.
     pub metrics_addr: Option<SocketAddr>,
+    /// Where the operator console is served, when `console_listen` is set.
+    pub console_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
 }
@@ -176,8 +178,10 @@ impl App {
 
         let wakeup = Wakeup::default();
         let mut relay_stats = Vec::new();
+        let (cycle_latency, publish_latency) = Default::default();
         for _ in 0..config.relays {
-            let relay = Relay::new(store.clone(), sink.clone(), Queue::Outbox, config.relay);
+            let relay = Relay::new(store.clone(), sink.clone(), Queue::Outbox, config.relay)
+                .with_latency(&cycle_latency, &publish_latency);
             wakeup.register(relay.waker());
             relay_stats.push(relay.stats());
             tasks.push(tokio::spawn(relay.run(background.clone())));
@@ -246,6 +250,26 @@ impl App {
             !config.tokens.is_empty(),
             config.admin_token.as_deref(),
         );
+        let mut console_addr = None;
+        if let Some(listen) = config.console_listen {
+            let l = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("binding the console address {listen}"))?;
+            console_addr = Some(l.local_addr()?);
+            let console = crate::console::Console::new(
+                Admin::new(store.clone(), config.relay.lease),
+                auth.clone(),
+                config.console_read_only,
+                config
+                    .subscriptions
+                    .iter()
+                    .map(|s| s.name.clone())
+                    .collect(),
+                relay_stats.clone(),
+                inbox_handles.clone(),
+            );
+            tasks.push(tokio::spawn(console.serve(l, background.clone())));
+        }
         let tls = match &config.tls {
             None => None,
             Some(t) => Some(tls_config(t)?),
@@ -256,6 +280,13 @@ impl App {
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .context("building reflection service")?;
+        // The same descriptors under grpc.reflection.v1alpha: Python's grpcio-reflection
+        // and several GUI clients speak only that version.
+        let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1alpha()
+            .context("building reflection service (v1alpha)")?;
         // A decoding limit per method: one event for Enqueue, MAILROOM_MAX_BATCH_BYTES for
         // EnqueueBatch. An oversized request is refused from its length prefix, before
         // it is buffered.
@@ -281,6 +312,7 @@ impl App {
             mtls = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
             tokens = auth.enabled(),
             metrics = ?metrics_addr,
+            console = ?console_addr,
             "mailroom serving"
         );
         let server_health = health.clone();
@@ -313,6 +345,7 @@ impl App {
                 .layer(overload)
                 .add_service(health_service)
                 .add_service(reflection)
+                .add_service(reflection_v1alpha)
                 .add_service(outbox)
                 .add_service(admin)
                 .add_service(inbox)
@@ -341,6 +374,7 @@ impl App {
             inbox: inbox_handles,
             metrics,
             metrics_addr,
+            console_addr,
             shutdown,
             task,
         })

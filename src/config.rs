@@ -175,6 +175,13 @@ pub struct Settings {
     /// endpoint [default: off].
     #[arg(long, env = "MAILROOM_METRICS_LISTEN", global = true)]
     pub metrics_listen: Option<String>,
+    /// Operator console address (HTTP, browser UI behind the admin tokens); unset or
+    /// empty: no console [default: off].
+    #[arg(long, env = "MAILROOM_CONSOLE_LISTEN", global = true)]
+    pub console_listen: Option<String>,
+    /// The console shows but never acts (no requeue, no cancel) [default: false].
+    #[arg(long, env = "MAILROOM_CONSOLE_READ_ONLY", global = true)]
+    pub console_read_only: Option<bool>,
     /// How often the backlog gauges (pending, blocked keys, oldest age) are refreshed
     /// from the database, in ms [default: 15000].
     #[arg(long, env = "MAILROOM_METRICS_STATS_INTERVAL_MS", global = true)]
@@ -397,6 +404,9 @@ pub struct Config {
     /// Tokens from `tokens_file` (the admin token is added to them by the app).
     pub tokens: Vec<crate::api::auth::TokenEntry>,
     pub metrics_listen: Option<SocketAddr>,
+    /// The operator console's address, when it is served.
+    pub console_listen: Option<SocketAddr>,
+    pub console_read_only: bool,
     pub metrics_stats_interval: Duration,
     pub tls: Option<TlsConfig>,
     pub overload: crate::api::overload::OverloadConfig,
@@ -472,6 +482,8 @@ impl Settings {
             subscriptions,
             tokens_file,
             metrics_listen,
+            console_listen,
+            console_read_only,
             metrics_stats_interval_ms,
             tls_cert,
             tls_key,
@@ -677,6 +689,15 @@ impl Config {
                 )
             })?),
         };
+        let console_listen = match s.console_listen.as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some(a) => Some(a.parse::<SocketAddr>().map_err(|_| {
+                bad(
+                    "console_listen (MAILROOM_CONSOLE_LISTEN)",
+                    format!("{a:?} is not host:port with an IP host"),
+                )
+            })?),
+        };
         let tls = match (s.tls_cert, s.tls_key) {
             (None, None) => {
                 if s.tls_client_ca.is_some() {
@@ -777,6 +798,8 @@ impl Config {
             },
             tokens,
             metrics_listen,
+            console_listen,
+            console_read_only: s.console_read_only.unwrap_or(false),
             metrics_stats_interval: Duration::from_millis(
                 s.metrics_stats_interval_ms.unwrap_or(15_000).max(100),
             ),

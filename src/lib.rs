@@ -27,6 +27,7 @@ pub mod api;
 pub mod app;
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod domain;
 pub mod error;
 pub mod health;

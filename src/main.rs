@@ -58,19 +58,46 @@ fn shutdown_signal() -> CancellationToken {
     token
 }
 
+// `mailroom admin …` is parsed on its own, with the operator client's options only, so
+// that `mailroom admin --help` does not list the server's settings.
+/// Operate a running mailroom: backlog, failed events, requeue, cancel, stats, audit.
+#[derive(Parser)]
+#[command(name = "mailroom admin", version)]
+struct AdminCli {
+    #[command(flatten)]
+    args: mailroom::cli::AdminArgs,
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
-    if let Some(Command::Admin(args)) = cli.command {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = if argv.get(1).is_some_and(|a| a == "admin") {
+        let rest = argv[2..].iter().cloned();
+        let admin = AdminCli::parse_from(std::iter::once("mailroom admin".into()).chain(rest));
+        Err(admin.args)
+    } else {
+        Ok(Cli::parse_from(argv))
+    };
+    let cli = match cli {
+        Ok(Cli {
+            command: Some(Command::Admin(args)),
+            ..
+        }) => Err(*args),
+        other => other,
+    };
+    let cli = match cli {
+        Ok(cli) => cli,
         // A client of a running server: the server's own settings do not apply.
-        return match mailroom::cli::run(*args).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("mailroom admin: {e:#}");
-                ExitCode::FAILURE
-            }
-        };
-    }
+        Err(args) => {
+            return match mailroom::cli::run(args).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("mailroom admin: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+    };
     let config = match Config::load(cli.settings) {
         Ok(c) => c,
         Err(e) => {

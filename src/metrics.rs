@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -39,58 +39,54 @@ const LATENCY_BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 15.0,
 ];
 
-/// A lock-free latency histogram with fixed buckets, cheap enough for the relay's hot
-/// path. Part of `RelayStats`; merged over all relays at scrape time.
-#[derive(Debug, Default)]
-pub struct Latency {
-    /// Per bucket (not cumulative); the last one is +Inf.
-    buckets: [AtomicU64; LATENCY_BUCKETS.len() + 1],
-    count: AtomicU64,
-    sum_micros: AtomicU64,
+/// A latency histogram: a handle to the library's `Histogram` with the fixed buckets
+/// above. Clones share the counts, so all relays of a process can record into one.
+#[derive(Debug, Clone)]
+pub struct Latency(Arc<Histogram>);
+
+impl Default for Latency {
+    fn default() -> Self {
+        Latency(Arc::new(Histogram::new(LATENCY_BUCKETS)))
+    }
 }
 
 impl Latency {
     pub fn observe(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        let i = LATENCY_BUCKETS
-            .iter()
-            .position(|b| s <= *b)
-            .unwrap_or(LATENCY_BUCKETS.len());
-        self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_micros
-            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        self.0.observe(d.as_secs_f64());
     }
 
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
+    /// Whether both handles record into the same histogram.
+    pub fn same(&self, other: &Latency) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
     }
 }
 
-/// Merges histograms into Prometheus' cumulative form: (sum, count, buckets).
-fn merged<'a>(hs: impl Iterator<Item = &'a Latency>) -> (f64, u64, Vec<(f64, u64)>) {
-    let mut per = [0u64; LATENCY_BUCKETS.len() + 1];
-    let mut sum = 0u64;
-    let mut count = 0u64;
+/// Encodes the distinct histograms among `hs` as one metric: the shared one as is, or,
+/// when relays were built without sharing (tests), one series per histogram under a
+/// `relay` label.
+fn encode_latencies(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    hs: &[&Latency],
+) -> Result<(), std::fmt::Error> {
+    let mut distinct: Vec<&Latency> = Vec::new();
     for h in hs {
-        for (p, b) in per.iter_mut().zip(&h.buckets) {
-            *p += b.load(Ordering::Relaxed);
+        if !distinct.iter().any(|d| d.same(h)) {
+            distinct.push(h);
         }
-        sum += h.sum_micros.load(Ordering::Relaxed);
-        count += h.count.load(Ordering::Relaxed);
     }
-    let mut acc = 0;
-    let buckets = LATENCY_BUCKETS
-        .iter()
-        .copied()
-        .chain([f64::MAX])
-        .zip(per)
-        .map(|(b, n)| {
-            acc += n;
-            (b, acc)
-        })
-        .collect();
-    (sum as f64 / 1e6, count.max(acc), buckets)
+    let mut e = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
+    match distinct.as_slice() {
+        [] => Latency::default().0.encode(e),
+        [one] => one.0.encode(e),
+        many => {
+            for (i, h) in many.iter().enumerate() {
+                h.0.encode(e.encode_family(&[("relay", i.to_string())])?)?;
+            }
+            Ok(())
+        }
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -226,23 +222,26 @@ impl Collector for RelayCollector {
                     &transient, None,
                 )?;
         }
-        for (name, help, pick) in [
-            (
-                "mailroom_relay_cycle_seconds",
-                "Duration of relay cycles that published something: claim, delivery, settle.",
-                (|r: &RelayStats| &r.cycle_latency) as fn(&RelayStats) -> &Latency,
-            ),
-            (
-                "mailroom_relay_publish_seconds",
-                "Duration of one cycle's delivery to the destination (all its runs).",
-                |r: &RelayStats| &r.publish_latency,
-            ),
-        ] {
-            let (s, c, b) = merged(self.relays.iter().map(|r| pick(r)));
-            encoder
-                .encode_descriptor(name, help, None, MetricType::Histogram)?
-                .encode_histogram::<prometheus_client::encoding::NoLabelSet>(s, c, &b, None)?;
-        }
+        encode_latencies(
+            &mut encoder,
+            "mailroom_relay_cycle_seconds",
+            "Duration of relay cycles that published something: claim, delivery, settle.",
+            &self
+                .relays
+                .iter()
+                .map(|r| &r.cycle_latency)
+                .collect::<Vec<_>>(),
+        )?;
+        encode_latencies(
+            &mut encoder,
+            "mailroom_relay_publish_seconds",
+            "Duration of one cycle's delivery to the destination (all its runs).",
+            &self
+                .relays
+                .iter()
+                .map(|r| &r.publish_latency)
+                .collect::<Vec<_>>(),
+        )?;
         Ok(())
     }
 }
@@ -344,9 +343,7 @@ impl Collector for InboxCollector {
             )?;
             for s in &subs {
                 if let Some(l) = self.inbox.handler_latency.get(*s) {
-                    let (sum, count, buckets) = merged(std::iter::once(l.as_ref()));
-                    e.encode_family(&[("subscription", s.as_str())])?
-                        .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+                    l.0.encode(e.encode_family(&[("subscription", s.as_str())])?)?;
                 }
             }
         }
@@ -523,7 +520,7 @@ impl Metrics {
             .rpcs
             .get_or_create(&RpcLabel {
                 method: method.to_string(),
-                code: format!("{code:?}"),
+                code: code_name(code).to_string(),
             })
             .inc();
         self.inner
@@ -610,6 +607,125 @@ impl Metrics {
     }
 }
 
+/// The gRPC name of a status code (`OK`, `UNAVAILABLE`), as gRPC's own tools and
+/// OpenTelemetry's `rpc.grpc.status_code` spell it.
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// Checks every histogram of a text exposition: per series (labels other than `le`),
+/// bucket counts never decrease with `le`, a `+Inf` bucket exists and equals `_count`.
+/// Returns the number of series checked, or the problems found.
+pub fn check_histograms(text: &str) -> Result<usize, Vec<String>> {
+    use std::collections::BTreeMap;
+    let mut histograms = HashSet::new();
+    for l in text.lines() {
+        let mut w = l.split_whitespace();
+        if let (Some("#"), Some("TYPE"), Some(name), Some("histogram")) =
+            (w.next(), w.next(), w.next(), w.next())
+        {
+            histograms.insert(name.to_string());
+        }
+    }
+    // (name, other labels) -> (buckets by le, count)
+    type Series = (Vec<(f64, f64)>, Option<f64>);
+    let mut series: BTreeMap<(String, String), Series> = BTreeMap::new();
+    let mut problems = Vec::new();
+    for l in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+    {
+        let (head, value) = match l.rsplit_once(' ') {
+            Some(x) => x,
+            None => continue,
+        };
+        let value: f64 = match value.parse() {
+            Ok(v) => v,
+            Err(_) => {
+                problems.push(format!("unparsable sample: {l}"));
+                continue;
+            }
+        };
+        let (name, labels) = match head.split_once('{') {
+            Some((n, rest)) => (n, rest.trim_end_matches('}')),
+            None => (head, ""),
+        };
+        let (base, suffix) = match name.rsplit_once('_') {
+            Some(x) => x,
+            None => continue,
+        };
+        if !histograms.contains(base) {
+            continue;
+        }
+        let mut le = None;
+        let others: Vec<&str> = labels
+            .split(',')
+            .filter(|p| !p.is_empty())
+            .filter(|p| match p.strip_prefix("le=") {
+                Some(v) => {
+                    le = Some(v.trim_matches('"').to_string());
+                    false
+                }
+                None => true,
+            })
+            .collect();
+        let entry = series
+            .entry((base.to_string(), others.join(",")))
+            .or_default();
+        match (suffix, le) {
+            ("bucket", Some(le)) => {
+                let bound = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().unwrap_or(f64::NAN)
+                };
+                entry.0.push((bound, value));
+            }
+            ("count", None) => entry.1 = Some(value),
+            _ => {}
+        }
+    }
+    for ((name, labels), (mut buckets, count)) in series.iter().map(|(k, v)| (k, v.clone())) {
+        let id = format!("{name}{{{labels}}}");
+        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        if buckets.windows(2).any(|w| w[1].1 < w[0].1) {
+            problems.push(format!("{id}: bucket counts decrease: {buckets:?}"));
+        }
+        match (buckets.last(), count) {
+            (Some((b, inf)), Some(c)) if b.is_infinite() => {
+                if *inf != c {
+                    problems.push(format!("{id}: +Inf bucket {inf} != _count {c}"));
+                }
+            }
+            _ => problems.push(format!("{id}: no +Inf bucket or no _count")),
+        }
+    }
+    if problems.is_empty() {
+        Ok(series.len())
+    } else {
+        Err(problems)
+    }
+}
+
 fn rpc_histogram() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
 }
@@ -619,18 +735,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn histograms_merge_cumulatively() {
-        let a = Latency::default();
-        let b = Latency::default();
-        a.observe(Duration::from_micros(300));
-        b.observe(Duration::from_millis(3));
-        b.observe(Duration::from_secs(100));
-        let (sum, count, buckets) = merged([&a, &b].into_iter());
-        assert_eq!(count, 3);
-        assert!((sum - 100.0033).abs() < 1e-6, "{sum}");
-        assert_eq!(buckets[0], (0.0005, 1));
-        assert_eq!(buckets[3], (0.005, 2));
-        assert_eq!(buckets.last().unwrap().1, 3);
+    fn histograms_are_cumulative_once() {
+        // Two relays sharing their histograms (as the app builds them), and a third on
+        // its own: exported as one series and as per-relay series respectively.
+        let shared = Arc::new(RelayStats::default());
+        let observe = |l: &Latency| {
+            l.observe(Duration::from_micros(300));
+            l.observe(Duration::from_millis(3));
+            l.observe(Duration::from_millis(30));
+            l.observe(Duration::from_secs(100));
+        };
+        observe(&shared.cycle_latency);
+        observe(&shared.cycle_latency);
+        observe(&shared.publish_latency);
+        let m = Metrics::new(vec![shared.clone(), shared.clone()]);
+        m.rpc("/m", tonic::Code::Ok, Duration::from_millis(2));
+        m.rpc("/m", tonic::Code::Unavailable, Duration::from_secs(20));
+        let text = m.encode();
+        assert_eq!(check_histograms(&text), Ok(3), "{text}");
+        assert!(
+            text.contains("mailroom_relay_cycle_seconds_bucket{le=\"+Inf\"} 8\n")
+                && text.contains("mailroom_relay_cycle_seconds_count 8\n")
+                && text.contains("mailroom_relay_cycle_seconds_bucket{le=\"0.005\"} 4\n"),
+            "{text}"
+        );
+        assert!(text.contains("mailroom_grpc_requests_total{method=\"/m\",code=\"OK\"} 1"));
+        assert!(text.contains("code=\"UNAVAILABLE\"} 1"), "{text}");
+
+        let apart = Arc::new(RelayStats::default());
+        observe(&apart.cycle_latency);
+        let m = Metrics::new(vec![shared, apart]);
+        let text = m.encode();
+        assert_eq!(check_histograms(&text), Ok(4), "{text}");
+        assert!(text.contains("mailroom_relay_cycle_seconds_count{relay=\"1\"} 4"));
+
+        // The checker itself catches the old double accumulation.
+        let bad = "# TYPE x histogram\nx_sum 1\nx_count 2\nx_bucket{le=\"1\"} 1\nx_bucket{le=\"+Inf\"} 3\n";
+        assert!(check_histograms(bad).is_err());
+        let bad = "# TYPE x histogram\nx_count 2\nx_bucket{le=\"1\"} 3\nx_bucket{le=\"+Inf\"} 2\n";
+        assert!(check_histograms(bad).is_err());
     }
 
     #[test]

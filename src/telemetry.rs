@@ -35,14 +35,17 @@ impl Telemetry {
 /// Installs the global subscriber. Must run inside the Tokio runtime (the exporter's
 /// batch processor runs on it).
 pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Telemetry> {
+    // RUST_LOG filters the logs only: exported spans have their own filter (info and
+    // above, or `MAILROOM_TRACE_FILTER` when set), so that
+    // quieting the logs never silences the traces.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let fmt = match format {
-        LogFormat::Human => fmt.boxed(),
-        LogFormat::Json => fmt.json().boxed(),
+        LogFormat::Human => fmt.with_filter(filter).boxed(),
+        LogFormat::Json => fmt.json().with_filter(filter).boxed(),
     };
-    let provider = match otlp_endpoint {
+    let provider = match export_endpoint(otlp_endpoint, |k| std::env::var(k).ok()) {
         None => None,
         Some(endpoint) => {
             let exporter = opentelemetry_otlp::SpanExporter::builder()
@@ -55,35 +58,132 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Te
                     opentelemetry_sdk::runtime::Tokio,
                 )
                 .build();
+            // The resource honours OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES; the
+            // sampler OTEL_TRACES_SAMPLER (the SDK's defaults read them).
+            let mut resource = opentelemetry_sdk::Resource::builder();
+            if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+                resource = resource.with_service_name("mailroom");
+            }
             Some(
                 SdkTracerProvider::builder()
                     .with_span_processor(processor)
-                    .with_resource(
-                        opentelemetry_sdk::Resource::builder()
-                            .with_service_name("mailroom")
-                            .build(),
-                    )
+                    .with_resource(resource.build())
                     .build(),
             )
         }
     };
-    let otel = provider
-        .as_ref()
-        .map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("mailroom")));
+    let trace_filter = std::env::var("MAILROOM_TRACE_FILTER")
+        .ok()
+        .and_then(|f| tracing_subscriber::EnvFilter::try_new(f).ok())
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
+    let otel = provider.as_ref().map(|p| {
+        tracing_opentelemetry::layer()
+            .with_tracer(p.tracer("mailroom"))
+            .with_filter(trace_filter)
+    });
     tracing_subscriber::registry()
-        .with(filter)
         .with(fmt)
         .with(otel)
         .try_init()?;
     Ok(Telemetry { provider })
 }
 
+/// Where spans are exported: `MAILROOM_OTLP_ENDPOINT`, else OpenTelemetry's own
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`; never when
+/// `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`.
+pub fn export_endpoint(
+    configured: Option<&str>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Option<String> {
+    if env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"))
+        || env("OTEL_TRACES_EXPORTER").is_some_and(|v| v.eq_ignore_ascii_case("none"))
+    {
+        return None;
+    }
+    configured
+        .map(str::to_string)
+        .or_else(|| env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        .or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        .filter(|e| !e.trim().is_empty())
+}
+
 /// Makes `span` a child of the W3C `traceparent` given, when it is well formed (a no-op
 /// without an OTLP exporter).
 pub fn join_trace(span: &tracing::Span, traceparent: Option<&str>) {
+    join_trace_state(span, traceparent, None);
+}
+
+/// `join_trace` with the W3C `tracestate` that goes with the `traceparent`.
+pub fn join_trace_state(span: &tracing::Span, traceparent: Option<&str>, tracestate: Option<&str>) {
     if let Some(tp) = traceparent {
-        let carrier = HashMap::from([("traceparent".to_string(), tp.to_string())]);
+        let mut carrier = HashMap::from([("traceparent".to_string(), tp.to_string())]);
+        if let Some(ts) = tracestate {
+            carrier.insert("tracestate".to_string(), ts.to_string());
+        }
         let cx = TraceContextPropagator::new().extract(&carrier);
         let _ = span.set_parent(cx);
+    }
+}
+
+/// The W3C headers (`traceparent`, and `tracestate` when there is one) that make a
+/// receiver a child of `span`; `None` when spans are not exported (then the producer's
+/// own headers travel on unchanged).
+pub fn inject(span: &tracing::Span) -> Option<HashMap<String, String>> {
+    use opentelemetry::trace::TraceContextExt as _;
+    let cx = span.context();
+    if !cx.span().span_context().is_valid() {
+        return None;
+    }
+    let mut carrier = HashMap::new();
+    TraceContextPropagator::new().inject_context(&cx, &mut carrier);
+    carrier.contains_key("traceparent").then_some(carrier)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_otel_environment_chooses_the_endpoint() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(export_endpoint(None, env(&[])), None);
+        assert_eq!(
+            export_endpoint(
+                None,
+                env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317")])
+            ),
+            Some("http://c:4317".into())
+        );
+        assert_eq!(
+            export_endpoint(
+                Some("http://m:4317"),
+                env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317")])
+            ),
+            Some("http://m:4317".into())
+        );
+        assert_eq!(
+            export_endpoint(
+                Some("http://m:4317"),
+                env(&[("OTEL_TRACES_EXPORTER", "none")])
+            ),
+            None
+        );
+        assert_eq!(
+            export_endpoint(
+                None,
+                env(&[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"),
+                    ("OTEL_SDK_DISABLED", "true")
+                ])
+            ),
+            None
+        );
     }
 }

@@ -222,6 +222,7 @@ async fn outbox_to_broker_to_handler_once_each_in_order() {
             r#"mailroom_inbox_handle_seconds_count{subscription="billing"}"#
         ) >= 101.0
     );
+    mailroom::metrics::check_histograms(body(&text)).unwrap_or_else(|p| panic!("{p:#?}"));
     assert!(calls.iter().all(|c| c.attempt == 1));
     // message_id is `ce:<n>:<ce_source>:<ce_id>`, the ce_id `<outbox event id>-<µs>`;
     // per key, handled in enqueue order.
@@ -478,7 +479,7 @@ async fn a_python_grpcio_handler_is_a_subscriber() {
     let log = dir.path().join("handled.jsonl");
     let root = env!("CARGO_MANIFEST_DIR");
     let mut py = tokio::process::Command::new("python3")
-        .arg(format!("{root}/tests/python/handler_server.py"))
+        .arg(format!("{root}/examples/python/handler.py"))
         .arg(port.to_string())
         .arg(format!("{root}/proto"))
         .arg(&log)

@@ -1,8 +1,11 @@
 //! Optional OTLP trace export: the binary, pointed at a collector, exports the span of an
-//! `Enqueue` call inside the producer's trace (its W3C `traceparent`).
+//! `Enqueue` call inside the producer's trace (its W3C `traceparent`), named and tagged
+//! after OpenTelemetry's RPC conventions, configured by the standard `OTEL_*` variables,
+//! and not silenced by `RUST_LOG`.
 
 mod common;
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,12 +17,34 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
+use opentelemetry_proto::tonic::common::v1::AnyValue;
 use tokio_stream::wrappers::TcpListenerStream;
 
-/// (trace id hex, span name) of every span received.
+/// One span received.
+#[derive(Clone, Debug)]
+struct Seen {
+    trace_id: String,
+    span_id: String,
+    name: String,
+    kind: i32,
+    attributes: HashMap<String, String>,
+    service_name: String,
+}
+
 #[derive(Clone, Default)]
 struct Collector {
-    spans: Arc<Mutex<Vec<(String, String)>>>,
+    spans: Arc<Mutex<Vec<Seen>>>,
+}
+
+fn value(v: &Option<AnyValue>) -> String {
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    match v.as_ref().and_then(|v| v.value.as_ref()) {
+        Some(Value::StringValue(s)) => s.clone(),
+        Some(Value::IntValue(i)) => i.to_string(),
+        Some(Value::BoolValue(b)) => b.to_string(),
+        Some(Value::DoubleValue(d)) => d.to_string(),
+        other => format!("{other:?}"),
+    }
 }
 
 #[tonic::async_trait]
@@ -30,10 +55,27 @@ impl TraceService for Collector {
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
         let mut spans = self.spans.lock().unwrap();
         for rs in request.into_inner().resource_spans {
+            let service_name = rs
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|a| a.key == "service.name")
+                .map(|a| value(&a.value))
+                .unwrap_or_default();
             for ss in rs.scope_spans {
                 for s in ss.spans {
-                    let id: String = s.trace_id.iter().map(|b| format!("{b:02x}")).collect();
-                    spans.push((id, s.name));
+                    spans.push(Seen {
+                        trace_id: s.trace_id.iter().map(|b| format!("{b:02x}")).collect(),
+                        span_id: s.span_id.iter().map(|b| format!("{b:02x}")).collect(),
+                        name: s.name,
+                        kind: s.kind,
+                        attributes: s
+                            .attributes
+                            .iter()
+                            .map(|a| (a.key.clone(), value(&a.value)))
+                            .collect(),
+                        service_name: service_name.clone(),
+                    });
                 }
             }
         }
@@ -64,7 +106,14 @@ async fn enqueue_spans_join_the_producers_trace() {
             format!("sqlite://{}", dir.path().join("m.db").display()),
         )
         .env("MAILROOM_LOCAL_SINK", dir.path().join("out.jsonl"))
-        .env("MAILROOM_OTLP_ENDPOINT", format!("http://{collector_addr}"))
+        // OpenTelemetry's own variables, and logs quieted to errors only.
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://{collector_addr}"),
+        )
+        .env("OTEL_SERVICE_NAME", "mailroom-under-test")
+        .env("RUST_LOG", "error")
+        .env_remove("MAILROOM_OTLP_ENDPOINT")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -105,10 +154,132 @@ async fn enqueue_spans_join_the_producers_trace() {
         .unwrap();
     assert!(status.success(), "{status}");
     let spans = collector.spans.lock().unwrap().clone();
-    assert!(
-        spans
-            .iter()
-            .any(|(id, name)| id == trace_id && name == "rpc"),
-        "no rpc span in the producer's trace among {spans:?}"
+    let rpc = spans
+        .iter()
+        .find(|s| s.trace_id == trace_id && s.name == "mailroom.v1.OutboxService/Enqueue")
+        .unwrap_or_else(|| panic!("no Enqueue span in the producer's trace among {spans:#?}"));
+    // SpanKind::Server = 2.
+    assert_eq!(rpc.kind, 2, "{rpc:?}");
+    for (k, v) in [
+        ("rpc.system", "grpc"),
+        ("rpc.service", "mailroom.v1.OutboxService"),
+        ("rpc.method", "Enqueue"),
+        ("rpc.grpc.status_code", "0"),
+    ] {
+        assert_eq!(
+            rpc.attributes.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {rpc:?}"
+        );
+    }
+    assert_eq!(rpc.service_name, "mailroom-under-test");
+}
+
+/// A producer span per Kafka publish (OpenTelemetry messaging conventions), a child of the
+/// event's trace; the record carries the producer span as its parent and keeps the
+/// caller's `tracestate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_publishes_get_producer_spans() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let collector_addr = listener.local_addr().unwrap();
+    let collector = Collector::default();
+    let svc = TraceServiceServer::new(collector.clone());
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(TcpListenerStream::new(listener))
+            .await
+            .unwrap();
+    });
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+        .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
+        .env(
+            "MAILROOM_DATABASE_URL",
+            format!("sqlite://{}", dir.path().join("m.db").display()),
+        )
+        .env("MAILROOM_KAFKA_BROKERS", broker.addr())
+        .env("MAILROOM_SOURCE", "otel-test")
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://{collector_addr}"),
+        )
+        .env_remove("MAILROOM_OTLP_ENDPOINT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "mailroom listening",
+        || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        },
+    )
+    .await;
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let caller_span = "b7ad6b7169203331";
+    let mut c = client(format!("127.0.0.1:{port}").parse().unwrap()).await;
+    let mut req = tonic::Request::new(pb::EnqueueRequest {
+        event: Some(event("otel.orders", "o-1", b"x")),
+    });
+    let md = req.metadata_mut();
+    md.insert(
+        "traceparent",
+        format!("00-{trace_id}-{caller_span}-01").parse().unwrap(),
     );
+    md.insert("tracestate", "vendor=abc,other=1".parse().unwrap());
+    c.enqueue(req).await.unwrap();
+    let brokers = broker.addr();
+    let records = tokio::task::spawn_blocking(move || {
+        consume(&brokers, "otel.orders", 1, Duration::from_secs(30))
+    })
+    .await
+    .unwrap();
+    assert_eq!(records.len(), 1);
+    let h = &records[0].headers;
+    let tp: Vec<&str> = h["traceparent"].split('-').collect();
+    assert_eq!(tp[1], trace_id, "the record stays in the caller's trace");
+    assert_ne!(tp[2], caller_span, "its parent is mailroom's producer span");
+    assert_eq!(h["tracestate"], "vendor=abc,other=1");
+    let pid = child.id().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}");
+    let spans = collector.spans.lock().unwrap().clone();
+    let send = spans
+        .iter()
+        .find(|s| s.name == "send otel.orders")
+        .unwrap_or_else(|| panic!("no producer span among {spans:#?}"));
+    // SpanKind::Producer = 4.
+    assert_eq!(send.kind, 4, "{send:?}");
+    assert_eq!(send.trace_id, trace_id);
+    assert_eq!(
+        send.span_id, tp[2],
+        "the record's parent is the producer span"
+    );
+    for (k, v) in [
+        ("messaging.system", "kafka"),
+        ("messaging.operation.type", "send"),
+        ("messaging.destination.name", "otel.orders"),
+        ("messaging.kafka.message.key", "o-1"),
+    ] {
+        assert_eq!(
+            send.attributes.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {send:?}"
+        );
+    }
 }

@@ -52,3 +52,41 @@ async fn a_python_grpcio_client_enqueues_and_checks_health() {
     );
     s.app.stop().await.unwrap();
 }
+
+/// `examples/python/producer.py` runs as documented: it enqueues (a retry is a duplicate)
+/// and reads the `ErrorInfo` reason and `BadRequest` fields of a refused event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_producer_example_runs() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    let s = Service::start(c).await;
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = tokio::process::Command::new("python3")
+        .arg(format!("{root}/examples/python/producer.py"))
+        .arg(s.app.addr.to_string())
+        .arg(format!("{root}/proto"))
+        .output()
+        .await
+        .expect("python3 is required (scripts/test.sh installs grpcio-status)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "producer example failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    let stored = s
+        .app
+        .store
+        .get_event(BoxKind::Outbox, seen["id"].as_i64().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.topic, "examples.orders");
+    assert_eq!(seen["invalid"]["code"], "INVALID_ARGUMENT");
+    assert_eq!(seen["invalid"]["reason"], "INVALID_ARGUMENT");
+    assert_eq!(seen["invalid"]["domain"], "mailroom.v1");
+    assert_eq!(seen["invalid"]["fields"][0], "event.topic");
+    s.app.stop().await.unwrap();
+}

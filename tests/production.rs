@@ -427,7 +427,7 @@ async fn metrics_follow_the_events() {
     assert_eq!(
         sample(
             &text,
-            "mailroom_grpc_requests_total{method=\"/mailroom.v1.OutboxService/Enqueue\",code=\"Ok\"}"
+            "mailroom_grpc_requests_total{method=\"/mailroom.v1.OutboxService/Enqueue\",code=\"OK\"}"
         ),
         7.0
     );
@@ -438,6 +438,10 @@ async fn metrics_follow_the_events() {
     );
     assert_eq!(sample(&text, "mailroom_relay_leases_lost_total"), 0.0);
     assert!(sample(&text, "mailroom_relay_publish_seconds_count") >= 1.0);
+    // Every histogram is cumulative once: buckets never decrease, +Inf equals _count.
+    let checked =
+        mailroom::metrics::check_histograms(body(&text)).unwrap_or_else(|p| panic!("{p:#?}"));
+    assert!(checked >= 3, "{checked} histogram series");
     assert!(!text.contains("secret-key-42"), "keys are never labels");
     // An invalid request is counted under its code.
     let _ = s
@@ -450,7 +454,7 @@ async fn metrics_follow_the_events() {
     assert_eq!(
         sample(
             &text,
-            "mailroom_grpc_requests_total{method=\"/mailroom.v1.OutboxService/Enqueue\",code=\"InvalidArgument\"}"
+            "mailroom_grpc_requests_total{method=\"/mailroom.v1.OutboxService/Enqueue\",code=\"INVALID_ARGUMENT\"}"
         ),
         1.0
     );

@@ -198,6 +198,8 @@ async fn a_transient_failure_on_the_head_keeps_the_key_in_order() {
         assert_eq!(r.headers["ce_specversion"], "1.0");
         assert!(r.headers["ce_type"].starts_with("order."));
         assert_eq!(r.headers["ce_source"], "mailroom-test");
+        // The CloudEvents Kafka binding's name for datacontenttype.
+        assert_eq!(r.headers["content-type"], "application/octet-stream");
     }
     assert_no_gaps(&[relay.stats()]);
     s.app.stop().await.unwrap();

@@ -227,14 +227,30 @@ pub fn traceparent(md: &tonic::metadata::MetadataMap) -> Option<String> {
     ok.then_some(v)
 }
 
-/// Stores the request's trace context with the event, as its `traceparent` header (sent
-/// to Kafka and on to inbox handlers). A header the producer set itself wins.
-pub fn attach_trace(event: &mut NewEvent, traceparent: Option<&str>) {
-    if let Some(tp) = traceparent {
+/// The W3C `tracestate` of a request: kept with its `traceparent` when it is printable
+/// ASCII of at most 512 bytes (the W3C limit), else dropped.
+pub fn tracestate(md: &tonic::metadata::MetadataMap) -> Option<String> {
+    let v = md.get("tracestate")?.to_str().ok()?.trim();
+    (!v.is_empty() && v.len() <= 512 && v.bytes().all(|b| (0x20..0x7f).contains(&b)))
+        .then(|| v.to_string())
+}
+
+/// Stores the request's trace context with the event, as its `traceparent` (and
+/// `tracestate`) headers, sent to Kafka and on to inbox handlers. A `traceparent` the
+/// producer set itself wins, with its own `tracestate` or none.
+pub fn attach_trace(event: &mut NewEvent, traceparent: Option<&str>, tracestate: Option<&str>) {
+    if let Some(tp) = traceparent
+        && !event.headers.contains_key(TRACEPARENT)
+    {
         event
             .headers
-            .entry(TRACEPARENT.to_string())
-            .or_insert_with(|| tp.to_string());
+            .insert(TRACEPARENT.to_string(), tp.to_string());
+        if let Some(ts) = tracestate {
+            event
+                .headers
+                .entry("tracestate".to_string())
+                .or_insert_with(|| ts.to_string());
+        }
     }
 }
 

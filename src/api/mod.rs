@@ -66,10 +66,22 @@ where
         let method = req.uri().path().to_string();
         let start = Instant::now();
         // One span per RPC: everything the handler logs is inside it, and it ends with the
-        // gRPC code and the latency.
+        // gRPC code and the latency. Named and tagged after OpenTelemetry's RPC
+        // conventions: `package.Service/Method`, kind server, `rpc.system`,
+        // `rpc.service`, `rpc.method`, `rpc.grpc.status_code`.
+        let (service, name) = method
+            .trim_start_matches('/')
+            .split_once('/')
+            .unwrap_or(("", method.as_str()));
         let span = tracing::info_span!(
             "rpc",
-            rpc.method = %method,
+            otel.name = %method.trim_start_matches('/'),
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            rpc.system = "grpc",
+            rpc.service = %service,
+            rpc.method = %name,
+            rpc.grpc.status_code = tracing::field::Empty,
             rpc.code = tracing::field::Empty,
             latency_ms = tracing::field::Empty
         );
@@ -98,7 +110,20 @@ where
                     tonic::Code::Internal
                 }
             };
-            span.record("rpc.code", tracing::field::debug(code));
+            span.record("rpc.code", crate::metrics::code_name(code));
+            span.record("rpc.grpc.status_code", code as i64);
+            // OpenTelemetry: a server span is an error for the server's own faults only.
+            if matches!(
+                code,
+                tonic::Code::Unknown
+                    | tonic::Code::DeadlineExceeded
+                    | tonic::Code::Unimplemented
+                    | tonic::Code::Internal
+                    | tonic::Code::Unavailable
+                    | tonic::Code::DataLoss
+            ) {
+                span.record("otel.status_code", "ERROR");
+            }
             span.record("latency_ms", ms);
             span.in_scope(|| tracing::debug!("rpc done"));
             metrics.rpc(&method, code, elapsed);

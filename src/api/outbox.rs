@@ -52,8 +52,9 @@ impl pb::outbox_service_server::OutboxService for OutboxApi {
             principal.check_topic(&e.topic)?;
         }
         let trace = convert::traceparent(request.metadata());
+        let state = convert::tracestate(request.metadata());
         let mut event = convert::enqueue_request(request.into_inner(), &self.limits)?;
-        convert::attach_trace(&mut event, trace.as_deref());
+        convert::attach_trace(&mut event, trace.as_deref(), state.as_deref());
         let topic = event.topic.clone();
         let stored = self.intake.submit(vec![event], false).await?;
         self.count(std::iter::once(topic.as_str()), &stored);
@@ -73,9 +74,10 @@ impl pb::outbox_service_server::OutboxService for OutboxApi {
             principal.check_topic(&e.topic)?;
         }
         let trace = convert::traceparent(request.metadata());
+        let state = convert::tracestate(request.metadata());
         let mut events = convert::enqueue_batch_request(request.into_inner(), &self.limits)?;
         for e in &mut events {
-            convert::attach_trace(e, trace.as_deref());
+            convert::attach_trace(e, trace.as_deref(), state.as_deref());
         }
         let topics: Vec<String> = match &self.metrics {
             Some(_) => events.iter().map(|e| e.topic.clone()).collect(),
@@ -183,9 +185,10 @@ fn too_large_is_resource_exhausted(resp: HttpResponse, limit: usize, what: &str)
                 .and_then(|r| r.split(' ').next())
                 .unwrap_or("?")
                 .to_string();
-            Status::resource_exhausted(format!(
-                "{found} bytes is over the {limit}-byte limit of an {what}"
-            ))
+            super::status::too_large(
+                format!("{found} bytes is over the {limit}-byte limit of an {what}"),
+                limit,
+            )
             .into_http()
         }
         _ => resp,

@@ -16,7 +16,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
-use tonic::Status;
 use tonic::codegen::http;
 use tower::{Layer, Service};
 
@@ -101,8 +100,12 @@ where
                 Ok(permit) => Some(permit),
                 Err(_) => {
                     return Box::pin(async {
-                        Ok(Status::resource_exhausted(
+                        Ok(super::status::status(
+                            tonic::Code::ResourceExhausted,
                             "server busy: too many requests in flight; retry with backoff",
+                            super::status::reason::SERVER_BUSY,
+                            Default::default(),
+                            Some(super::status::RETRY_OVERLOADED),
                         )
                         .into_http())
                     });
@@ -116,8 +119,12 @@ where
                 None => fut.await,
                 Some(t) => match tokio::time::timeout(t, fut).await {
                     Ok(r) => r,
-                    Err(_) => Ok(Status::unavailable(
+                    Err(_) => Ok(super::status::status(
+                        tonic::Code::Unavailable,
                         "request timed out in the server; retry with backoff",
+                        super::status::reason::SERVER_TIMEOUT,
+                        Default::default(),
+                        Some(super::status::RETRY_OVERLOADED),
                     )
                     .into_http()),
                 },

@@ -1,13 +1,88 @@
 //! The one place where service errors become gRPC statuses. Internal details are logged
 //! here and never sent to clients.
+//!
+//! Every status a caller may branch on carries the standard details of
+//! `google/rpc/error_details.proto`: a `google.rpc.ErrorInfo` with a stable `reason`
+//! (UPPER_SNAKE_CASE, listed in [`reason`]) and the domain [`DOMAIN`], and, on
+//! `RESOURCE_EXHAUSTED` and `UNAVAILABLE`, a `google.rpc.RetryInfo` saying how long to
+//! wait before retrying. `INVALID_ARGUMENT` also carries `google.rpc.BadRequest`.
+
+use std::collections::HashMap;
+use std::time::Duration;
 
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, FieldViolation, StatusExt};
 
 use crate::error::Error;
 
+/// `ErrorInfo.domain` of mailroom's errors.
+pub const DOMAIN: &str = "mailroom.v1";
+
+/// The stable `ErrorInfo.reason` values. Renaming one is a breaking API change.
+pub mod reason {
+    /// A request field is invalid (see the `BadRequest` detail).
+    pub const INVALID_ARGUMENT: &str = "INVALID_ARGUMENT";
+    /// The idempotency key was already used for different content.
+    pub const IDEMPOTENCY_KEY_REUSED: &str = "IDEMPOTENCY_KEY_REUSED";
+    pub const NOT_FOUND: &str = "NOT_FOUND";
+    pub const FAILED_PRECONDITION: &str = "FAILED_PRECONDITION";
+    /// The intake queue in front of the database is full.
+    pub const INTAKE_FULL: &str = "INTAKE_FULL";
+    /// Too many requests in flight in the server (`MAILROOM_MAX_CONCURRENT_RPCS`).
+    pub const SERVER_BUSY: &str = "SERVER_BUSY";
+    /// The request took longer than the server's request timeout.
+    pub const SERVER_TIMEOUT: &str = "SERVER_TIMEOUT";
+    /// A request is over its method's size limit.
+    pub const REQUEST_TOO_LARGE: &str = "REQUEST_TOO_LARGE";
+    /// The database could not be reached; nothing was stored.
+    pub const STORAGE_UNAVAILABLE: &str = "STORAGE_UNAVAILABLE";
+    pub const UNAUTHENTICATED: &str = "UNAUTHENTICATED";
+    pub const INTERNAL: &str = "INTERNAL";
+}
+
+/// Suggested wait before retrying an overloaded server.
+pub const RETRY_OVERLOADED: Duration = Duration::from_millis(200);
+/// Suggested wait before retrying while storage is unavailable.
+pub const RETRY_UNAVAILABLE: Duration = Duration::from_secs(1);
+
+/// A status with an `ErrorInfo` (and `RetryInfo` when `retry` is given).
+pub fn status(
+    code: Code,
+    message: impl Into<String>,
+    reason: &str,
+    metadata: HashMap<String, String>,
+    retry: Option<Duration>,
+) -> Status {
+    let mut d = ErrorDetails::new();
+    d.set_error_info(reason, DOMAIN, metadata);
+    if let Some(r) = retry {
+        d.set_retry_info(Some(r));
+    }
+    Status::with_error_details(code, message, d)
+}
+
+/// `RESOURCE_EXHAUSTED` for a request over its size limit (no `RetryInfo`: retrying the
+/// same request cannot succeed).
+pub fn too_large(message: String, limit: usize) -> Status {
+    status(
+        Code::ResourceExhausted,
+        message,
+        reason::REQUEST_TOO_LARGE,
+        HashMap::from([("limit_bytes".to_string(), limit.to_string())]),
+        None,
+    )
+}
+
+/// The delay a status asks for in its `RetryInfo`, if any (e.g. an inbox handler's).
+pub fn retry_delay(s: &Status) -> Option<Duration> {
+    s.get_details_retry_info()
+        .and_then(|r| r.retry_delay)
+        .filter(|d| !d.is_zero())
+}
+
 impl From<Error> for Status {
     fn from(e: Error) -> Self {
+        let none = HashMap::new;
         match e {
             Error::InvalidArgument(v) => {
                 let message = v
@@ -15,26 +90,136 @@ impl From<Error> for Status {
                     .map(|f| format!("{}: {}", f.field, f.description))
                     .collect::<Vec<_>>()
                     .join("; ");
-                let details = ErrorDetails::with_bad_request(
+                let mut details = ErrorDetails::with_bad_request(
                     v.into_iter()
                         .map(|f| FieldViolation::new(f.field, f.description))
                         .collect::<Vec<_>>(),
                 );
+                details.set_error_info(reason::INVALID_ARGUMENT, DOMAIN, none());
                 Status::with_error_details(Code::InvalidArgument, message, details)
             }
-            e @ Error::AlreadyExists { .. } => Status::already_exists(e.to_string()),
-            Error::NotFound(m) => Status::not_found(m),
-            Error::FailedPrecondition(m) => Status::failed_precondition(m),
-            Error::Overloaded(m) => Status::resource_exhausted(m),
+            Error::AlreadyExists { key } => {
+                let message = Error::AlreadyExists { key: key.clone() }.to_string();
+                let metadata = HashMap::from([("idempotency_key".to_string(), key)]);
+                status(
+                    Code::AlreadyExists,
+                    message,
+                    reason::IDEMPOTENCY_KEY_REUSED,
+                    metadata,
+                    None,
+                )
+            }
+            Error::NotFound(m) => status(Code::NotFound, m, reason::NOT_FOUND, none(), None),
+            Error::FailedPrecondition(m) => status(
+                Code::FailedPrecondition,
+                m,
+                reason::FAILED_PRECONDITION,
+                none(),
+                None,
+            ),
+            Error::Overloaded(m) => status(
+                Code::ResourceExhausted,
+                m,
+                reason::INTAKE_FULL,
+                none(),
+                Some(RETRY_OVERLOADED),
+            ),
             Error::Unavailable(m) => {
                 tracing::warn!(error = %m, "answering UNAVAILABLE");
-                Status::unavailable("storage unavailable; retry later")
+                status(
+                    Code::Unavailable,
+                    "storage unavailable; retry later",
+                    reason::STORAGE_UNAVAILABLE,
+                    none(),
+                    Some(RETRY_UNAVAILABLE),
+                )
             }
-            Error::Unauthenticated => Status::unauthenticated("missing or invalid token"),
+            Error::Unauthenticated => status(
+                Code::Unauthenticated,
+                "missing or invalid token",
+                reason::UNAUTHENTICATED,
+                none(),
+                None,
+            ),
             Error::Internal(m) => {
                 tracing::error!(error = %m, "internal error");
-                Status::internal("internal error")
+                status(
+                    Code::Internal,
+                    "internal error",
+                    reason::INTERNAL,
+                    none(),
+                    None,
+                )
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::FieldViolation as Violation;
+
+    fn info(s: &Status) -> (String, String) {
+        let i = s.get_details_error_info().expect("ErrorInfo");
+        (i.reason.clone(), i.domain.clone())
+    }
+
+    #[test]
+    fn every_error_has_a_reason_and_retryable_ones_a_delay() {
+        let cases: Vec<(Error, Code, &str, Option<Duration>)> = vec![
+            (
+                Error::InvalidArgument(vec![Violation::new("event.topic", "bad")]),
+                Code::InvalidArgument,
+                reason::INVALID_ARGUMENT,
+                None,
+            ),
+            (
+                Error::AlreadyExists { key: "k".into() },
+                Code::AlreadyExists,
+                reason::IDEMPOTENCY_KEY_REUSED,
+                None,
+            ),
+            (
+                Error::NotFound("x".into()),
+                Code::NotFound,
+                reason::NOT_FOUND,
+                None,
+            ),
+            (
+                Error::Overloaded("full".into()),
+                Code::ResourceExhausted,
+                reason::INTAKE_FULL,
+                Some(RETRY_OVERLOADED),
+            ),
+            (
+                Error::Unavailable("db down".into()),
+                Code::Unavailable,
+                reason::STORAGE_UNAVAILABLE,
+                Some(RETRY_UNAVAILABLE),
+            ),
+            (
+                Error::Internal("boom".into()),
+                Code::Internal,
+                reason::INTERNAL,
+                None,
+            ),
+        ];
+        for (e, code, want, retry) in cases {
+            let s = Status::from(e);
+            assert_eq!(s.code(), code);
+            assert_eq!(info(&s), (want.to_string(), DOMAIN.to_string()));
+            assert_eq!(retry_delay(&s), retry, "{code:?}");
+        }
+        let s = Status::from(Error::invalid("f", "d"));
+        assert_eq!(
+            s.get_details_bad_request().unwrap().field_violations.len(),
+            1
+        );
+        let s = Status::from(Error::AlreadyExists { key: "k1".into() });
+        assert_eq!(
+            s.get_details_error_info().unwrap().metadata["idempotency_key"],
+            "k1"
+        );
     }
 }

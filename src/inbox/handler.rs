@@ -137,9 +137,12 @@ pub fn classify_status(status: &tonic::Status) -> Failure {
     let error = format!("handler: {:?}: {}", status.code(), status.message());
     match status.code() {
         tonic::Code::Unavailable => Failure::Transient { error },
+        // A google.rpc.RetryInfo in the status is honoured: not before its delay.
         _ => Failure::Counted {
             error,
-            retry_at: None,
+            retry_at: crate::api::status::retry_delay(status)
+                .and_then(|d| chrono::Duration::from_std(d).ok())
+                .map(|d| chrono::Utc::now() + d),
         },
     }
 }
@@ -234,6 +237,25 @@ mod tests {
     #[test]
     fn unavailable_is_transient_and_the_rest_counts() {
         assert!(classify_status(&tonic::Status::unavailable("down")).is_transient());
+        // The handler's RetryInfo sets the next attempt.
+        let mut d = tonic_types::ErrorDetails::new();
+        d.set_retry_info(Some(std::time::Duration::from_secs(30)));
+        let s = <tonic::Status as tonic_types::StatusExt>::with_error_details(
+            tonic::Code::ResourceExhausted,
+            "slow down",
+            d,
+        );
+        match classify_status(&s) {
+            Failure::Counted {
+                retry_at: Some(t), ..
+            } => {
+                let wait = t - chrono::Utc::now();
+                assert!(
+                    wait > chrono::Duration::seconds(25) && wait <= chrono::Duration::seconds(30)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
         for s in [
             tonic::Status::internal("x"),
             tonic::Status::deadline_exceeded("x"),

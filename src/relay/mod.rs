@@ -172,6 +172,20 @@ impl Relay {
         }
     }
 
+    /// Records this relay's latencies into the given histograms (shared by the relays
+    /// of one process, so that each is exported once). Call before the relay runs.
+    pub fn with_latency(
+        mut self,
+        cycle: &crate::metrics::Latency,
+        publish: &crate::metrics::Latency,
+    ) -> Self {
+        let shared = Arc::get_mut(&mut self.shared).expect("with_latency before the relay runs");
+        let stats = Arc::get_mut(&mut shared.stats).expect("with_latency before stats() is taken");
+        stats.cycle_latency = cycle.clone();
+        stats.publish_latency = publish.clone();
+        self
+    }
+
     /// The handle that wakes this relay early (new events were committed).
     pub fn waker(&self) -> Arc<Notify> {
         self.wake.clone()

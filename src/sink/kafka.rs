@@ -17,7 +17,7 @@
 //! key reaches the partition in id order. The cost is duplicates after an outage
 //! (docs/relay.md, "Ordering under failures").
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -256,28 +256,16 @@ impl KafkaSink {
         }
     }
 
-    /// CloudEvents headers. `ce_id` is `<event id>-<created_at in µs since the epoch>`:
-    /// unique within a database even after a restore from a backup (the restored
-    /// database issues the lost ids again, at later times); `ce_source` tells
-    /// deployments apart (`app::ce_source`).
-    fn headers(&self, e: &StoredEvent) -> OwnedHeaders {
-        let id = format!("{}-{}", e.id, e.created_at.timestamp_micros());
-        let time = e.created_at.to_rfc3339();
-        let mut h = OwnedHeaders::new_with_capacity(e.headers.len() + 5);
-        for (k, v) in &e.headers {
-            h = h.insert(Header {
-                key: k,
-                value: Some(v.as_bytes()),
-            });
+    /// The record's headers (`cloud_event_headers`), with the producer span's trace
+    /// context when spans are exported.
+    fn headers(&self, e: &StoredEvent, trace: Option<&HashMap<String, String>>) -> OwnedHeaders {
+        let mut all = cloud_event_headers(e, &self.source);
+        if let Some(trace) = trace {
+            all.retain(|(k, _)| k != "traceparent" && k != "tracestate");
+            all.extend(trace.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
-        let ty = e.event_type.as_deref().unwrap_or("mailroom.event");
-        for (k, v) in [
-            ("ce_specversion", "1.0"),
-            ("ce_id", id.as_str()),
-            ("ce_type", ty),
-            ("ce_source", self.source.as_str()),
-            ("ce_time", time.as_str()),
-        ] {
+        let mut h = OwnedHeaders::new_with_capacity(all.len());
+        for (k, v) in &all {
             h = h.insert(Header {
                 key: k,
                 value: Some(v.as_bytes()),
@@ -287,31 +275,61 @@ impl KafkaSink {
     }
 
     /// Hands one line's records to librdkafka in order, stopping at the first it refuses.
-    fn produce_line(
-        &self,
-        producer: &FutureProducer,
-        line: &[&StoredEvent],
-    ) -> (Vec<DeliveryFuture>, Option<(Delivery, ErrorClass, String)>) {
+    /// Each record gets a producer span (OpenTelemetry messaging conventions), a child of
+    /// the event's own trace context, kept open until the line's acknowledgements are in.
+    fn produce_line(&self, producer: &FutureProducer, line: &[&StoredEvent]) -> ProducedLine {
         let mut futures = Vec::with_capacity(line.len());
+        let mut spans = Vec::with_capacity(line.len());
         for e in line {
+            let span = tracing::info_span!(
+                "send",
+                otel.name = %format!("send {}", e.topic),
+                otel.kind = "producer",
+                otel.status_code = tracing::field::Empty,
+                messaging.system = "kafka",
+                messaging.operation.type = "send",
+                messaging.operation.name = "send",
+                messaging.destination.name = %e.topic,
+                messaging.message.id = %format!("{}-{}", e.id, e.created_at.timestamp_micros()),
+                messaging.kafka.message.key = e.key.as_deref().unwrap_or(""),
+                mailroom.event_id = e.id,
+            );
+            crate::telemetry::join_trace_state(
+                &span,
+                e.headers.get("traceparent").map(String::as_str),
+                e.headers.get("tracestate").map(String::as_str),
+            );
+            let trace = crate::telemetry::inject(&span);
             let mut record = FutureRecord::<str, [u8]>::to(&e.topic)
                 .payload(&e.payload)
-                .headers(self.headers(e));
+                .headers(self.headers(e, trace.as_ref()));
             if let Some(k) = &e.key {
                 record = record.key(k.as_str());
             }
             match producer.send_result(record) {
-                Ok(f) => futures.push(f),
+                Ok(f) => {
+                    futures.push(f);
+                    spans.push(span);
+                }
                 Err((err, _)) => {
+                    span.record("otel.status_code", "ERROR");
                     let class = class_of(&err);
                     let d = Delivery::Failed(failure(&err, class));
-                    return (futures, Some((d, class, err.to_string())));
+                    return (futures, Some((d, class, err.to_string())), spans);
                 }
             }
         }
-        (futures, None)
+        (futures, None, spans)
     }
 }
+
+/// A line handed to librdkafka: its records' acknowledgements, the refusal that stopped
+/// it (if any), and the records' producer spans.
+type ProducedLine = (
+    Vec<DeliveryFuture>,
+    Option<(Delivery, ErrorClass, String)>,
+    Vec<tracing::Span>,
+);
 
 fn failure(e: &KafkaError, class: ErrorClass) -> Failure {
     let error = format!("kafka: {e}");
@@ -425,10 +443,17 @@ impl Sink for KafkaSink {
         // Every line is handed to librdkafka first, so the whole cycle is pipelined.
         let mut running = FuturesUnordered::new();
         for (i, line) in lines.iter().enumerate() {
-            let (futures, refused) = self.produce_line(&producer, line);
+            let (futures, refused, spans) = self.produce_line(&producer, line);
             let (len, timeout) = (line.len(), self.deadline);
             running.push(async move {
                 let (d, notes) = await_line(futures, refused, len, deadline, timeout).await;
+                // A producer span ends at its record's acknowledgement (or failure).
+                for (span, d) in spans.iter().zip(&d) {
+                    if !matches!(d, Delivery::Delivered) {
+                        span.record("otel.status_code", "ERROR");
+                    }
+                }
+                drop(spans);
                 (i, d, notes)
             });
         }
@@ -452,9 +477,117 @@ impl Sink for KafkaSink {
     }
 }
 
+/// The CloudEvents attributes mailroom sets itself (binary content mode).
+const CE_OWN: [&str; 5] = ["ce_specversion", "ce_id", "ce_type", "ce_source", "ce_time"];
+/// The content type when an event names none.
+pub const DEFAULT_CONTENT_TYPE: &str = "application/octet-stream";
+
+/// A record's headers, following the CloudEvents Kafka protocol binding (binary content
+/// mode) exactly:
+/// - `ce_specversion` = `1.0`, `ce_id` = `<event id>-<created_at in µs since the epoch>`
+///   (unique within a database even after a restore from a backup: the restored
+///   database issues the lost ids again, at later times), `ce_type` (the event's type,
+///   `mailroom.event` when it has none), `ce_source` (`app::ce_source`: tells
+///   deployments apart), `ce_time` (RFC 3339);
+/// - `content-type` (the binding's name for `datacontenttype`): the event's own
+///   `content-type` header (any case, or a `ce_datacontenttype` one), else
+///   `application/octet-stream`;
+/// - the event's other headers as they are, except those naming an attribute mailroom
+///   sets (an event cannot forge its `ce_id` or `ce_source`). Other `ce_*` headers pass
+///   through as extension attributes.
+pub fn cloud_event_headers(e: &StoredEvent, source: &str) -> Vec<(String, String)> {
+    let mut content_type = None;
+    let mut out = Vec::with_capacity(e.headers.len() + 6);
+    for (k, v) in &e.headers {
+        let lower = k.to_ascii_lowercase();
+        if lower == "content-type" || lower == "ce_datacontenttype" {
+            content_type.get_or_insert_with(|| v.clone());
+        } else if !CE_OWN.contains(&lower.as_str()) {
+            out.push((k.clone(), v.clone()));
+        }
+    }
+    let ty = e.event_type.as_deref().unwrap_or("mailroom.event");
+    out.extend([
+        ("ce_specversion".to_string(), "1.0".to_string()),
+        (
+            "ce_id".to_string(),
+            format!("{}-{}", e.id, e.created_at.timestamp_micros()),
+        ),
+        ("ce_type".to_string(), ty.to_string()),
+        ("ce_source".to_string(), source.to_string()),
+        ("ce_time".to_string(), e.created_at.to_rfc3339()),
+        (
+            "content-type".to_string(),
+            content_type.unwrap_or_else(|| DEFAULT_CONTENT_TYPE.to_string()),
+        ),
+    ]);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn stored(headers: &[(&str, &str)]) -> StoredEvent {
+        let t = chrono::DateTime::from_timestamp(1_764_600_000, 123_456_000).unwrap();
+        StoredEvent {
+            id: 42,
+            topic: "orders".into(),
+            key: Some("k".into()),
+            payload: b"{}".to_vec(),
+            headers: headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            event_type: Some("order.created".into()),
+            idempotency_key: None,
+            status: crate::domain::Status::Pending,
+            attempts: 0,
+            max_attempts: 6,
+            scheduled_at: t,
+            created_at: t,
+            updated_at: t,
+            published_at: None,
+            last_error: None,
+        }
+    }
+
+    #[test]
+    fn headers_follow_the_cloudevents_kafka_binding() {
+        let get = |h: &[(String, String)], k: &str| -> Vec<String> {
+            h.iter()
+                .filter(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+                .collect()
+        };
+        let h = cloud_event_headers(&stored(&[("source", "checkout")]), "mailroom/x");
+        assert_eq!(get(&h, "ce_specversion"), ["1.0"]);
+        assert_eq!(get(&h, "ce_id"), ["42-1764600000123456"]);
+        assert_eq!(get(&h, "ce_type"), ["order.created"]);
+        assert_eq!(get(&h, "ce_source"), ["mailroom/x"]);
+        assert_eq!(get(&h, "ce_time"), ["2025-12-01T14:40:00.123456+00:00"]);
+        assert_eq!(get(&h, "content-type"), [DEFAULT_CONTENT_TYPE]);
+        assert_eq!(get(&h, "source"), ["checkout"]);
+        // The event's content type, whatever its spelling; no forged ce_id/ce_source;
+        // other ce_ extensions pass through.
+        let h = cloud_event_headers(
+            &stored(&[
+                ("Content-Type", "application/json"),
+                ("ce_id", "forged"),
+                ("ce_source", "forged"),
+                ("ce_subject", "order-42"),
+            ]),
+            "mailroom/x",
+        );
+        assert_eq!(get(&h, "content-type"), ["application/json"]);
+        assert!(get(&h, "Content-Type").is_empty());
+        assert_eq!(get(&h, "ce_id"), ["42-1764600000123456"]);
+        assert_eq!(get(&h, "ce_source"), ["mailroom/x"]);
+        assert_eq!(get(&h, "ce_subject"), ["order-42"]);
+        let h = cloud_event_headers(&stored(&[("ce_datacontenttype", "text/plain")]), "s");
+        assert_eq!(get(&h, "content-type"), ["text/plain"]);
+        assert!(get(&h, "ce_datacontenttype").is_empty());
+    }
 
     #[test]
     fn outage_errors_are_transient() {

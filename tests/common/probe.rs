@@ -33,3 +33,11 @@ pub fn sample(text: &str, series: &str) -> f64 {
         .map(|v| v.trim().parse().unwrap())
         .unwrap_or_else(|| panic!("metric series {series} is not exported; the page was:\n{text}"))
 }
+
+/// The body of a raw HTTP response from `scrape`.
+pub fn body(response: &str) -> &str {
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b)
+        .unwrap_or(response)
+}

@@ -2,7 +2,7 @@
 generated from proto/ at run time. Appends each request as a JSON line to LOG_FILE;
 answers reject for the payload "reject", success otherwise.
 
-usage: handler_server.py PORT PROTO_DIR LOG_FILE
+usage: handler.py PORT PROTO_DIR LOG_FILE
 """
 import importlib
 import json

@@ -1,0 +1,651 @@
+//! The operator console (issue 14) in a real browser: Debian's headless Chromium driven
+//! through chromedriver by fantoccini. It logs in with the admin token, loads every page
+//! of the outbox and of an inbox subscription, filters the backlog, requeues a failed
+//! event through the UI (preview, then confirm) and sees it published in the local
+//! sink's file and in the audit log.
+//!
+//! `MAILROOM_CONSOLE_SCREENSHOTS=DIR` saves a PNG of each page there (docs/img).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::*;
+use fantoccini::{Client, ClientBuilder, Locator};
+use mailroom::config::{Config, Settings};
+use mailroom::domain::{BoxKind, Status, StoredEvent};
+use mailroom::pb;
+use mailroom::pb::handler_service_server::HandlerService;
+use mailroom::sink::local::LocalSink;
+use mailroom::sink::{Delivery, Failure, Sink};
+use tonic::{Request, Response, Status as GrpcStatus};
+
+const TOKEN: &str = "console-admin-token-0123456789";
+
+/// The local sink, except that topics in `failing` fail (counted) while it is set.
+struct FlakySink {
+    inner: LocalSink,
+    failing: AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Sink for FlakySink {
+    async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>> {
+        let failing = self.failing.load(Ordering::SeqCst);
+        let mut out = Vec::new();
+        for line in lines {
+            let bad = |e: &StoredEvent| e.topic == "flaky" || (failing && e.topic == "payments");
+            if line.iter().any(|e| bad(e)) {
+                out.push(
+                    line.iter()
+                        .map(|e| {
+                            if bad(e) {
+                                Delivery::Failed(Failure::Counted {
+                                    error: format!(
+                                        "broker refused {}: payment gateway timeout",
+                                        e.topic
+                                    ),
+                                    retry_at: None,
+                                })
+                            } else {
+                                Delivery::NotAttempted
+                            }
+                        })
+                        .collect(),
+                );
+            } else {
+                out.extend(self.inner.deliver(std::slice::from_ref(line)).await);
+            }
+        }
+        out
+    }
+}
+
+/// Handles everything except payload `reject`.
+#[derive(Clone)]
+struct Handler;
+
+#[tonic::async_trait]
+impl HandlerService for Handler {
+    async fn handle(
+        &self,
+        request: Request<pb::HandleRequest>,
+    ) -> Result<Response<pb::HandleResponse>, GrpcStatus> {
+        use pb::handle_response::Outcome;
+        let r = request.into_inner();
+        let outcome = if r.payload == b"reject" {
+            Outcome::Reject(pb::HandleReject {
+                reason: "unknown customer".into(),
+            })
+        } else {
+            Outcome::Success(pb::HandleSuccess {})
+        };
+        Ok(Response::new(pb::HandleResponse {
+            outcome: Some(outcome),
+        }))
+    }
+}
+
+struct Driver(Child);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn start_browser() -> (Driver, Client) {
+    let port = free_port();
+    let child = Command::new("chromedriver")
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("chromedriver is required (scripts/test.sh installs chromium-driver)");
+    let driver = Driver(child);
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let profile = tempfile::tempdir().unwrap().keep();
+    let caps = serde_json::json!({
+        "goog:chromeOptions": {
+            "args": [
+                "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--no-first-run", "--window-size=1280,1000",
+                format!("--user-data-dir={}", profile.display()),
+            ]
+        }
+    });
+    let caps = match caps {
+        serde_json::Value::Object(m) => m,
+        _ => unreachable!(),
+    };
+    let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    let client = ClientBuilder::new(connector)
+        .capabilities(caps)
+        .connect(&format!("http://127.0.0.1:{port}"))
+        .await
+        .expect("a chromedriver session");
+    (driver, client)
+}
+
+/// Saves a screenshot when `MAILROOM_CONSOLE_SCREENSHOTS` names a directory.
+async fn shot(c: &Client, name: &str) {
+    if let Ok(dir) = std::env::var("MAILROOM_CONSOLE_SCREENSHOTS") {
+        let png = c.screenshot().await.unwrap();
+        let path = PathBuf::from(dir).join(format!("console-{name}.png"));
+        std::fs::write(&path, png).unwrap();
+    }
+}
+
+async fn text(c: &Client, css: &str) -> String {
+    c.wait()
+        .at_most(Duration::from_secs(20))
+        .for_element(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("{css}: {e}"))
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Clicks what `css` finds and waits until the page it leads to has loaded (the old
+/// document gone stale, the new one complete): a form submission is not awaited by
+/// every driver, and a slow machine shows it.
+async fn click_nav(c: &Client, css: &str) {
+    let old = c.find(Locator::Css("html")).await.unwrap();
+    c.find(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("{css}: {e}"))
+        .click()
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let stale = old.tag_name().await.is_err();
+        let ready = c
+            .execute("return document.readyState", vec![])
+            .await
+            .ok()
+            .and_then(|v| v.as_str().map(|s| s == "complete"))
+            .unwrap_or(false);
+        if stale && ready {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "clicking {css} did not load a page"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A raw HTTP/1.1 exchange (status line and body), for what a browser does not show.
+async fn http(addr: std::net::SocketAddr, request: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+async fn eventually_status(s: &Service, id: i64, want: Status, what: &str) {
+    let store = s.app.store.clone();
+    eventually(Duration::from_secs(20), what, || {
+        let store = store.clone();
+        async move {
+            store
+                .get_event(BoxKind::Outbox, id)
+                .await
+                .unwrap()
+                .is_some_and(|e| e.status == want)
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_in_a_real_browser() {
+    let url = fresh_pg().await;
+    let dir = tempfile::tempdir().unwrap();
+    let handler = serve_handler(Handler).await;
+    let toml = dir.path().join("mailroom.toml");
+    std::fs::write(
+        &toml,
+        format!(
+            "[[subscriptions]]\nname = \"billing\"\nhandler = \"{handler}\"\nmax_attempts = 3\n"
+        ),
+    )
+    .unwrap();
+    let mut c: Config = Config::load(Settings {
+        config: Some(toml),
+        listen: Some("127.0.0.1:0".into()),
+        database_url: Some(url.clone()),
+        console_listen: Some("127.0.0.1:0".into()),
+        admin_token: Some(TOKEN.into()),
+        ..Default::default()
+    })
+    .expect("config");
+    c.relay.poll_interval = Duration::from_millis(50);
+    c.relay.retry.base = Duration::from_secs(600);
+    c.relay.retry.cap = Duration::from_secs(600);
+    let out = dir.path().join("published.jsonl");
+    let sink = Arc::new(FlakySink {
+        inner: LocalSink::file(out.clone()).await.unwrap(),
+        failing: AtomicBool::new(true),
+    });
+    let mut s = Service::start_with_sink(c, sink.clone()).await;
+    let console = s.app.console_addr.expect("console address");
+
+    // The outbox: published lines, a failed payment, a blocked key, a delayed backlog.
+    for k in 1..=3 {
+        for i in 0..3 {
+            enqueue(
+                &mut s.client,
+                event(
+                    "orders",
+                    &format!("order-{k}"),
+                    format!("{{\"n\":{i}}}").as_bytes(),
+                ),
+            )
+            .await;
+        }
+    }
+    let mut pay = event(
+        "payments",
+        "pay-7",
+        br#"{"amount": 4200, "currency": "EUR", "customer": "c-19"}"#,
+    );
+    pay.max_attempts = 1;
+    pay.r#type = "payment.captured".into();
+    pay.headers = BTreeMap::from([
+        ("content-type".to_string(), "application/json".to_string()),
+        ("source".to_string(), "checkout".to_string()),
+    ])
+    .into_iter()
+    .collect();
+    let failed_id = enqueue(&mut s.client, pay).await;
+    let mut flaky = event("flaky", "acct-1", b"\x00\x01binary\xff");
+    flaky.max_attempts = 5;
+    let flaky_id = enqueue(&mut s.client, flaky).await;
+    enqueue(&mut s.client, event("flaky", "acct-1", b"behind the head")).await;
+    let later = prost_types::Timestamp {
+        seconds: chrono::Utc::now().timestamp() + 3600,
+        nanos: 0,
+    };
+    for k in 1..=5 {
+        for _ in 0..k {
+            let mut e = event("slow", &format!("cust-{k}"), b"later");
+            e.deliver_after = Some(later);
+            enqueue(&mut s.client, e).await;
+        }
+    }
+    eventually_status(&s, failed_id, Status::Failed, "the payment failed").await;
+    let store = s.app.store.clone();
+    eventually(Duration::from_secs(20), "the flaky head attempted", || {
+        let store = store.clone();
+        async move {
+            store
+                .get_event(BoxKind::Outbox, flaky_id)
+                .await
+                .unwrap()
+                .is_some_and(|e| e.attempts >= 1)
+        }
+    })
+    .await;
+
+    // The inbox: one handled message, one rejected.
+    let mut inbox = pb::inbox_service_client::InboxServiceClient::new(channel(s.app.addr).await);
+    for (id, payload) in [("m-1", "hello"), ("m-2", "reject")] {
+        inbox
+            .receive(pb::ReceiveRequest {
+                subscription: "billing".into(),
+                message_id: id.into(),
+                topic: "customers".into(),
+                key: "c-19".into(),
+                payload: payload.as_bytes().to_vec(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+
+    // Without a token: the login form (browsers) or 401 (a wrong bearer token).
+    let r = http(
+        console,
+        "GET /outbox HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(
+        r.starts_with("HTTP/1.1 303") && r.contains("/login?next="),
+        "{r}"
+    );
+    let r = http(
+        console,
+        "GET /outbox HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 401"), "{r}");
+    let r = http(
+        console,
+        &format!("GET /outbox HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n"),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 200") && r.contains("Outbox"), "{r}");
+    // A POST without a session or token acts on nothing.
+    let form = format!("action=requeue&id={failed_id}&confirm=yes");
+    let r = http(
+        console,
+        &format!(
+            "POST /outbox/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        ),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 303"), "{r}");
+
+    // A session's forms must carry its CSRF token.
+    let login = format!("token={TOKEN}&next=%2Foutbox");
+    let r = http(
+        console,
+        &format!(
+            "POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{login}",
+            login.len()
+        ),
+    )
+    .await;
+    let session = r
+        .lines()
+        .find_map(|l| l.strip_prefix("set-cookie: "))
+        .and_then(|c| c.split(';').next())
+        .unwrap_or_else(|| panic!("no session cookie: {r}"))
+        .to_string();
+    let r = http(
+        console,
+        &format!(
+            "POST /outbox/events HTTP/1.1\r\nHost: x\r\nCookie: {session}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        ),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    // And a cross-origin POST is refused even with a bearer token.
+    let r = http(
+        console,
+        &format!(
+            "POST /outbox/events HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.example\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        ),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    let e = s
+        .app
+        .store
+        .get_event(BoxKind::Outbox, failed_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.status, Status::Failed, "no request above acted");
+
+    let (_driver, b) = start_browser().await;
+    let base = format!("http://{console}");
+
+    // Log in.
+    b.goto(&format!("{base}/outbox")).await.unwrap();
+    assert!(b.current_url().await.unwrap().path().starts_with("/login"));
+    shot(&b, "login").await;
+    b.find(Locator::Css("#token"))
+        .await
+        .unwrap()
+        .send_keys("wrong-token")
+        .await
+        .unwrap();
+    click_nav(&b, "#login").await;
+    assert!(text(&b, "[role=alert]").await.contains("not valid"));
+    b.find(Locator::Css("#token"))
+        .await
+        .unwrap()
+        .send_keys(TOKEN)
+        .await
+        .unwrap();
+    click_nav(&b, "#login").await;
+    assert_eq!(b.current_url().await.unwrap().path(), "/outbox");
+
+    // Overview.
+    assert_eq!(text(&b, "#failed .n").await, "1");
+    assert_eq!(text(&b, "#blocked .n").await, "1");
+    let pending: i64 = text(&b, "#pending .n").await.parse().unwrap();
+    assert_eq!(pending, 2 + 15);
+    let rate: i64 = text(&b, ".rate-total").await.parse().unwrap();
+    assert_eq!(rate, 9, "nine order events published");
+    assert!(text(&b, "#topics").await.contains("payments"));
+    assert!(b.find(Locator::Css("figure.chart svg rect")).await.is_ok());
+    shot(&b, "overview").await;
+
+    // Backlog by key: blocked keys first, then filter by topic.
+    b.goto(&format!("{base}/outbox/backlog")).await.unwrap();
+    let first_table = text(&b, "table.backlog").await;
+    assert!(
+        first_table.contains("acct-1") && first_table.contains("blocked"),
+        "{first_table}"
+    );
+    assert!(first_table.contains("broker refused flaky"));
+    assert!(text(&b, "#totals").await.contains("17 pending in 6 keys"));
+    shot(&b, "backlog").await;
+    b.find(Locator::Css("#f-topic"))
+        .await
+        .unwrap()
+        .send_keys("slow")
+        .await
+        .unwrap();
+    click_nav(&b, "#f-apply").await;
+    let rows = b
+        .find_all(Locator::Css("table.backlog tbody tr"))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 5, "five keys of topic slow");
+    // Most pending first: cust-5 (5 events) heads the list.
+    assert_eq!(
+        rows[0].attr("data-key").await.unwrap().as_deref(),
+        Some("cust-5")
+    );
+    assert!(text(&b, "#totals").await.contains("15 pending in 5 keys"));
+    // Keyset paging keeps the filter (a page of 50 holds all 5 here: no next link).
+    assert!(b.find(Locator::Css("#next-page")).await.is_err());
+    // Two keys a page: three pages, every key once, in order, the filter kept.
+    b.goto(&format!("{base}/outbox/backlog?topic=slow&size=2"))
+        .await
+        .unwrap();
+    let mut keys = Vec::new();
+    loop {
+        for r in b
+            .find_all(Locator::Css("table.backlog tbody tr"))
+            .await
+            .unwrap()
+        {
+            keys.push(r.attr("data-key").await.unwrap().unwrap());
+        }
+        if b.find(Locator::Css("#next-page")).await.is_err() {
+            break;
+        }
+        click_nav(&b, "#next-page").await;
+    }
+    assert_eq!(keys, ["cust-5", "cust-4", "cust-3", "cust-2", "cust-1"]);
+
+    // One event: headers, pretty JSON, error, its key's line.
+    b.goto(&format!("{base}/outbox/events/{failed_id}"))
+        .await
+        .unwrap();
+    let json = text(&b, "#payload-json").await;
+    assert!(json.contains("\"amount\": 4200"), "pretty-printed: {json}");
+    assert!(text(&b, "#headers").await.contains("checkout"));
+    assert!(
+        text(&b, "#last-error")
+            .await
+            .contains("payment gateway timeout")
+    );
+    assert!(text(&b, "#attempts").await.contains("1 of 1"));
+    assert!(b.find(Locator::Css("#line tr.this")).await.is_ok());
+    shot(&b, "event").await;
+    b.goto(&format!("{base}/outbox/events/{flaky_id}"))
+        .await
+        .unwrap();
+    assert!(text(&b, "#payload-hex").await.contains("00 01 62 69"));
+    assert_eq!(
+        b.find_all(Locator::Css("#line tbody tr"))
+            .await
+            .unwrap()
+            .len(),
+        2,
+        "the key's two events"
+    );
+
+    // Failed events: select, preview, confirm; then it is published.
+    b.goto(&format!("{base}/outbox/events")).await.unwrap();
+    assert!(text(&b, "#events").await.contains("payments"));
+    shot(&b, "failed").await;
+    sink.failing.store(false, Ordering::SeqCst);
+    b.find(Locator::Css(&format!("#sel-{failed_id}")))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    click_nav(&b, "#requeue-selected").await;
+    assert!(text(&b, "#preview").await.contains("would requeue 1 event"));
+    shot(&b, "requeue-preview").await;
+    // The dry run changed nothing.
+    let e = s
+        .app
+        .store
+        .get_event(BoxKind::Outbox, failed_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.status, Status::Failed);
+    click_nav(&b, "#confirm").await;
+    assert!(text(&b, "#done").await.contains("requeue 1 event"));
+    eventually_status(
+        &s,
+        failed_id,
+        Status::Completed,
+        "the requeued payment published",
+    )
+    .await;
+    let published = std::fs::read_to_string(&out).unwrap();
+    assert!(
+        published
+            .lines()
+            .any(|l| l.contains(&format!("\"id\":{failed_id},"))
+                && l.contains("\"topic\":\"payments\"")),
+        "{published}"
+    );
+
+    // The audit log shows who did it.
+    b.goto(&format!("{base}/audit")).await.unwrap();
+    let audit = text(&b, "#audit").await;
+    assert!(
+        audit.contains("requeue") && audit.contains("console (token)"),
+        "{audit}"
+    );
+    shot(&b, "audit").await;
+
+    // The inbox subscription's pages.
+    b.goto(&format!("{base}/inbox/billing")).await.unwrap();
+    let store = s.app.store.clone();
+    eventually(Duration::from_secs(20), "inbox settled", || {
+        let store = store.clone();
+        async move {
+            store
+                .count_events(BoxKind::Inbox, Some(Status::Pending))
+                .await
+                .unwrap()
+                == 0
+        }
+    })
+    .await;
+    b.refresh().await.unwrap();
+    assert_eq!(text(&b, "#failed .n").await, "1");
+    assert_eq!(text(&b, "#completed .n").await, "1");
+    shot(&b, "inbox").await;
+    b.goto(&format!("{base}/inbox/billing/backlog"))
+        .await
+        .unwrap();
+    assert!(
+        b.find(Locator::Css("#empty")).await.is_ok(),
+        "nothing pending"
+    );
+    b.goto(&format!("{base}/inbox/billing/events"))
+        .await
+        .unwrap();
+    let failed = text(&b, "#events").await;
+    assert!(
+        failed.contains("unknown customer") && failed.contains("c-19"),
+        "{failed}"
+    );
+
+    // Log out: back to the login form.
+    click_nav(&b, "header form button").await;
+    b.goto(&format!("{base}/outbox")).await.unwrap();
+    assert!(b.current_url().await.unwrap().path().starts_with("/login"));
+
+    b.close().await.unwrap();
+    s.app.stop().await.unwrap();
+}
+
+/// `console_read_only`: pages show no actions and a POST is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_console_refuses_actions() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.console_read_only = true;
+    let mut s = Service::start(c).await;
+    let console = s.app.console_addr.unwrap();
+    let id = enqueue(&mut s.client, event("ro", "k", b"x")).await;
+    let r = http(
+        console,
+        "GET /outbox/events?status=pending HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(
+        r.starts_with("HTTP/1.1 200") && r.contains("read-only"),
+        "{r}"
+    );
+    assert!(
+        r.contains(&format!("sel-{id}")) && !r.contains("cancel-selected"),
+        "{r}"
+    );
+    let form = format!("action=cancel&id={id}&confirm=yes");
+    let r = http(
+        console,
+        &format!(
+            "POST /outbox/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        ),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    let e = s
+        .app
+        .store
+        .get_event(BoxKind::Outbox, id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.status, Status::Pending);
+    s.app.stop().await.unwrap();
+}

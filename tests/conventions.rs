@@ -1,0 +1,243 @@
+//! The conventions generic gRPC tools assume (issue 14): server reflection in both
+//! versions, standard error details, and an operator client whose `--help` is its own.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use mailroom::api::status::{DOMAIN, reason};
+use mailroom::pb;
+use tonic::Code;
+use tonic_types::StatusExt;
+
+/// Python's grpcio-reflection speaks only `grpc.reflection.v1alpha`: with it, a client
+/// with no stubs finds OutboxService.Enqueue and calls it. grpcurl's `v1` works too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reflection_serves_v1_and_v1alpha() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    let s = Service::start(c).await;
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = tokio::process::Command::new("python3")
+        .arg(format!("{root}/tests/python/reflection_client.py"))
+        .arg(s.app.addr.to_string())
+        .output()
+        .await
+        .expect("python3 is required (scripts/test.sh installs grpcio-reflection)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "v1alpha reflection client failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    let services: Vec<&str> = seen["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    for want in [
+        "mailroom.v1.OutboxService",
+        "mailroom.v1.AdminService",
+        "mailroom.v1.InboxService",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(services.contains(&want), "{want} not in {services:?}");
+    }
+    let id = seen["id"].as_i64().expect("an id from Enqueue");
+    let stored = s
+        .app
+        .store
+        .get_event(mailroom::domain::BoxKind::Outbox, id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.topic, "reflected");
+
+    // v1, as grpcurl and tonic's client speak it.
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    let mut v1 = ServerReflectionClient::new(channel(s.app.addr).await);
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut answers = v1
+        .server_reflection_info(tokio_stream::iter([req]))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = answers.message().await.unwrap().unwrap();
+    match answer.message_response {
+        Some(MessageResponse::ListServicesResponse(l)) => {
+            assert!(
+                l.service
+                    .iter()
+                    .any(|s| s.name == "mailroom.v1.OutboxService")
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    s.app.stop().await.unwrap();
+}
+
+fn reason_of(s: &tonic::Status) -> String {
+    let info = s
+        .get_details_error_info()
+        .unwrap_or_else(|| panic!("no ErrorInfo in {s:?}"));
+    assert_eq!(info.domain, DOMAIN);
+    info.reason.clone()
+}
+
+/// Errors a caller branches on carry `google.rpc.ErrorInfo` with a stable reason; the
+/// retryable ones (`UNAVAILABLE`, `RESOURCE_EXHAUSTED` from load) carry `RetryInfo`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_carry_error_info_and_retry_info() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    let mut s = Service::start(c).await;
+
+    // INVALID_ARGUMENT: BadRequest and ErrorInfo.
+    let e = s
+        .client
+        .enqueue(pb::EnqueueRequest {
+            event: Some(event("bad topic", "", b"")),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert_eq!(reason_of(&e), reason::INVALID_ARGUMENT);
+    assert!(e.get_details_bad_request().is_some());
+    assert!(e.get_details_retry_info().is_none());
+
+    // ALREADY_EXISTS: the idempotency key in the metadata.
+    let mut first = event("conv", "k", b"one");
+    first.idempotency_key = "idem-1".into();
+    enqueue(&mut s.client, first.clone()).await;
+    first.payload = b"two".to_vec();
+    let e = s
+        .client
+        .enqueue(pb::EnqueueRequest { event: Some(first) })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists);
+    assert_eq!(reason_of(&e), reason::IDEMPOTENCY_KEY_REUSED);
+    assert_eq!(
+        e.get_details_error_info().unwrap().metadata["idempotency_key"],
+        "idem-1"
+    );
+
+    // RESOURCE_EXHAUSTED for size: a reason, and no RetryInfo (the same request cannot
+    // succeed later).
+    let huge = event("conv", "k", &vec![0u8; 4 * 1024 * 1024]);
+    let e = s
+        .client
+        .enqueue(pb::EnqueueRequest { event: Some(huge) })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert_eq!(reason_of(&e), reason::REQUEST_TOO_LARGE);
+    assert!(e.get_details_retry_info().is_none());
+    s.app.stop().await.unwrap();
+
+    // UNAVAILABLE from the server's request timeout: RetryInfo with a delay.
+    let mut c = config(&url);
+    c.relays = 0;
+    c.overload.rpc_timeout = Some(Duration::from_nanos(1));
+    let mut s = Service::start(c).await;
+    let e = s
+        .client
+        .enqueue(pb::EnqueueRequest {
+            event: Some(event("conv", "slow", b"x")),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert_eq!(reason_of(&e), reason::SERVER_TIMEOUT);
+    let delay = e.get_details_retry_info().unwrap().retry_delay.unwrap();
+    assert!(delay > Duration::ZERO);
+    s.app.stop().await.unwrap();
+
+    // RESOURCE_EXHAUSTED from load: one RPC in flight at most, sixteen batches at once.
+    let mut c = config(&url);
+    c.relays = 0;
+    c.overload.max_concurrent_rpcs = 1;
+    let s = Service::start(c).await;
+    let mut seen_busy = None;
+    let mut calls = Vec::new();
+    for _ in 0..16 {
+        let mut client = s.client.clone();
+        calls.push(tokio::spawn(async move {
+            let events = (0..500)
+                .map(|i| event("conv.busy", &format!("k{i}"), &[0u8; 512]))
+                .collect();
+            client
+                .enqueue_batch(pb::EnqueueBatchRequest { events })
+                .await
+        }));
+    }
+    for c in calls {
+        if let Err(e) = c.await.unwrap() {
+            seen_busy = Some(e);
+        }
+    }
+    let e = seen_busy.expect("sixteen concurrent batches against a limit of one: some are refused");
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert_eq!(reason_of(&e), reason::SERVER_BUSY);
+    assert!(e.get_details_retry_info().unwrap().retry_delay.is_some());
+    s.app.stop().await.unwrap();
+}
+
+/// `mailroom admin --help` lists the operator client's options, not the server's.
+#[test]
+fn admin_help_shows_only_the_client_options() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+        .args(["admin", "--help"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "--server",
+        "--token",
+        "--json",
+        "--inbox",
+        "--subscription",
+        "requeue",
+    ] {
+        assert!(help.contains(want), "{want} missing from:\n{help}");
+    }
+    for server_only in [
+        "--database-url",
+        "--kafka-brokers",
+        "--relay-lease-ms",
+        "--listen ",
+    ] {
+        assert!(!help.contains(server_only), "{server_only} in:\n{help}");
+    }
+    assert!(help.lines().count() < 40, "{help}");
+    assert!(help.starts_with("Operate a running mailroom"), "{help}");
+    // A subcommand's help too.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+        .args(["admin", "pending", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("--topic") && !help.contains("--database-url"),
+        "{help}"
+    );
+    // The server's own help still lists its settings and the admin command.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--database-url") && help.contains("admin"));
+}
