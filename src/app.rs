@@ -246,6 +246,12 @@ impl App {
             !config.tokens.is_empty(),
             config.admin_token.as_deref(),
         );
+        if config.open_on_network {
+            tracing::warn!(
+                addr = %config.listen,
+                "--allow-unauthenticated: every RPC is open to anyone who can reach this address"
+            );
+        }
         let tls = match &config.tls {
             None => None,
             Some(t) => Some(tls_config(t)?),

@@ -512,9 +512,11 @@ impl Metrics {
     }
 
     /// Counts one RPC by method and gRPC code, with its latency.
+    /// (`method` is the request path; see `known_method`.)
     pub fn rpc(&self, method: &str, code: tonic::Code, elapsed: Duration) {
-        // Only known methods become labels: an unknown path is answered UNIMPLEMENTED.
-        let method = if code == tonic::Code::Unimplemented {
+        // Only the methods this server serves become labels: whatever path a caller
+        // invents (answered UNIMPLEMENTED, or UNAUTHENTICATED before routing) is `unknown`.
+        let method = if code == tonic::Code::Unimplemented || !known_method(method) {
             "unknown"
         } else {
             method
@@ -614,9 +616,56 @@ fn rpc_histogram() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
 }
 
+/// Whether `path` (`/package.Service/Method`) is a method this server serves: the
+/// mailroom services, health and reflection, read from their descriptor sets once.
+pub fn known_method(path: &str) -> bool {
+    use prost::Message as _;
+    static KNOWN: std::sync::OnceLock<HashSet<String>> = std::sync::OnceLock::new();
+    KNOWN
+        .get_or_init(|| {
+            let mut known = HashSet::new();
+            for set in [
+                crate::pb::FILE_DESCRIPTOR_SET,
+                tonic_health::pb::FILE_DESCRIPTOR_SET,
+            ] {
+                let Ok(set) = prost_types::FileDescriptorSet::decode(set) else {
+                    continue;
+                };
+                for f in set.file {
+                    let pkg = f.package.unwrap_or_default();
+                    for svc in f.service {
+                        let name = svc.name.unwrap_or_default();
+                        for m in svc.method {
+                            known.insert(format!("/{pkg}.{name}/{}", m.name.unwrap_or_default()));
+                        }
+                    }
+                }
+            }
+            for v in ["v1", "v1alpha"] {
+                known.insert(format!(
+                    "/grpc.reflection.{v}.ServerReflection/ServerReflectionInfo"
+                ));
+            }
+            known
+        })
+        .contains(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_served_methods_are_labels() {
+        assert!(known_method("/mailroom.v1.OutboxService/Enqueue"));
+        assert!(known_method("/mailroom.v1.AdminService/GetStats"));
+        assert!(known_method("/grpc.health.v1.Health/Check"));
+        assert!(known_method(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+        ));
+        assert!(!known_method("/mailroom.v1.OutboxService/Nope"));
+        assert!(!known_method("/evil.Service/x1"));
+    }
 
     #[test]
     fn histograms_merge_cumulatively() {

@@ -26,6 +26,15 @@ pub struct AdminArgs {
     /// Admin bearer token, if the server requires one.
     #[arg(long, env = "MAILROOM_ADMIN_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// CA certificates (PEM) that verify an `https://` server [default: webpki roots].
+    #[arg(long, env = "MAILROOM_ADMIN_TLS_CA")]
+    pub ca: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for a server that requires mTLS; needs --key.
+    #[arg(long, env = "MAILROOM_ADMIN_TLS_CERT")]
+    pub cert: Option<std::path::PathBuf>,
+    /// Private key (PEM) of --cert.
+    #[arg(long, env = "MAILROOM_ADMIN_TLS_KEY")]
+    pub key: Option<std::path::PathBuf>,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -217,9 +226,22 @@ fn operator(o: Option<String>) -> String {
 
 /// Runs one admin command and returns what it prints.
 pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
-    let channel = Channel::from_shared(args.server.clone())
+    let mut endpoint = Channel::from_shared(args.server.clone())
         .context("--server is not a URL")?
-        .connect_timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5));
+    let tls = crate::config::ClientTls {
+        ca: args.ca.clone(),
+        cert: args.cert.clone(),
+        key: args.key.clone(),
+    };
+    if args.server.starts_with("https://") {
+        endpoint = endpoint
+            .tls_config(tls.tonic()?)
+            .context("TLS configuration")?;
+    } else if tls != crate::config::ClientTls::default() {
+        anyhow::bail!("--ca/--cert/--key need an https:// --server");
+    }
+    let channel = endpoint
         .connect()
         .await
         .with_context(|| format!("connecting to {}", args.server))?;

@@ -221,7 +221,7 @@ impl AdminStore for PgStore {
             "WITH h AS MATERIALIZED (
                 SELECT {k_sub} AS subscription, k.topic, k.event_key AS key, k.pending,
                        e.id AS head_id, e.created_at, e.attempts, e.scheduled_at, e.last_error,
-                       (e.attempts > 0 AND e.scheduled_at > now()) AS blocked
+                       ((e.attempts > 0 OR e.last_error IS NOT NULL) AND e.scheduled_at > now()) AS blocked
                 FROM {keys} k
                 CROSS JOIN LATERAL (
                     SELECT id, created_at, attempts, scheduled_at, last_error FROM {events} e
@@ -234,7 +234,7 @@ impl AdminStore for PgStore {
                 UNION ALL
                 SELECT u.subscription, u.topic, ''::text, u.pending, e.id, e.created_at,
                        e.attempts, e.scheduled_at, e.last_error,
-                       (e.attempts > 0 AND e.scheduled_at > now())
+                       ((e.attempts > 0 OR e.last_error IS NOT NULL) AND e.scheduled_at > now())
                 FROM (SELECT {sub} AS subscription, topic, count(*) AS pending,
                              min(id) AS head_id FROM {events}
                       WHERE status = 'pending' AND event_key IS NULL AND $2::text IS NULL
@@ -554,10 +554,10 @@ impl AdminStore for PgStore {
         .fetch_all(&mut *tx)
         .await?;
         let heads = sqlx::query(AssertSqlSafe(format!(
-            "SELECT count(*) FILTER (WHERE h.attempts > 0 AND h.scheduled_at > now()) AS blocked,
+            "SELECT count(*) FILTER (WHERE (h.attempts > 0 OR h.last_error IS NOT NULL) AND h.scheduled_at > now()) AS blocked,
                     min(h.created_at) AS oldest, now() AS now
              FROM {keys} k CROSS JOIN LATERAL (
-                SELECT attempts, scheduled_at, created_at FROM {events} e
+                SELECT attempts, scheduled_at, created_at, last_error FROM {events} e
                 WHERE e.status = 'pending'{same_sub} AND e.topic = k.topic
                   AND e.event_key = k.event_key
                 ORDER BY e.id LIMIT 1) h

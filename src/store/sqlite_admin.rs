@@ -215,7 +215,7 @@ impl AdminStore for SqliteStore {
                 SELECT heads.subscription, heads.topic, heads.key, heads.pending,
                        e.id AS head_id, e.created_at,
                        e.attempts, e.scheduled_at, e.last_error,
-                       (e.attempts > 0 AND e.scheduled_at > ?9) AS blocked
+                       ((e.attempts > 0 OR e.last_error IS NOT NULL) AND e.scheduled_at > ?9) AS blocked
                 FROM heads JOIN {events} e ON e.id = heads.head_id
             ), t AS (
                 SELECT count(*) AS total_keys, coalesce(sum(pending), 0) AS total_pending,
@@ -539,7 +539,7 @@ impl AdminStore for SqliteStore {
         .fetch_all(self.pool())
         .await?;
         let heads = sqlx::query(AssertSqlSafe(format!(
-            "SELECT coalesce(sum(e.attempts > 0 AND e.scheduled_at > ?2), 0) AS blocked,
+            "SELECT coalesce(sum((e.attempts > 0 OR e.last_error IS NOT NULL) AND e.scheduled_at > ?2), 0) AS blocked,
                     min(e.created_at) AS oldest
              FROM (SELECT (SELECT id FROM {events} e WHERE e.status = 'pending'{same_sub}
                              AND e.topic = k.topic AND e.event_key = k.event_key
