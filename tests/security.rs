@@ -45,14 +45,20 @@ fn pki() -> Pki {
     let ca_key = KeyPair::generate().unwrap();
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    // Distinct names: with rcgen's default name on both, OpenSSL (librdkafka) takes the
+    // leaf for a self-signed certificate and refuses it.
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "mailroom test CA");
     let ca_cert = ca_params.self_signed(&ca_key).unwrap();
     let issuer = Issuer::new(ca_params, ca_key);
     let leaf = |names: Vec<String>| {
         let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(names)
-            .unwrap()
-            .signed_by(&key, &issuer)
-            .unwrap();
+        let mut params = CertificateParams::new(names.clone()).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, names[0].clone());
+        let cert = params.signed_by(&key, &issuer).unwrap();
         (cert, key)
     };
     let (server, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
@@ -60,6 +66,9 @@ fn pki() -> Pki {
     let other_key = KeyPair::generate().unwrap();
     let mut other_params = CertificateParams::new(Vec::<String>::new()).unwrap();
     other_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    other_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "another CA");
     let other = other_params.self_signed(&other_key).unwrap();
 
     let dir = tempfile::tempdir().unwrap();
@@ -566,7 +575,13 @@ async fn kafka_over_tls_with_zstd_reaches_the_inbox() {
         for (k, v) in &props {
             pc.set(k, v);
         }
-        let p: FutureProducer = pc.create().expect("a TLS zstd producer");
+        pc.set("message.timeout.ms", "15000");
+        if std::env::var("MAILROOM_TEST_KAFKA_DEBUG").is_ok() {
+            pc.set("debug", "security,broker,protocol");
+        }
+        let p: FutureProducer<PrintLogs> = pc
+            .create_with_context(PrintLogs)
+            .expect("a TLS zstd producer");
         p.send(
             FutureRecord::to(&topic)
                 .key("warm-up")
@@ -574,6 +589,7 @@ async fn kafka_over_tls_with_zstd_reaches_the_inbox() {
             Duration::from_secs(20),
         )
         .await
+        .map_err(|(e, _)| e)
         .expect("a record over TLS");
     }
 
@@ -622,6 +638,20 @@ async fn kafka_over_tls_with_zstd_reaches_the_inbox() {
             .is_err(),
         "the proxy only speaks TLS"
     );
+}
+
+/// Prints librdkafka's log lines (they go nowhere otherwise): a failing TLS handshake
+/// names its cause there.
+struct PrintLogs;
+
+impl rdkafka::ClientContext for PrintLogs {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, log_message: &str) {
+        if (level as i32) <= (rdkafka::config::RDKafkaLogLevel::Warning as i32)
+            || std::env::var("MAILROOM_TEST_KAFKA_DEBUG").is_ok()
+        {
+            eprintln!("librdkafka {level:?} {fac}: {log_message}");
+        }
+    }
 }
 
 // ---------------------------------------------------------------- §2 PostgreSQL TLS
