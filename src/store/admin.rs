@@ -104,23 +104,6 @@ pub(crate) fn some_of(items: &[String]) -> String {
     }
 }
 
-#[cfg(test)]
-mod short_errors {
-    use super::*;
-
-    #[test]
-    fn an_error_naming_100000_ids_stays_short() {
-        let ids: Vec<EventId> = (1..=100_000).collect();
-        let e = check_ids(&ids, &[], Status::Failed, "requeued").unwrap_err();
-        let msg = e.to_string();
-        assert!(msg.len() < 200, "{} bytes", msg.len());
-        assert!(msg.contains("99990 more"), "{msg}");
-        let found: Vec<(EventId, Status)> = ids.iter().map(|i| (*i, Status::Pending)).collect();
-        let e = check_ids(&ids, &found, Status::Failed, "requeued").unwrap_err();
-        assert!(e.to_string().len() < 300, "{e}");
-    }
-}
-
 /// The keys of a set of events as (subscription, topic, key), sorted and distinct: the
 /// lock order enqueue and receive use (the subscription is `""` in the outbox, where all
 /// keys share it). Unkeyed events have no key row.
@@ -141,5 +124,22 @@ pub(crate) fn admin_key(b: BoxKind, subscription: String, topic: String, key: St
         },
         topic,
         key,
+    }
+}
+
+#[cfg(test)]
+mod short_errors {
+    use super::*;
+
+    #[test]
+    fn an_error_naming_100000_ids_stays_short() {
+        let ids: Vec<EventId> = (1..=100_000).collect();
+        let e = check_ids(&ids, &[], Status::Failed, "requeued").unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.len() < 200, "{} bytes", msg.len());
+        assert!(msg.contains("99990 more"), "{msg}");
+        let found: Vec<(EventId, Status)> = ids.iter().map(|i| (*i, Status::Pending)).collect();
+        let e = check_ids(&ids, &found, Status::Failed, "requeued").unwrap_err();
+        assert!(e.to_string().len() < 300, "{e}");
     }
 }
