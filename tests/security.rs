@@ -934,3 +934,110 @@ async fn a_handlers_deferral_is_capped_and_visible_in_list_pending() {
         s.app.stop().await.unwrap();
     }
 }
+
+// ---------------------------------------------------------------- §4 admin actions
+
+/// The audit entry records the authenticated token apart from the operator name the
+/// caller claims; a bulk requeue with an empty filter needs `all = true`; a repeated
+/// `request_id` acts once and answers the first outcome again.
+#[tokio::test]
+async fn admin_actions_record_the_principal_need_all_and_replay_request_ids() {
+    for (name, engine) in [("sqlite", Engine::Sqlite), ("postgres", Engine::Postgres)] {
+        let (db, _dir) = fresh_db(&engine).await;
+        let mut c = config(&db);
+        c.relays = 0;
+        c.tokens = vec![token(
+            "ops",
+            "ops-token-0123456789",
+            &[Scope::Admin, Scope::Enqueue],
+        )];
+        let secret = "ops-token-0123456789";
+        let s = Service::start(c).await;
+        let mut outbox = s.client.clone();
+        let mut ids = Vec::new();
+        for i in 0..3 {
+            let r = outbox
+                .enqueue(bearer(
+                    pb::EnqueueRequest {
+                        event: Some(event("orders", &format!("k{i}"), b"x")),
+                    },
+                    secret,
+                ))
+                .await
+                .unwrap()
+                .into_inner();
+            ids.push(r.id);
+        }
+        let mut admin =
+            pb::admin_service_client::AdminServiceClient::new(channel(s.app.addr).await);
+        let cancel = |rid: &str| pb::CancelEventsRequest {
+            ids: vec![ids[0]],
+            reason: "bad data".into(),
+            operator: "mallory (token root)".into(),
+            request_id: rid.into(),
+            ..Default::default()
+        };
+        let first = admin
+            .cancel_events(bearer(cancel("cancel-1"), secret))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((first.count, first.replayed), (1, false), "{name}");
+        // The retry of the same call: not a second action, not an error.
+        let again = admin
+            .cancel_events(bearer(cancel("cancel-1"), secret))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(again.replayed, "{name}");
+        assert_eq!(again.audit_id, first.audit_id);
+        assert_eq!(again.ids, vec![ids[0]]);
+        // Without a request id, the same call is a second (refused) action.
+        let e = admin
+            .cancel_events(bearer(cancel(""), secret))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{name}");
+
+        // Bulk requeue with an empty filter: refused without all = true.
+        let bulk = |all: bool, rid: &str| pb::RequeueFailedRequest {
+            filter: Some(pb::EventFilter::default()),
+            all,
+            operator: "ops-person".into(),
+            request_id: rid.into(),
+            ..Default::default()
+        };
+        let e = admin
+            .requeue_failed(bearer(bulk(false, ""), secret))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{name}");
+        assert!(e.message().contains("all"), "{}", e.message());
+        let r1 = admin
+            .requeue_failed(bearer(bulk(true, "requeue-1"), secret))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((r1.count, r1.replayed), (1, false), "{name}");
+        let r2 = admin
+            .requeue_failed(bearer(bulk(true, "requeue-1"), secret))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((r2.count, r2.replayed, r2.audit_id), (1, true, r1.audit_id));
+
+        let audit = admin
+            .list_audit(bearer(pb::ListAuditRequest::default(), secret))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(audit.entries.len(), 2, "{name}: one entry per action");
+        for e in &audit.entries {
+            assert_eq!(e.principal, "ops", "{name}: the authenticated token");
+        }
+        let cancel_entry = audit.entries.iter().find(|e| e.action == "cancel").unwrap();
+        assert!(cancel_entry.actor.starts_with("mallory"));
+        assert_eq!(cancel_entry.request_id, "cancel-1");
+        s.app.stop().await.unwrap();
+    }
+}

@@ -162,6 +162,12 @@ pub enum AdminCommand {
         /// Act; without it only show what would be requeued.
         #[arg(long)]
         yes: bool,
+        /// With no ids and no filter flags: yes, every failed event of the box.
+        #[arg(long)]
+        all: bool,
+        /// Idempotency of the action: a repeated id acts once [default: a new UUID].
+        #[arg(long)]
+        request_id: Option<String>,
         /// Name recorded in the audit log [default: $USER].
         #[arg(long)]
         operator: Option<String>,
@@ -177,6 +183,9 @@ pub enum AdminCommand {
         /// Act; without it only show what would be cancelled.
         #[arg(long)]
         yes: bool,
+        /// Idempotency of the action: a repeated id acts once [default: a new UUID].
+        #[arg(long)]
+        request_id: Option<String>,
         /// Name recorded in the audit log [default: $USER].
         #[arg(long)]
         operator: Option<String>,
@@ -345,6 +354,8 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             filter,
             limit,
             yes,
+            all,
+            request_id,
             operator: who,
         } => {
             let req = pb::RequeueFailedRequest {
@@ -359,6 +370,8 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                 limit: limit.unwrap_or(0),
                 dry_run: !yes,
                 operator: operator(who),
+                all,
+                request_id: request_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
             };
             let r = c
                 .inner
@@ -392,6 +405,7 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             ids,
             reason,
             yes,
+            request_id,
             operator: who,
         } => {
             let r = c
@@ -402,6 +416,7 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                     reason,
                     dry_run: !yes,
                     operator: operator(who),
+                    request_id: request_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
                 }))
                 .await
                 .map_err(rpc_error)?
@@ -464,6 +479,8 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                         "box": box_name(a.r#box),
                         "selection": serde_json::from_str::<Value>(&a.selection).unwrap_or(Value::String(a.selection.clone())),
                         "count": a.count,
+                        "principal": a.principal,
+                        "request_id": a.request_id,
                     })).collect::<Vec<_>>(),
                     "next_page_token": r.next_page_token,
                 }))
