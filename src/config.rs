@@ -211,6 +211,10 @@ pub struct Settings {
     /// (PostgreSQL) [default: 3000].
     #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
     pub database_acquire_timeout_ms: Option<u64>,
+    /// PostgreSQL statement timeout of the service's queries, in ms (migrations are
+    /// exempt); 0 = none [default: 60000].
+    #[arg(long, env = "MAILROOM_DATABASE_STATEMENT_TIMEOUT_MS", global = true)]
+    pub database_statement_timeout_ms: Option<u64>,
     /// Completed events are deleted this many hours after publication; 0 = keep
     /// forever [default: 168].
     #[arg(long, env = "MAILROOM_RETENTION_COMPLETED_HOURS", global = true)]
@@ -553,6 +557,8 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     pub overload: crate::api::overload::OverloadConfig,
     pub database_acquire_timeout: Duration,
+    /// PostgreSQL `statement_timeout` of the service's connections; `None`: none.
+    pub database_statement_timeout: Option<Duration>,
     pub retention: crate::retention::RetentionConfig,
 }
 
@@ -632,6 +638,7 @@ impl Settings {
             max_concurrent_rpcs,
             rpc_timeout_ms,
             database_acquire_timeout_ms,
+            database_statement_timeout_ms,
             retention_completed_hours,
             retention_failed_hours,
             retention_interval_ms,
@@ -974,6 +981,10 @@ impl Config {
             database_acquire_timeout: Duration::from_millis(
                 s.database_acquire_timeout_ms.unwrap_or(3000).max(10),
             ),
+            database_statement_timeout: Some(Duration::from_millis(
+                s.database_statement_timeout_ms.unwrap_or(60_000),
+            ))
+            .filter(|d| !d.is_zero()),
             retention,
         })
     }

@@ -1041,3 +1041,32 @@ async fn admin_actions_record_the_principal_need_all_and_replay_request_ids() {
         s.app.stop().await.unwrap();
     }
 }
+
+// ---------------------------------------------------------------- §3 statement timeout
+
+/// Every pooled PostgreSQL connection of the service carries the statement timeout, so
+/// a query that outlives it is cancelled by the server (`57014 query_canceled`);
+/// migrations run without it.
+#[tokio::test]
+async fn postgres_queries_are_cancelled_after_the_statement_timeout() {
+    let db = fresh_pg().await;
+    let mut c = config(&db);
+    c.database_statement_timeout = Some(Duration::from_millis(300));
+    // Migrations (run by open_store) are exempt; the service's pool is not.
+    mailroom::app::open_store(&c).await.expect("migrated");
+    let pool = mailroom::app::pg_pool(&c, c.database_statement_timeout)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let e = sqlx::query("SELECT pg_sleep(5)")
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(3), "{e}");
+    assert!(e.to_string().contains("statement timeout"), "{e}");
+    // The default is on (60 s).
+    assert_eq!(
+        config(&db).database_statement_timeout,
+        Some(Duration::from_secs(60))
+    );
+}
