@@ -94,11 +94,28 @@ pub struct NewEvent {
 }
 
 impl NewEvent {
-    /// A stable 64-bit fingerprint of the content, used to tell an idempotent retry
-    /// (same content) from a conflicting reuse of the key (other content). FNV-1a over a
-    /// length-prefixed encoding, so it never changes between builds.
+    /// A stable 64-bit fingerprint of the content (FNV-1a), the first version, kept in
+    /// `content_hash` for rows written before migration 0008 and for older binaries.
+    /// Collisions can be constructed: `fingerprint128` decides for new rows.
     pub fn fingerprint(&self) -> i64 {
         let mut h = Fnv::default();
+        self.encode(&mut h);
+        h.0 as i64
+    }
+
+    /// The content fingerprint, version 2 (`content_fp`, `content_fp_version = 2`): the
+    /// first 128 bits of SHA-256 over the same length-prefixed encoding. It tells an
+    /// idempotent retry (same content) from a reuse of the key with other content, and
+    /// no producer can construct another content with the same value.
+    pub fn fingerprint128(&self) -> Vec<u8> {
+        use sha2::Digest as _;
+        let mut h = Sha(sha2::Sha256::new());
+        self.encode(&mut h);
+        h.0.finalize()[..16].to_vec()
+    }
+
+    /// The canonical, length-prefixed encoding of the content both fingerprints hash.
+    fn encode(&self, h: &mut impl Sink) {
         h.field(self.topic.as_bytes());
         h.opt(self.key.as_deref().map(str::as_bytes));
         h.field(&self.payload);
@@ -120,25 +137,12 @@ impl NewEvent {
                 .map(|b| &b[..]),
         );
         h.field(&self.max_attempts.to_le_bytes());
-        h.0 as i64
     }
 }
 
-struct Fnv(u64);
-
-impl Default for Fnv {
-    fn default() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl Fnv {
-    fn bytes(&mut self, b: &[u8]) {
-        for &x in b {
-            self.0 ^= u64::from(x);
-            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
+/// Where the fingerprint encoding goes.
+trait Sink {
+    fn bytes(&mut self, b: &[u8]);
     fn field(&mut self, b: &[u8]) {
         self.bytes(&(b.len() as u64).to_le_bytes());
         self.bytes(b);
@@ -152,6 +156,38 @@ impl Fnv {
             }
         }
     }
+}
+
+struct Sha(sha2::Sha256);
+
+impl Sink for Sha {
+    fn bytes(&mut self, b: &[u8]) {
+        sha2::Digest::update(&mut self.0, b);
+    }
+}
+
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Sink for Fnv {
+    fn bytes(&mut self, b: &[u8]) {
+        for &x in b {
+            self.0 ^= u64::from(x);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+/// The scope of an idempotency key: its topic. One producer's key never meets another
+/// topic's (and a token limited to topics can neither take nor probe other keys).
+/// Topics cannot contain NUL, so the pair is unambiguous.
+pub fn idempotency_scope(topic: &str, key: &str) -> String {
+    format!("{topic}\0{key}")
 }
 
 /// A message arriving for a subscription's inbox (from Kafka or `InboxService.Receive`).

@@ -1070,3 +1070,92 @@ async fn postgres_queries_are_cancelled_after_the_statement_timeout() {
         Some(Duration::from_secs(60))
     );
 }
+
+// ---------------------------------------------------------------- §4 idempotency tenancy
+
+/// Idempotency keys are scoped by topic: a producer limited to its topic cannot take,
+/// or learn anything about, a key another topic uses (its enqueue is simply stored); a
+/// retry on the same topic is still a duplicate and other content still a conflict. The
+/// 128-bit fingerprint is stored in `content_fp` (version 2). Both engines.
+#[tokio::test]
+async fn idempotency_keys_are_scoped_by_topic_with_a_128_bit_fingerprint() {
+    for (name, engine) in [("sqlite", Engine::Sqlite), ("postgres", Engine::Postgres)] {
+        let (db, _dir) = fresh_db(&engine).await;
+        let mut c = config(&db);
+        c.relays = 0;
+        let mut payments = token("payments", "payments-token-012345", &[Scope::Enqueue]);
+        payments.topics = Some(vec!["payments".into()]);
+        let mut orders = token("orders", "orders-token-01234567", &[Scope::Enqueue]);
+        orders.topics = Some(vec!["orders".into()]);
+        c.tokens = vec![payments, orders];
+        let s = Service::start(c).await;
+        let mut client = s.client.clone();
+        let send = |topic: &str, payload: &[u8]| {
+            let mut e = event(topic, "k", payload);
+            e.idempotency_key = "req-1".into();
+            pb::EnqueueRequest { event: Some(e) }
+        };
+        let p1 = client
+            .enqueue(bearer(
+                send("payments", b"debit 10"),
+                "payments-token-012345",
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        // Another tenant, another topic, the same key: stored, not a duplicate of (or a
+        // conflict with) the payments event.
+        let o1 = client
+            .enqueue(bearer(send("orders", b"anything"), "orders-token-01234567"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!o1.duplicate, "{name}");
+        assert_ne!(o1.id, p1.id, "{name}");
+        // Within a topic the key keeps its meaning.
+        let p2 = client
+            .enqueue(bearer(
+                send("payments", b"debit 10"),
+                "payments-token-012345",
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((p2.id, p2.duplicate), (p1.id, true), "{name}");
+        let e = client
+            .enqueue(bearer(
+                send("payments", b"debit 99"),
+                "payments-token-012345",
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::AlreadyExists, "{name}");
+        s.app.stop().await.unwrap();
+        // The stored fingerprint: 16 bytes, version 2.
+        let (fp_len, version): (i64, i64) = match engine {
+            Engine::Sqlite => {
+                let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+                sqlx::query_as(
+                    "SELECT length(content_fp), content_fp_version FROM outbox_events
+                     WHERE id = ?1",
+                )
+                .bind(p1.id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            }
+            Engine::Postgres => {
+                let pool = sqlx::PgPool::connect(&db).await.unwrap();
+                sqlx::query_as(
+                    "SELECT octet_length(content_fp)::int8, content_fp_version::int8
+                     FROM outbox_events WHERE id = $1",
+                )
+                .bind(p1.id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            }
+        };
+        assert_eq!((fp_len, version), (16, 2), "{name}");
+    }
+}

@@ -122,12 +122,26 @@ impl HandlerSink {
         let call = tracing::Instrument::instrument(client.handle(req), span);
         let started = std::time::Instant::now();
         let answer = tokio::time::timeout(self.timeout, call).await;
-        self.latency.observe(started.elapsed());
-        match answer {
-            Err(_) => Delivery::Failed(Failure::Counted {
+        let elapsed = started.elapsed();
+        self.latency.observe(elapsed);
+        let timed_out = || {
+            Delivery::Failed(Failure::Counted {
                 error: format!("handler timed out after {} ms", self.timeout.as_millis()),
                 retry_at: None,
-            }),
+            })
+        };
+        match answer {
+            Err(_) => timed_out(),
+            // The `grpc-timeout` deadline, enforced by the client or the subscriber's
+            // server, ends the call just before our own timer: the same outcome.
+            Ok(Err(status))
+                if matches!(
+                    status.code(),
+                    tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+                ) && elapsed + Duration::from_millis(50) >= self.timeout =>
+            {
+                timed_out()
+            }
             Ok(Err(status)) => Delivery::Failed(classify_status(&status)),
             Ok(Ok(resp)) => cap_defer(outcome(resp.into_inner()), self.max_defer),
         }
