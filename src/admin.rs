@@ -128,6 +128,10 @@ pub struct RequeueRequest {
     pub limit: u32,
     pub dry_run: bool,
     pub actor: String,
+    /// The authenticated token name, recorded apart from the claimed operator.
+    pub principal: Option<String>,
+    /// A repeated id (per action and box) acts once.
+    pub request_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -138,6 +142,8 @@ pub struct RequeueOutcome {
     /// Keys a relay held at the time: its release may overwrite their readiness, so
     /// they are woken again once released.
     pub leased_keys: Vec<AdminKey>,
+    /// The request_id named an action already done; nothing changed.
+    pub replayed: bool,
 }
 
 /// A key row of either box: (topic, key) in the outbox, (subscription, topic, key) in
@@ -156,6 +162,10 @@ pub struct CancelRequest {
     pub reason: String,
     pub dry_run: bool,
     pub actor: String,
+    /// The authenticated token name, recorded apart from the claimed operator.
+    pub principal: Option<String>,
+    /// A repeated id (per action and box) acts once.
+    pub request_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -163,6 +173,8 @@ pub struct CancelOutcome {
     pub ids: Vec<EventId>,
     pub audit_id: Option<i64>,
     pub leased_keys: Vec<AdminKey>,
+    /// The request_id named an action already done; nothing changed.
+    pub replayed: bool,
 }
 
 /// One event with what an operator needs; the payload only on request.
@@ -199,6 +211,8 @@ pub struct AuditEntry {
     pub box_kind: BoxKind,
     pub selection: String,
     pub count: i64,
+    pub principal: Option<String>,
+    pub request_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

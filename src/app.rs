@@ -32,34 +32,59 @@ use crate::store::Store;
 use crate::store::postgres::PgStore;
 use crate::store::sqlite::SqliteStore;
 
+/// The PostgreSQL pool of the store: every connection gets the statement timeout
+/// (`MAILROOM_DATABASE_STATEMENT_TIMEOUT_MS`), so a query whose RPC was abandoned (or an
+/// admin filter that scans) is cancelled by the server instead of running on.
+pub async fn pg_pool(
+    config: &Config,
+    statement_timeout: Option<std::time::Duration>,
+) -> anyhow::Result<sqlx::PgPool> {
+    let redacted = redact_url(&config.database_url);
+    let mut opts: sqlx::postgres::PgConnectOptions = config
+        .database_url
+        .parse()
+        .map_err(|_| anyhow::anyhow!("{redacted} is not a valid PostgreSQL URL"))?;
+    if let Some(t) = statement_timeout {
+        opts = opts.options([("statement_timeout", t.as_millis().to_string())]);
+    }
+    // A request that cannot get a connection within the acquire timeout fails as
+    // UNAVAILABLE instead of waiting behind an exhausted pool.
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(config.database_max_connections)
+        .acquire_timeout(config.database_acquire_timeout)
+        .connect_with(opts)
+        .await
+        .map_err(crate::store::StoreError::from)
+        .with_context(|| format!("connecting to {redacted}"))
+}
+
 /// Opens the configured store (and migrates it when asked).
 pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     let store: Arc<dyn Store> = if config.is_postgres() {
-        let redacted = redact_url(&config.database_url);
-        let opts: sqlx::postgres::PgConnectOptions = config
-            .database_url
-            .parse()
-            .map_err(|_| anyhow::anyhow!("{redacted} is not a valid PostgreSQL URL"))?;
-        // A request that cannot get a connection within the acquire timeout fails as
-        // UNAVAILABLE instead of waiting behind an exhausted pool.
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(config.database_max_connections)
-            .acquire_timeout(config.database_acquire_timeout)
-            .connect_with(opts)
-            .await
-            .map_err(crate::store::StoreError::from)
-            .with_context(|| format!("connecting to {redacted}"))?;
-        Arc::new(PgStore::from_pool(pool))
+        if config.migrate {
+            // Migrations run without the statement timeout: building an index on a large
+            // table may take longer than any query of the service should.
+            let pool = pg_pool(config, None).await?;
+            PgStore::from_pool(pool.clone())
+                .migrate()
+                .await
+                .context("running migrations")?;
+            pool.close().await;
+        }
+        Arc::new(PgStore::from_pool(
+            pg_pool(config, config.database_statement_timeout).await?,
+        ))
     } else {
-        Arc::new(
+        let store = Arc::new(
             SqliteStore::connect(&config.database_url)
                 .await
                 .with_context(|| format!("opening {}", config.database_url))?,
-        )
+        );
+        if config.migrate {
+            store.migrate().await.context("running migrations")?;
+        }
+        store
     };
-    if config.migrate {
-        store.migrate().await.context("running migrations")?;
-    }
     Ok(store)
 }
 
@@ -250,6 +275,12 @@ impl App {
             !config.tokens.is_empty(),
             config.admin_token.as_deref(),
         );
+        if config.open_on_network {
+            tracing::warn!(
+                addr = %config.listen,
+                "--allow-unauthenticated: every RPC is open to anyone who can reach this address"
+            );
+        }
         let mut console_addr = None;
         if let Some(listen) = config.console_listen {
             let l = tokio::net::TcpListener::bind(listen)

@@ -164,6 +164,16 @@ pub struct Settings {
         hide_env_values = true
     )]
     pub admin_token: Option<String>,
+    /// Serve without any token on a non-loopback address. Without it, such a setup
+    /// refuses to start; with it, a warning is logged at start-up [default: false].
+    #[arg(
+        long,
+        env = "MAILROOM_ALLOW_UNAUTHENTICATED",
+        global = true,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub allow_unauthenticated: Option<bool>,
     /// Inbox subscriptions (`[[subscriptions]]` tables; file only).
     #[arg(skip)]
     pub subscriptions: Option<Vec<SubscriptionSettings>>,
@@ -208,6 +218,10 @@ pub struct Settings {
     /// (PostgreSQL) [default: 3000].
     #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
     pub database_acquire_timeout_ms: Option<u64>,
+    /// PostgreSQL statement timeout of the service's queries, in ms (migrations are
+    /// exempt); 0 = none [default: 60000].
+    #[arg(long, env = "MAILROOM_DATABASE_STATEMENT_TIMEOUT_MS", global = true)]
+    pub database_statement_timeout_ms: Option<u64>,
     /// Completed events are deleted this many hours after publication; 0 = keep
     /// forever [default: 168].
     #[arg(long, env = "MAILROOM_RETENTION_COMPLETED_HOURS", global = true)]
@@ -247,6 +261,19 @@ pub struct SubscriptionSettings {
     pub retry_base_ms: Option<u64>,
     /// Backoff cap in ms [default: the outbox's].
     pub retry_cap_ms: Option<u64>,
+    /// CA certificates (PEM) to verify an `https://` handler [default: the webpki roots].
+    pub handler_ca: Option<PathBuf>,
+    /// Client certificate (PEM) presented to the handler (mTLS); needs handler_key.
+    pub handler_cert: Option<PathBuf>,
+    /// Private key (PEM) of handler_cert.
+    pub handler_key: Option<PathBuf>,
+    /// Bearer token sent to the handler as `authorization: Bearer <token>`.
+    pub handler_token: Option<String>,
+    /// File holding the handler's bearer token (first line), instead of handler_token.
+    pub handler_token_file: Option<PathBuf>,
+    /// Latest `retry.not_before` a handler may ask for, in ms from now; later times are
+    /// cut to it [default: 86400000, one day].
+    pub handler_max_defer_ms: Option<u64>,
 }
 
 /// A validated subscription.
@@ -259,6 +286,60 @@ pub struct SubscriptionConfig {
     pub handler_timeout: Duration,
     pub concurrency: usize,
     pub retry: RetryPolicy,
+    /// TLS towards the handler (files read when the inbox starts).
+    pub handler_tls: ClientTls,
+    /// Bearer token sent with every Handle call.
+    pub handler_token: Option<Secret>,
+    /// Cap on a handler's `retry.not_before`.
+    pub handler_max_defer: Duration,
+}
+
+/// TLS settings of a gRPC client (the inbox's handler client, `mailroom admin`): PEM
+/// files. All unset: the webpki roots verify an `https://` server, no client certificate.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClientTls {
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+impl ClientTls {
+    /// The tonic client configuration for `domain`; errors name the file, never its content.
+    pub fn tonic(&self) -> anyhow::Result<tonic::transport::ClientTlsConfig> {
+        use anyhow::Context as _;
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        let read = |p: &std::path::Path, what: &str| {
+            std::fs::read(p).with_context(|| format!("reading the TLS {what} {}", p.display()))
+        };
+        let mut c = ClientTlsConfig::new();
+        c = match &self.ca {
+            Some(ca) => c.ca_certificate(Certificate::from_pem(read(ca, "CA")?)),
+            None => c.with_webpki_roots(),
+        };
+        match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => {
+                c = c.identity(Identity::from_pem(
+                    read(cert, "client certificate")?,
+                    read(key, "client key")?,
+                ));
+            }
+            (None, None) => {}
+            _ => {
+                anyhow::bail!("a TLS client certificate needs its key and the key its certificate")
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// A secret string: `Debug` never shows it.
+#[derive(Clone, PartialEq)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("\"***\"")
+    }
 }
 
 fn subscription(
@@ -313,7 +394,58 @@ fn subscription(
             format!("{}: concurrency must be 1..=1024", s.name),
         ));
     }
+    if s.handler_cert.is_some() != s.handler_key.is_some() {
+        return Err(bad(
+            SETTING,
+            format!("{}: set handler_cert and handler_key together", s.name),
+        ));
+    }
+    let handler_token = match (s.handler_token, &s.handler_token_file) {
+        (Some(_), Some(_)) => {
+            return Err(bad(
+                SETTING,
+                format!(
+                    "{}: set handler_token or handler_token_file, not both",
+                    s.name
+                ),
+            ));
+        }
+        (Some(t), None) => Some(t),
+        (None, Some(p)) => Some(
+            std::fs::read_to_string(p)
+                .map_err(|e| {
+                    bad(
+                        SETTING,
+                        format!("{}: cannot read {}: {}", s.name, p.display(), e.kind()),
+                    )
+                })?
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_string(),
+        ),
+        (None, None) => None,
+    };
+    if let Some(t) = &handler_token
+        && (t.is_empty() || !t.bytes().all(|b| (0x21..0x7f).contains(&b)))
+    {
+        return Err(bad(
+            SETTING,
+            format!(
+                "{}: the handler token must be printable ASCII without spaces",
+                s.name
+            ),
+        ));
+    }
     Ok(SubscriptionConfig {
+        handler_tls: ClientTls {
+            ca: s.handler_ca,
+            cert: s.handler_cert,
+            key: s.handler_key,
+        },
+        handler_token: handler_token.map(Secret),
+        handler_max_defer: Duration::from_millis(s.handler_max_defer_ms.unwrap_or(86_400_000)),
         group: s.group.unwrap_or_else(|| format!("mailroom-{}", s.name)),
         handler_timeout: Duration::from_millis(s.handler_timeout_ms.unwrap_or(10_000).max(1)),
         topics: s.topics,
@@ -333,6 +465,27 @@ fn parse_properties(s: &str) -> Result<BTreeMap<String, String>, String> {
                 .ok_or_else(|| format!("{p:?} is not key=value"))
         })
         .collect()
+}
+
+/// A TOML error without the offending line: toml's `Display` quotes it, and it may hold
+/// a secret (a database URL, a token). The line number and toml's short message say
+/// enough; a message that itself quotes a value is cut at the first quote.
+pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> String {
+    let line = e
+        .span()
+        .map(|r| text[..r.start.min(text.len())].matches('\n').count() + 1);
+    let msg = e.message().lines().next().unwrap_or("parse error");
+    // "unknown field `name`, expected one of …": the name is a key, not a value.
+    let keep = if msg.starts_with("unknown field `") {
+        msg.match_indices('`').nth(1).map(|(i, _)| i + 1)
+    } else {
+        msg.find(['"', '`', '\'']).filter(|&i| i > 0)
+    };
+    let msg = keep.map_or(msg, |i| msg[..i].trim_end());
+    match line {
+        Some(l) => format!("{}: line {l}: {msg}", path.display()),
+        None => format!("{}: {msg}", path.display()),
+    }
 }
 
 /// A bad setting: names it and says why.
@@ -399,6 +552,9 @@ pub struct Config {
     pub faults: (f64, f64),
     /// Token the AdminService requires; `None`: no token.
     pub admin_token: Option<String>,
+    /// Serving unauthenticated RPCs on a non-loopback address (only with
+    /// `--allow-unauthenticated`; warned at start-up).
+    pub open_on_network: bool,
     /// Inbox subscriptions.
     pub subscriptions: Vec<SubscriptionConfig>,
     /// Tokens from `tokens_file` (the admin token is added to them by the app).
@@ -411,6 +567,8 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     pub overload: crate::api::overload::OverloadConfig,
     pub database_acquire_timeout: Duration,
+    /// PostgreSQL `statement_timeout` of the service's connections; `None`: none.
+    pub database_statement_timeout: Option<Duration>,
     pub retention: crate::retention::RetentionConfig,
 }
 
@@ -479,6 +637,7 @@ impl Settings {
             fault_counted_rate,
             fault_transient_rate,
             admin_token,
+            allow_unauthenticated,
             subscriptions,
             tokens_file,
             metrics_listen,
@@ -491,6 +650,7 @@ impl Settings {
             max_concurrent_rpcs,
             rpc_timeout_ms,
             database_acquire_timeout_ms,
+            database_statement_timeout_ms,
             retention_completed_hours,
             retention_failed_hours,
             retention_interval_ms,
@@ -507,8 +667,7 @@ impl Config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|e| bad("config", format!("cannot read {}: {e}", path.display())))?;
-                toml::from_str(&text)
-                    .map_err(|e| bad("config", format!("{}: {e}", path.display())))?
+                toml::from_str(&text).map_err(|e| bad("config", toml_error(path, &text, &e)))?
             }
         };
         Config::resolve(cli.or(file))
@@ -725,6 +884,58 @@ impl Config {
             Some(path) => crate::api::auth::load_tokens(path)
                 .map_err(|why| bad("tokens_file (MAILROOM_TOKENS_FILE)", why))?,
         };
+        let admin_token = s.admin_token.filter(|t| !t.is_empty());
+        if let Some(t) = &admin_token {
+            // The token file's rules: a minimum length, and no secret shared with a file token.
+            if t.len() < crate::api::auth::MIN_TOKEN_LEN {
+                return Err(bad(
+                    "admin_token (MAILROOM_ADMIN_TOKEN)",
+                    format!(
+                        "is shorter than {} characters",
+                        crate::api::auth::MIN_TOKEN_LEN
+                    ),
+                ));
+            }
+            if tokens.iter().any(|e| e.token == *t) {
+                return Err(bad(
+                    "admin_token (MAILROOM_ADMIN_TOKEN)",
+                    "has the same secret as a token of tokens_file",
+                ));
+            }
+        }
+        let allow_unauthenticated = s.allow_unauthenticated.unwrap_or(false);
+        // Closed by default: every caller is authenticated by a token file or a client
+        // certificate (mTLS), or the port is reachable from this host only. The legacy
+        // admin token alone leaves Enqueue and the inbox open, so it does not count.
+        let authenticated =
+            !tokens.is_empty() || tls.as_ref().is_some_and(|t| t.client_ca.is_some());
+        if !listen.ip().is_loopback() && !authenticated && !allow_unauthenticated {
+            return Err(bad(
+                "listen (MAILROOM_LISTEN)",
+                format!(
+                    "{listen} is not a loopback address and no caller is authenticated: set \
+                     tokens_file (MAILROOM_TOKENS_FILE) or tls_client_ca, or pass \
+                     --allow-unauthenticated (MAILROOM_ALLOW_UNAUTHENTICATED=true) to serve \
+                     every RPC to anyone who can connect"
+                ),
+            ));
+        }
+        // The console is closed by default too: off loopback it needs an admin-scope token.
+        if let Some(c) = console_listen
+            && !c.ip().is_loopback()
+            && tokens.is_empty()
+            && admin_token.is_none()
+            && !allow_unauthenticated
+        {
+            return Err(bad(
+                "console_listen (MAILROOM_CONSOLE_LISTEN)",
+                format!(
+                    "{c} is not a loopback address and no admin token is configured: set \
+                     tokens_file (MAILROOM_TOKENS_FILE) or admin_token, or pass \
+                     --allow-unauthenticated"
+                ),
+            ));
+        }
         let hours = |h: u64| (h > 0).then(|| Duration::from_secs(h.saturating_mul(3600)));
         let retention = crate::retention::RetentionConfig {
             completed: hours(s.retention_completed_hours.unwrap_or(168)),
@@ -779,7 +990,8 @@ impl Config {
                 }
                 f
             },
-            admin_token: s.admin_token.filter(|t| !t.is_empty()),
+            admin_token,
+            open_on_network: !listen.ip().is_loopback() && !authenticated,
             subscriptions: {
                 let subs = s
                     .subscriptions
@@ -808,6 +1020,10 @@ impl Config {
             database_acquire_timeout: Duration::from_millis(
                 s.database_acquire_timeout_ms.unwrap_or(3000).max(10),
             ),
+            database_statement_timeout: Some(Duration::from_millis(
+                s.database_statement_timeout_ms.unwrap_or(60_000),
+            ))
+            .filter(|d| !d.is_zero()),
             retention,
         })
     }
@@ -817,18 +1033,51 @@ impl Config {
     }
 }
 
-/// The database URL with any password replaced, for logs.
+/// A URL with every credential replaced by `***`, for logs and errors: the password of
+/// `user:pass@`, and the value of any query parameter that names a secret
+/// (`password`, `sslpassword`, `token`, `secret`, `key` …). Parameters such as
+/// `sslmode` stay readable.
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    let (head, query) = match url.split_once('?') {
+        Some((h, q)) => (h, Some(q)),
+        None => (url, None),
+    };
+    let mut out = match (head.find("://"), head.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
+            let userinfo = &head[scheme + 3..at];
             match userinfo.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => url.to_string(),
+                Some((user, _)) => format!("{}{user}:***{}", &head[..scheme + 3], &head[at..]),
+                None => head.to_string(),
             }
         }
-        _ => url.to_string(),
+        _ => head.to_string(),
+    };
+    if let Some(q) = query {
+        let secret = |k: &str| {
+            let k = k.to_ascii_lowercase();
+            [
+                "pass",
+                "pwd",
+                "secret",
+                "token",
+                "key",
+                "credential",
+                "auth",
+            ]
+            .iter()
+            .any(|w| k.contains(w))
+        };
+        let parts: Vec<String> = q
+            .split('&')
+            .map(|p| match p.split_once('=') {
+                Some((k, _)) if secret(k) => format!("{k}=***"),
+                _ => p.to_string(),
+            })
+            .collect();
+        out.push('?');
+        out.push_str(&parts.join("&"));
     }
+    out
 }
 
 #[cfg(test)]
@@ -872,6 +1121,27 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("MAILROOM_DATABASE_URL"), "{e}");
         assert!(toml::from_str::<Settings>("no_such_setting = 1").is_err());
+    }
+
+    #[test]
+    fn the_console_is_closed_by_default_off_loopback() {
+        let s = Settings {
+            console_listen: Some("0.0.0.0:8080".into()),
+            ..Settings::default()
+        };
+        let e = Config::resolve(s).unwrap_err().to_string();
+        assert!(e.contains("MAILROOM_CONSOLE_LISTEN"), "{e}");
+        let s = Settings {
+            console_listen: Some("127.0.0.1:8080".into()),
+            ..Settings::default()
+        };
+        assert!(Config::resolve(s).is_ok());
+        let s = Settings {
+            console_listen: Some("0.0.0.0:8080".into()),
+            admin_token: Some("a-long-enough-admin-token".into()),
+            ..Settings::default()
+        };
+        assert!(Config::resolve(s).is_ok());
     }
 
     #[test]
@@ -939,5 +1209,93 @@ mod tests {
             "postgres://u:***@h:5432/db"
         );
         assert_eq!(redact_url("sqlite://x.db"), "sqlite://x.db");
+        // Every form a password can take in a URL.
+        assert_eq!(
+            redact_url("postgres://u:p%40ss@h/db?password=hunter2&sslmode=verify-full"),
+            "postgres://u:***@h/db?password=***&sslmode=verify-full"
+        );
+        assert_eq!(
+            redact_url("postgresql://h/db?user=u&PASSWORD=x&sslpassword=y&sslkey=/k.pem"),
+            "postgresql://h/db?user=u&PASSWORD=***&sslpassword=***&sslkey=***"
+        );
+        assert_eq!(redact_url("postgres://u:a@b@h/db"), "postgres://u:***@h/db");
+    }
+
+    #[test]
+    fn a_malformed_config_file_is_reported_without_its_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("mailroom.toml");
+        for text in [
+            "database_url = \"postgres://u:hunter2-secret@h/db\"\nrelays = \"two\"\n",
+            "database_url = \"postgres://u:hunter2-secret@h/db\n",
+            "database_url = postgres://u:hunter2-secret@h/db\n",
+            "admin_token = 1234hunter2-secret\n",
+        ] {
+            std::fs::write(&p, text).unwrap();
+            let e = Config::load(Settings {
+                config: Some(p.clone()),
+                ..Default::default()
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(!e.contains("hunter2"), "{e}");
+            assert!(e.contains("line "), "{e}");
+            assert_eq!(e.lines().count(), 1, "{e}");
+        }
+        std::fs::write(&p, "no_such_setting = 1\n").unwrap();
+        let e = Config::load(Settings {
+            config: Some(p.clone()),
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("no_such_setting"), "{e}");
+    }
+
+    #[test]
+    fn closed_by_default_on_the_network() {
+        // Non-loopback, no token: one line naming the setting and the way out.
+        let e = Config::resolve(Settings {
+            listen: Some("0.0.0.0:50051".into()),
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("MAILROOM_LISTEN"), "{e}");
+        assert!(e.contains("--allow-unauthenticated"), "{e}");
+        assert_eq!(e.lines().count(), 1);
+        // The legacy admin token alone leaves Enqueue open: still refused.
+        assert!(
+            Config::resolve(Settings {
+                listen: Some("0.0.0.0:50051".into()),
+                admin_token: Some("a-long-enough-admin-token".into()),
+                ..Default::default()
+            })
+            .is_err()
+        );
+        let c = Config::resolve(Settings {
+            listen: Some("0.0.0.0:50051".into()),
+            allow_unauthenticated: Some(true),
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(c.open_on_network);
+        let c = Config::resolve(Settings {
+            listen: Some("127.0.0.1:50051".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(!c.open_on_network);
+        let e = Config::resolve(Settings {
+            admin_token: Some("short".into()),
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("MAILROOM_ADMIN_TOKEN") && e.contains("shorter"),
+            "{e}"
+        );
+        assert!(!e.contains("short\""), "{e}");
     }
 }

@@ -101,6 +101,13 @@ impl NewEvent {
     /// 0007), so gRPC and SQL callers may share idempotency keys. It never changes
     /// between builds.
     pub fn fingerprint(&self) -> i64 {
+        let d = self.digest();
+        i64::from_be_bytes(d[..8].try_into().expect("8 bytes"))
+    }
+
+    /// SHA-256 over the canonical big-endian encoding both fingerprints (and the SQL
+    /// API's `mailroom_fingerprint`, `mailroom_fingerprint128`) take a prefix of.
+    fn digest(&self) -> [u8; 32] {
         use sha2::{Digest, Sha256};
         let mut h = Sha256::new();
         let field = |h: &mut Sha256, b: &[u8]| {
@@ -137,14 +144,28 @@ impl NewEvent {
                 .map(|b| &b[..]),
         );
         field(&mut h, &self.max_attempts.to_be_bytes());
-        let d = h.finalize();
-        i64::from_be_bytes(d[..8].try_into().expect("8 bytes"))
+        h.finalize().into()
     }
 
     /// The fingerprint stored before migration 0007 (FNV-1a over a length-prefixed
     /// little-endian encoding). Rows written then still carry it: a retry matches either.
     pub fn legacy_fingerprint(&self) -> i64 {
         let mut h = Fnv::default();
+        self.encode(&mut h);
+        h.0 as i64
+    }
+
+    /// The content fingerprint stored in `content_fp` (`content_fp_version = 2`, migration
+    /// 0008): the first 128 bits of the same SHA-256 digest. It tells an idempotent retry
+    /// (same content) from a reuse of the key with other content, and no producer can
+    /// construct another content with the same value. The 64-bit `fingerprint` is its
+    /// prefix, kept in `content_hash` for the SQL API's callers and older rows.
+    pub fn fingerprint128(&self) -> Vec<u8> {
+        self.digest()[..16].to_vec()
+    }
+
+    /// The length-prefixed little-endian encoding the legacy (FNV) fingerprint hashes.
+    fn encode(&self, h: &mut impl Sink) {
         h.field(self.topic.as_bytes());
         h.opt(self.key.as_deref().map(str::as_bytes));
         h.field(&self.payload);
@@ -165,7 +186,6 @@ impl NewEvent {
                 .map(|b| &b[..]),
         );
         h.field(&self.max_attempts.to_le_bytes());
-        h.0 as i64
     }
 
     /// Whether a stored fingerprint is this content's (either version).
@@ -174,21 +194,9 @@ impl NewEvent {
     }
 }
 
-struct Fnv(u64);
-
-impl Default for Fnv {
-    fn default() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl Fnv {
-    fn bytes(&mut self, b: &[u8]) {
-        for &x in b {
-            self.0 ^= u64::from(x);
-            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
+/// Where the fingerprint encoding goes.
+trait Sink {
+    fn bytes(&mut self, b: &[u8]);
     fn field(&mut self, b: &[u8]) {
         self.bytes(&(b.len() as u64).to_le_bytes());
         self.bytes(b);
@@ -202,6 +210,30 @@ impl Fnv {
             }
         }
     }
+}
+
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Sink for Fnv {
+    fn bytes(&mut self, b: &[u8]) {
+        for &x in b {
+            self.0 ^= u64::from(x);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+/// The scope of an idempotency key: its topic. One producer's key never meets another
+/// topic's (and a token limited to topics can neither take nor probe other keys).
+/// Topics cannot contain NUL, so the pair is unambiguous.
+pub fn idempotency_scope(topic: &str, key: &str) -> String {
+    format!("{topic}\0{key}")
 }
 
 /// A message arriving for a subscription's inbox (from Kafka or `InboxService.Receive`).

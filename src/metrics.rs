@@ -509,9 +509,11 @@ impl Metrics {
     }
 
     /// Counts one RPC by method and gRPC code, with its latency.
+    /// (`method` is the request path; see `known_method`.)
     pub fn rpc(&self, method: &str, code: tonic::Code, elapsed: Duration) {
-        // Only known methods become labels: an unknown path is answered UNIMPLEMENTED.
-        let method = if code == tonic::Code::Unimplemented {
+        // Only the methods this server serves become labels: whatever path a caller
+        // invents (answered UNIMPLEMENTED, or UNAUTHENTICATED before routing) is `unknown`.
+        let method = if code == tonic::Code::Unimplemented || !known_method(method) {
             "unknown"
         } else {
             method
@@ -730,6 +732,41 @@ fn rpc_histogram() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
 }
 
+/// Whether `path` (`/package.Service/Method`) is a method this server serves: the
+/// mailroom services, health and reflection, read from their descriptor sets once.
+pub fn known_method(path: &str) -> bool {
+    use prost::Message as _;
+    static KNOWN: std::sync::OnceLock<HashSet<String>> = std::sync::OnceLock::new();
+    KNOWN
+        .get_or_init(|| {
+            let mut known = HashSet::new();
+            for set in [
+                crate::pb::FILE_DESCRIPTOR_SET,
+                tonic_health::pb::FILE_DESCRIPTOR_SET,
+            ] {
+                let Ok(set) = prost_types::FileDescriptorSet::decode(set) else {
+                    continue;
+                };
+                for f in set.file {
+                    let pkg = f.package.unwrap_or_default();
+                    for svc in f.service {
+                        let name = svc.name.unwrap_or_default();
+                        for m in svc.method {
+                            known.insert(format!("/{pkg}.{name}/{}", m.name.unwrap_or_default()));
+                        }
+                    }
+                }
+            }
+            for v in ["v1", "v1alpha"] {
+                known.insert(format!(
+                    "/grpc.reflection.{v}.ServerReflection/ServerReflectionInfo"
+                ));
+            }
+            known
+        })
+        .contains(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -749,8 +786,16 @@ mod tests {
         observe(&shared.cycle_latency);
         observe(&shared.publish_latency);
         let m = Metrics::new(vec![shared.clone(), shared.clone()]);
-        m.rpc("/m", tonic::Code::Ok, Duration::from_millis(2));
-        m.rpc("/m", tonic::Code::Unavailable, Duration::from_secs(20));
+        m.rpc(
+            "/mailroom.v1.OutboxService/Enqueue",
+            tonic::Code::Ok,
+            Duration::from_millis(2),
+        );
+        m.rpc(
+            "/mailroom.v1.OutboxService/Enqueue",
+            tonic::Code::Unavailable,
+            Duration::from_secs(20),
+        );
         let text = m.encode();
         assert_eq!(check_histograms(&text), Ok(3), "{text}");
         assert!(
@@ -759,7 +804,7 @@ mod tests {
                 && text.contains("mailroom_relay_cycle_seconds_bucket{le=\"0.005\"} 4\n"),
             "{text}"
         );
-        assert!(text.contains("mailroom_grpc_requests_total{method=\"/m\",code=\"OK\"} 1"));
+        assert!(text.contains("mailroom_grpc_requests_total{method=\"/mailroom.v1.OutboxService/Enqueue\",code=\"OK\"} 1"));
         assert!(text.contains("code=\"UNAVAILABLE\"} 1"), "{text}");
 
         let apart = Arc::new(RelayStats::default());
@@ -774,6 +819,18 @@ mod tests {
         assert!(check_histograms(bad).is_err());
         let bad = "# TYPE x histogram\nx_count 2\nx_bucket{le=\"1\"} 3\nx_bucket{le=\"+Inf\"} 2\n";
         assert!(check_histograms(bad).is_err());
+    }
+
+    #[test]
+    fn only_served_methods_are_labels() {
+        assert!(known_method("/mailroom.v1.OutboxService/Enqueue"));
+        assert!(known_method("/mailroom.v1.AdminService/GetStats"));
+        assert!(known_method("/grpc.health.v1.Health/Check"));
+        assert!(known_method(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+        ));
+        assert!(!known_method("/mailroom.v1.OutboxService/Nope"));
+        assert!(!known_method("/evil.Service/x1"));
     }
 
     #[test]

@@ -42,16 +42,22 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Te
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let fmt = match format {
-        LogFormat::Human => fmt.with_filter(filter).boxed(),
+        LogFormat::Human => fmt.fmt_fields(human_fields()).with_filter(filter).boxed(),
         LogFormat::Json => fmt.json().with_filter(filter).boxed(),
     };
     let provider = match export_endpoint(otlp_endpoint, |k| std::env::var(k).ok()) {
         None => None,
         Some(endpoint) => {
-            let exporter = opentelemetry_otlp::SpanExporter::builder()
+            use opentelemetry_otlp::WithTonicConfig as _;
+            let mut builder = opentelemetry_otlp::SpanExporter::builder()
                 .with_tonic()
-                .with_endpoint(endpoint)
-                .build()?;
+                .with_endpoint(endpoint.clone());
+            if endpoint.starts_with("https://") {
+                // TLS to the collector, verified with the webpki roots.
+                builder = builder
+                    .with_tls_config(tonic::transport::ClientTlsConfig::new().with_webpki_roots());
+            }
+            let exporter = builder.build()?;
             let processor =
                 opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor::builder(
                     exporter,
@@ -105,6 +111,39 @@ pub fn export_endpoint(
         .or_else(|| env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
         .or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT"))
         .filter(|e| !e.trim().is_empty())
+}
+
+/// The human log format's field formatter: like the default (`message key=value …`),
+/// but control characters in values (caller-supplied strings: topics, keys, subscription
+/// names, operator names) are escaped, so that a value cannot forge a log line or send
+/// terminal escape sequences.
+pub fn human_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + 'static {
+    use tracing_subscriber::field::MakeExt as _;
+    tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
+        use std::fmt::Write as _;
+        let mut e = Escaping(w);
+        if field.name() == "message" {
+            write!(e, "{value:?}")
+        } else {
+            write!(e, "{field}={value:?}")
+        }
+    })
+    .delimited(" ")
+}
+
+struct Escaping<'a, 'w>(&'a mut tracing_subscriber::fmt::format::Writer<'w>);
+
+impl std::fmt::Write for Escaping<'_, '_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        for c in s.chars() {
+            if c.is_control() {
+                write!(self.0, "{}", c.escape_default())?;
+            } else {
+                self.0.write_char(c)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Makes `span` a child of the W3C `traceparent` given, when it is well formed (a no-op
@@ -185,5 +224,43 @@ mod tests {
             ),
             None
         );
+    }
+
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn human_logs_escape_control_characters() {
+        let buf = Buf::default();
+        let out = buf.clone();
+        let sub = tracing_subscriber::fmt()
+            .with_writer(move || buf.clone())
+            .with_ansi(false)
+            .fmt_fields(super::human_fields())
+            .finish();
+        tracing::subscriber::with_default(sub, || {
+            let topic = "orders\nINFO forged line\u{1b}[31m";
+            tracing::info!(%topic, operator = "ops\r\n", "requeued {}", "x\ny");
+        });
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(!text.contains('\u{1b}'), "{text}");
+        assert!(
+            text.contains("orders\\nINFO forged line\\u{1b}[31m"),
+            "{text}"
+        );
+        assert!(text.contains("requeued x\\ny"), "{text}");
     }
 }

@@ -122,6 +122,9 @@ fn subscription(name: &str, handler: &str) -> SubscriptionConfig {
             cap: Duration::from_secs(600),
             max_attempts: 5,
         },
+        handler_tls: Default::default(),
+        handler_token: None,
+        handler_max_defer: Duration::from_secs(86_400),
     }
 }
 
@@ -837,6 +840,8 @@ async fn keys_a_dispatcher_held_during_a_requeue_are_woken_once_released() {
             reason: "r".into(),
             dry_run: false,
             actor: "t".into(),
+            principal: None,
+            request_id: None,
         };
         store.cancel_events(BoxKind::Inbox, &cancel).await.unwrap();
         key_row(&url, "s1", "k", Some(true)).await;
@@ -849,6 +854,8 @@ async fn keys_a_dispatcher_held_during_a_requeue_are_woken_once_released() {
                     limit: 10,
                     dry_run: false,
                     actor: "t".into(),
+                    principal: None,
+                    request_id: None,
                 },
             )
             .await

@@ -295,3 +295,140 @@ fn dockerfile_is_multi_stage_and_runs_the_binary() {
     assert!(text.contains("MAILROOM_LISTEN=0.0.0.0:50051"));
     assert!(text.contains("MAILROOM_METRICS_LISTEN=0.0.0.0:9090"));
 }
+
+/// Issue 12 §1 and §5: the shipped deployments are closed and hardened. Tokens come from
+/// a secret everywhere; the pod cannot gain privileges, write its root filesystem or keep
+/// a capability; a long migration is covered by a startup probe; no image is `latest`;
+/// the build context leaves out secrets and build output.
+#[test]
+fn deployments_ship_closed_and_hardened() {
+    let m = manifests();
+    let pod = &m["Deployment"]["spec"]["template"]["spec"];
+    assert_eq!(
+        s(&pod["securityContext"]["seccompProfile"]["type"]),
+        "RuntimeDefault"
+    );
+    assert_eq!(pod["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
+    let c = &pod["containers"][0];
+    let sc = &c["securityContext"];
+    assert_eq!(sc["allowPrivilegeEscalation"].as_bool(), Some(false));
+    assert_eq!(sc["readOnlyRootFilesystem"].as_bool(), Some(true));
+    let drop: Vec<&str> = sc["capabilities"]["drop"]
+        .as_sequence()
+        .expect("capabilities.drop")
+        .iter()
+        .map(s)
+        .collect();
+    assert_eq!(drop, ["ALL"]);
+    let startup = &c["startupProbe"];
+    assert!(startup.is_mapping(), "a startup probe");
+    assert!(
+        startup["periodSeconds"].as_u64().unwrap() * startup["failureThreshold"].as_u64().unwrap()
+            >= 300,
+        "the startup probe allows a long migration"
+    );
+    // Tokens: the ConfigMap names the file, the file is a Secret volume.
+    let tokens_file = s(&m["ConfigMap"]["data"]["MAILROOM_TOKENS_FILE"]);
+    let mount = c["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| tokens_file.starts_with(s(&v["mountPath"])))
+        .expect("the token file is mounted");
+    let volume = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert!(volume["secret"]["secretName"].is_string(), "{volume:?}");
+    // No `latest` (or untagged) image anywhere.
+    let compose = &yaml_docs(&deploy_dir().join("docker-compose.yml"))[0];
+    let mut images = vec![s(&c["image"]).to_string()];
+    for (_, svc) in compose["services"].as_mapping().unwrap() {
+        if let Some(i) = svc["image"].as_str() {
+            images.push(i.to_string());
+        }
+    }
+    for i in &images {
+        let tag = i.rsplit_once(':').map(|(_, t)| t).unwrap_or("");
+        assert!(
+            !tag.is_empty() && tag != "latest",
+            "image {i} has no pinned tag"
+        );
+    }
+    // compose: the token file is a secret, the container read-only without capabilities.
+    let mr = &compose["services"]["mailroom"];
+    assert_eq!(
+        s(&mr["environment"]["MAILROOM_TOKENS_FILE"]),
+        "/run/secrets/mailroom-tokens"
+    );
+    assert!(
+        mr["secrets"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .any(|x| s(x) == "mailroom-tokens")
+    );
+    assert!(compose["secrets"]["mailroom-tokens"]["file"].is_string());
+    assert_eq!(mr["read_only"].as_bool(), Some(true));
+    // The image: a token file from a secret by default.
+    let dockerfile = std::fs::read_to_string(deploy_dir().join("Dockerfile")).unwrap();
+    assert!(dockerfile.contains("MAILROOM_TOKENS_FILE=/run/secrets/mailroom-tokens"));
+    // .dockerignore keeps build output, git data and secrets out of the context.
+    let ignore = std::fs::read_to_string(deploy_dir().join("../.dockerignore")).unwrap();
+    for must in [
+        "target/",
+        ".git/",
+        "deploy/secrets/",
+        "**/tokens*.toml",
+        "**/*.db",
+    ] {
+        assert!(
+            ignore.lines().any(|l| l.trim() == must),
+            ".dockerignore lacks {must}"
+        );
+    }
+}
+
+/// The image's defaults (listen on all interfaces, a token file path) refuse to start
+/// when the token secret is missing, and start with it: closed by default.
+#[test]
+fn the_image_defaults_refuse_to_serve_without_tokens() {
+    let run = |extra: &[(&str, &str)]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_mailroom"));
+        cmd.env_clear()
+            .env("MAILROOM_LISTEN", "0.0.0.0:0")
+            .env("MAILROOM_DATABASE_URL", "sqlite::memory:");
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        cmd.arg("serve");
+        let mut child = cmd
+            .stderr(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        while std::time::Instant::now() < deadline {
+            if child.try_wait().unwrap().is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, stderr) = run(&[]);
+    assert_eq!(code, Some(64), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "one clear line: {stderr}");
+    assert!(stderr.contains("--allow-unauthenticated"), "{stderr}");
+    // Explicitly open: starts, with a warning.
+    let (code, stderr) = run(&[("MAILROOM_ALLOW_UNAUTHENTICATED", "true")]);
+    assert_eq!(code, None, "still running when killed: {stderr}");
+    assert!(stderr.contains("allow-unauthenticated"), "warned: {stderr}");
+}

@@ -107,6 +107,9 @@ fn subscription(name: &str, topics: &[&str], handler: &str) -> SubscriptionConfi
             cap: Duration::from_secs(600),
             max_attempts: 5,
         },
+        handler_tls: Default::default(),
+        handler_token: None,
+        handler_max_defer: Duration::from_secs(86_400),
     }
 }
 

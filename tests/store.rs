@@ -594,12 +594,16 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
                     reason: "test".into(),
                     dry_run: false,
                     actor: "test".into(),
+                    principal: None,
+                    request_id: None,
                 };
                 let requeue = RequeueRequest {
                     selection: Selection::Ids(ids),
                     limit: 100,
                     dry_run: false,
                     actor: "test".into(),
+                    principal: None,
+                    request_id: None,
                 };
                 for r in [
                     store.cancel_events(BoxKind::Outbox, &cancel).await.err(),

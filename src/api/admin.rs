@@ -212,6 +212,20 @@ pub fn pending_query(b: BoxKind, r: pb::ListPendingRequest) -> Result<PendingQue
     })
 }
 
+/// A request_id: at most 128 printable ASCII characters; empty means none.
+fn request_id(v: String) -> Result<Option<String>, Error> {
+    if v.is_empty() {
+        return Ok(None);
+    }
+    if v.len() > 128 || !v.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Err(Error::invalid(
+            "request_id",
+            "must be at most 128 printable ASCII characters",
+        ));
+    }
+    Ok(Some(v))
+}
+
 pub fn requeue_request(
     b: BoxKind,
     r: pb::RequeueFailedRequest,
@@ -229,6 +243,13 @@ pub fn requeue_request(
         l => l,
     };
     let selection = if r.ids.is_empty() {
+        // An empty filter is every failed event of the box: only on purpose.
+        if filter_is_empty(&filter) && !r.all && !r.dry_run {
+            return Err(Error::invalid(
+                "all",
+                "an empty filter selects every failed event: set all = true (--all) to mean it",
+            ));
+        }
         Selection::Filter(filter)
     } else {
         if !filter_is_empty(&filter) {
@@ -253,10 +274,13 @@ pub fn requeue_request(
         limit,
         dry_run: r.dry_run,
         actor,
+        principal: None,
+        request_id: request_id(r.request_id)?,
     })
 }
 
 pub fn cancel_request(r: pb::CancelEventsRequest, actor: String) -> Result<CancelRequest, Error> {
+    let request_id = request_id(r.request_id.clone())?;
     let mut v = Vec::new();
     if r.ids.is_empty() {
         v.push(FieldViolation::new(
@@ -290,6 +314,8 @@ pub fn cancel_request(r: pb::CancelEventsRequest, actor: String) -> Result<Cance
         reason,
         dry_run: r.dry_run,
         actor,
+        principal: None,
+        request_id,
     })
 }
 
@@ -379,6 +405,8 @@ fn audit_entry(a: AuditEntry) -> pb::AuditEntry {
         r#box: pb_box(a.box_kind) as i32,
         selection: a.selection,
         count: a.count,
+        principal: a.principal.unwrap_or_default(),
+        request_id: a.request_id.unwrap_or_default(),
     }
 }
 
@@ -417,9 +445,10 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
         let actor = caller.actor(&r.operator);
-        let req = requeue_request(b, r, actor)?;
+        let mut req = requeue_request(b, r, actor)?;
+        req.principal = caller.principal.name.clone();
         let out = self.admin.requeue(b, &req).await?;
-        if let Some(id) = out.audit_id {
+        if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
             tracing::info!(audit_id = id, count = out.count, actor = %req.actor, "requeued failed events");
             if let Some(m) = &self.metrics {
                 m.requeued(out.count.max(0) as u64);
@@ -430,6 +459,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
             sample_ids: out.sample_ids,
             dry_run: req.dry_run,
             audit_id: out.audit_id.unwrap_or(0),
+            replayed: out.replayed,
         }))
     }
 
@@ -474,9 +504,10 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
         let actor = caller.actor(&r.operator);
-        let req = cancel_request(r, actor)?;
+        let mut req = cancel_request(r, actor)?;
+        req.principal = caller.principal.name.clone();
         let out = self.admin.cancel(b, &req).await?;
-        if let Some(id) = out.audit_id {
+        if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
             tracing::info!(audit_id = id, count = out.ids.len(), actor = %req.actor, "cancelled events");
             if let Some(m) = &self.metrics {
                 m.cancelled(out.ids.len() as u64);
@@ -486,6 +517,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
             count: out.ids.len() as i64,
             ids: out.ids,
             audit_id: out.audit_id.unwrap_or(0),
+            replayed: out.replayed,
         }))
     }
 

@@ -52,6 +52,9 @@ pub struct TokenEntry {
     /// Enqueue only to these topics; absent: any topic.
     #[serde(default)]
     pub topics: Option<Vec<String>>,
+    /// Inbox scope: push to (and list) only these subscriptions; absent: any.
+    #[serde(default)]
+    pub subscriptions: Option<Vec<String>>,
 }
 
 impl std::fmt::Debug for TokenEntry {
@@ -61,6 +64,7 @@ impl std::fmt::Debug for TokenEntry {
             .field("token", &"***")
             .field("scopes", &self.scopes)
             .field("topics", &self.topics)
+            .field("subscriptions", &self.subscriptions)
             .finish()
     }
 }
@@ -106,9 +110,9 @@ pub fn load_tokens(path: &Path) -> Result<Vec<TokenEntry>, String> {
                 t.name
             ));
         }
-        if t.token.len() < 16 {
+        if t.token.len() < MIN_TOKEN_LEN {
             return Err(format!(
-                "{}: token {:?} is shorter than 16 characters",
+                "{}: token {:?} is shorter than {MIN_TOKEN_LEN} characters",
                 path.display(),
                 t.name
             ));
@@ -134,12 +138,16 @@ pub fn load_tokens(path: &Path) -> Result<Vec<TokenEntry>, String> {
     Ok(tokens)
 }
 
+/// The shortest token accepted, in the token file and as the legacy admin token.
+pub const MIN_TOKEN_LEN: usize = 16;
+
 /// The caller of an RPC, as the handlers see it (request extension).
 #[derive(Debug, Clone)]
 pub struct Principal {
     /// The token's name; `None`: no token was needed and none checked.
     pub name: Option<String>,
     topics: Option<Arc<[String]>>,
+    subscriptions: Option<Arc<[String]>>,
 }
 
 impl Principal {
@@ -147,6 +155,26 @@ impl Principal {
         Principal {
             name: None,
             topics: None,
+            subscriptions: None,
+        }
+    }
+
+    /// `PERMISSION_DENIED` unless this caller may use the inbox `subscription`.
+    pub fn check_subscription(&self, subscription: &str) -> Result<(), Status> {
+        if self.may_use_subscription(subscription) {
+            Ok(())
+        } else {
+            Err(Status::permission_denied(
+                "this token may not use that subscription",
+            ))
+        }
+    }
+
+    /// Whether this caller may use (and see) the inbox `subscription`.
+    pub fn may_use_subscription(&self, subscription: &str) -> bool {
+        match &self.subscriptions {
+            Some(list) => list.iter().any(|s| s == subscription),
+            None => true,
         }
     }
 
@@ -205,6 +233,7 @@ impl Auth {
                 token: t.to_string(),
                 scopes: vec![Scope::Admin],
                 topics: None,
+                subscriptions: None,
             });
         }
         let mut open = Vec::new();
@@ -255,6 +284,7 @@ impl Auth {
         Ok(Principal {
             name: Some(t.name.clone()),
             topics: t.topics.clone().map(Into::into),
+            subscriptions: t.subscriptions.clone().map(Into::into),
         })
     }
 }
@@ -336,6 +366,7 @@ mod tests {
             token: token.into(),
             scopes: scopes.to_vec(),
             topics: topics.map(|t| t.iter().map(|s| s.to_string()).collect()),
+            subscriptions: None,
         }
     }
 

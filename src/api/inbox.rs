@@ -48,7 +48,11 @@ impl pb::inbox_service_server::InboxService for InboxApi {
         &self,
         request: Request<pb::ReceiveRequest>,
     ) -> Result<Response<pb::ReceiveResponse>, Status> {
+        let principal = crate::api::auth::Principal::of(request.extensions());
         let r = request.into_inner();
+        // Before the lookup: a token limited to some subscriptions learns nothing about
+        // the names of others.
+        principal.check_subscription(&r.subscription)?;
         let Some(sub) = self.subscriptions.iter().find(|s| s.name == r.subscription) else {
             return Err(if r.subscription.is_empty() {
                 Error::invalid("subscription", "is required")
@@ -121,12 +125,14 @@ impl pb::inbox_service_server::InboxService for InboxApi {
 
     async fn list_subscriptions(
         &self,
-        _request: Request<pb::ListSubscriptionsRequest>,
+        request: Request<pb::ListSubscriptionsRequest>,
     ) -> Result<Response<pb::ListSubscriptionsResponse>, Status> {
+        let principal = crate::api::auth::Principal::of(request.extensions());
         Ok(Response::new(pb::ListSubscriptionsResponse {
             subscriptions: self
                 .subscriptions
                 .iter()
+                .filter(|s| principal.may_use_subscription(&s.name))
                 .map(|s| pb::Subscription {
                     name: s.name.clone(),
                     topics: s.topics.clone(),

@@ -80,8 +80,41 @@ pub fn retry_delay(s: &Status) -> Option<Duration> {
         .filter(|d| !d.is_zero())
 }
 
+/// Longest message a status carries: it travels in the `grpc-message` header, and a
+/// header past the peer's limit (often 8 KiB) turns the answer into a protocol error.
+pub const MAX_MESSAGE_BYTES: usize = 1024;
+
+/// `m` cut to `MAX_MESSAGE_BYTES` at a character boundary, marked with "…".
+pub fn short(m: String) -> String {
+    if m.len() <= MAX_MESSAGE_BYTES {
+        return m;
+    }
+    let mut end = MAX_MESSAGE_BYTES - 3;
+    while !m.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &m[..end])
+}
+
 impl From<Error> for Status {
     fn from(e: Error) -> Self {
+        let status = status_of(e);
+        if status.message().len() > MAX_MESSAGE_BYTES {
+            let mut s = Status::with_details(
+                status.code(),
+                short(status.message().to_string()),
+                status.details().to_vec().into(),
+            );
+            *s.metadata_mut() = status.metadata().clone();
+            s
+        } else {
+            status
+        }
+    }
+}
+
+fn status_of(e: Error) -> Status {
+    {
         let none = HashMap::new;
         match e {
             Error::InvalidArgument(v) => {

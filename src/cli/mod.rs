@@ -26,6 +26,15 @@ pub struct AdminArgs {
     /// Admin bearer token, if the server requires one.
     #[arg(long, env = "MAILROOM_ADMIN_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// CA certificates (PEM) that verify an `https://` server [default: webpki roots].
+    #[arg(long, env = "MAILROOM_ADMIN_TLS_CA")]
+    pub ca: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for a server that requires mTLS; needs --key.
+    #[arg(long, env = "MAILROOM_ADMIN_TLS_CERT")]
+    pub cert: Option<std::path::PathBuf>,
+    /// Private key (PEM) of --cert.
+    #[arg(long, env = "MAILROOM_ADMIN_TLS_KEY")]
+    pub key: Option<std::path::PathBuf>,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -153,6 +162,12 @@ pub enum AdminCommand {
         /// Act; without it only show what would be requeued.
         #[arg(long)]
         yes: bool,
+        /// With no ids and no filter flags: yes, every failed event of the box.
+        #[arg(long)]
+        all: bool,
+        /// Idempotency of the action: a repeated id acts once [default: a new UUID].
+        #[arg(long)]
+        request_id: Option<String>,
         /// Name recorded in the audit log [default: $USER].
         #[arg(long)]
         operator: Option<String>,
@@ -168,6 +183,9 @@ pub enum AdminCommand {
         /// Act; without it only show what would be cancelled.
         #[arg(long)]
         yes: bool,
+        /// Idempotency of the action: a repeated id acts once [default: a new UUID].
+        #[arg(long)]
+        request_id: Option<String>,
         /// Name recorded in the audit log [default: $USER].
         #[arg(long)]
         operator: Option<String>,
@@ -217,9 +235,22 @@ fn operator(o: Option<String>) -> String {
 
 /// Runs one admin command and returns what it prints.
 pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
-    let channel = Channel::from_shared(args.server.clone())
+    let mut endpoint = Channel::from_shared(args.server.clone())
         .context("--server is not a URL")?
-        .connect_timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5));
+    let tls = crate::config::ClientTls {
+        ca: args.ca.clone(),
+        cert: args.cert.clone(),
+        key: args.key.clone(),
+    };
+    if args.server.starts_with("https://") {
+        endpoint = endpoint
+            .tls_config(tls.tonic()?)
+            .context("TLS configuration")?;
+    } else if tls != crate::config::ClientTls::default() {
+        anyhow::bail!("--ca/--cert/--key need an https:// --server");
+    }
+    let channel = endpoint
         .connect()
         .await
         .with_context(|| format!("connecting to {}", args.server))?;
@@ -323,6 +354,8 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             filter,
             limit,
             yes,
+            all,
+            request_id,
             operator: who,
         } => {
             let req = pb::RequeueFailedRequest {
@@ -337,6 +370,8 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                 limit: limit.unwrap_or(0),
                 dry_run: !yes,
                 operator: operator(who),
+                all,
+                request_id: request_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
             };
             let r = c
                 .inner
@@ -370,6 +405,7 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             ids,
             reason,
             yes,
+            request_id,
             operator: who,
         } => {
             let r = c
@@ -380,6 +416,7 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                     reason,
                     dry_run: !yes,
                     operator: operator(who),
+                    request_id: request_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
                 }))
                 .await
                 .map_err(rpc_error)?
@@ -442,6 +479,8 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                         "box": box_name(a.r#box),
                         "selection": serde_json::from_str::<Value>(&a.selection).unwrap_or(Value::String(a.selection.clone())),
                         "count": a.count,
+                        "principal": a.principal,
+                        "request_id": a.request_id,
                     })).collect::<Vec<_>>(),
                     "next_page_token": r.next_page_token,
                 }))

@@ -753,6 +753,8 @@ async fn page_post(
                 limit: crate::admin::DEFAULT_REQUEUE,
                 dry_run: !confirm,
                 actor: access.actor(),
+                principal: access.name.clone(),
+                request_id: None,
             };
             c.inner
                 .admin
@@ -778,6 +780,8 @@ async fn page_post(
                 reason,
                 dry_run: !confirm,
                 actor: access.actor(),
+                principal: access.name.clone(),
+                request_id: None,
             };
             c.inner
                 .admin

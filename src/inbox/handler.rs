@@ -31,6 +31,10 @@ pub struct HandlerSink {
     client: HandlerServiceClient<Channel>,
     subscription: String,
     timeout: Duration,
+    /// `authorization: Bearer …` sent with every call, when configured.
+    authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+    /// Latest `retry.not_before` honoured, from now.
+    max_defer: Duration,
     /// Handle calls in flight at most, shared by every cycle of the dispatcher (cycles
     /// overlap while a slow line finishes).
     slots: tokio::sync::Semaphore,
@@ -39,21 +43,43 @@ pub struct HandlerSink {
 
 impl HandlerSink {
     /// Connects lazily: a handler that is down is a transient failure at delivery time,
-    /// not a start-up error.
-    pub fn new(
-        subscription: &str,
-        url: &str,
-        timeout: Duration,
-        concurrency: usize,
-    ) -> Result<Self, tonic::transport::Error> {
-        let channel = Endpoint::from_shared(url.to_string())?
-            .connect_timeout(timeout.min(Duration::from_secs(5)))
-            .connect_lazy();
+    /// not a start-up error. An `https://` handler gets TLS (the subscription's CA or the
+    /// webpki roots, and its client certificate when one is set); the TLS files are read
+    /// here, so a missing file stops the start-up.
+    pub fn new(sub: &crate::config::SubscriptionConfig) -> anyhow::Result<Self> {
+        use anyhow::Context as _;
+        let mut endpoint = Endpoint::from_shared(sub.handler.clone())
+            .with_context(|| format!("subscription {}: handler URL", sub.name))?
+            .connect_timeout(sub.handler_timeout.min(Duration::from_secs(5)));
+        if sub.handler.starts_with("https://") {
+            let tls = sub
+                .handler_tls
+                .tonic()
+                .with_context(|| format!("subscription {}", sub.name))?;
+            endpoint = endpoint
+                .tls_config(tls)
+                .with_context(|| format!("subscription {}: handler TLS", sub.name))?;
+        } else if sub.handler_tls != crate::config::ClientTls::default() {
+            anyhow::bail!(
+                "subscription {}: handler_ca/handler_cert need an https:// handler",
+                sub.name
+            );
+        }
+        let authorization = match &sub.handler_token {
+            None => None,
+            Some(t) => Some(
+                format!("Bearer {}", t.0)
+                    .parse()
+                    .map_err(|_| anyhow::anyhow!("subscription {}: handler token", sub.name))?,
+            ),
+        };
         Ok(HandlerSink {
-            client: HandlerServiceClient::new(channel),
-            subscription: subscription.to_string(),
-            timeout,
-            slots: tokio::sync::Semaphore::new(concurrency.max(1)),
+            client: HandlerServiceClient::new(endpoint.connect_lazy()),
+            subscription: sub.name.clone(),
+            timeout: sub.handler_timeout,
+            authorization,
+            max_defer: sub.handler_max_defer,
+            slots: tokio::sync::Semaphore::new(sub.concurrency.max(1)),
             latency: Arc::new(Latency::default()),
         })
     }
@@ -82,6 +108,11 @@ impl HandlerSink {
             attempt: e.attempts + 1,
         };
         let mut req = tonic::Request::new(req);
+        // `grpc-timeout`: the subscriber knows when mailroom stops waiting.
+        req.set_timeout(self.timeout);
+        if let Some(a) = &self.authorization {
+            req.metadata_mut().insert("authorization", a.clone());
+        }
         // Propagate the producer's trace context to the subscriber.
         if let Some(tp) = e.headers.get("traceparent").and_then(|v| v.parse().ok()) {
             req.metadata_mut().insert("traceparent", tp);
@@ -91,14 +122,28 @@ impl HandlerSink {
         let call = tracing::Instrument::instrument(client.handle(req), span);
         let started = std::time::Instant::now();
         let answer = tokio::time::timeout(self.timeout, call).await;
-        self.latency.observe(started.elapsed());
-        match answer {
-            Err(_) => Delivery::Failed(Failure::Counted {
+        let elapsed = started.elapsed();
+        self.latency.observe(elapsed);
+        let timed_out = || {
+            Delivery::Failed(Failure::Counted {
                 error: format!("handler timed out after {} ms", self.timeout.as_millis()),
                 retry_at: None,
-            }),
+            })
+        };
+        match answer {
+            Err(_) => timed_out(),
+            // The `grpc-timeout` deadline, enforced by the client or the subscriber's
+            // server, ends the call just before our own timer: the same outcome.
+            Ok(Err(status))
+                if matches!(
+                    status.code(),
+                    tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+                ) && elapsed + Duration::from_millis(50) >= self.timeout =>
+            {
+                timed_out()
+            }
             Ok(Err(status)) => Delivery::Failed(classify_status(&status)),
-            Ok(Ok(resp)) => outcome(resp.into_inner()),
+            Ok(Ok(resp)) => cap_defer(outcome(resp.into_inner()), self.max_defer),
         }
     }
 
@@ -167,6 +212,29 @@ fn outcome(resp: pb::HandleResponse) -> Delivery {
     }
 }
 
+/// Cuts a handler's `not_before` to at most `max` from now: a handler cannot park a key
+/// (and everything behind it) for years.
+fn cap_defer(d: Delivery, max: Duration) -> Delivery {
+    let limit =
+        chrono::Utc::now() + chrono::Duration::from_std(max).unwrap_or(chrono::Duration::MAX);
+    match d {
+        Delivery::Failed(Failure::Deferred { error, retry_at }) => {
+            Delivery::Failed(Failure::Deferred {
+                error,
+                retry_at: retry_at.min(limit),
+            })
+        }
+        Delivery::Failed(Failure::Counted {
+            error,
+            retry_at: Some(t),
+        }) => Delivery::Failed(Failure::Counted {
+            error,
+            retry_at: Some(t.min(limit)),
+        }),
+        other => other,
+    }
+}
+
 #[async_trait::async_trait]
 impl Sink for HandlerSink {
     async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>> {
@@ -231,6 +299,34 @@ mod tests {
                 assert_eq!(retry_at.timestamp(), 4_000_000_000)
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_handlers_not_before_is_capped() {
+        let far = chrono::Utc::now() + chrono::Duration::days(3650);
+        let cap = Duration::from_secs(3600);
+        for d in [
+            Delivery::Failed(Failure::Deferred {
+                error: String::new(),
+                retry_at: far,
+            }),
+            Delivery::Failed(Failure::Counted {
+                error: String::new(),
+                retry_at: Some(far),
+            }),
+        ] {
+            let at = match cap_defer(d, cap) {
+                Delivery::Failed(Failure::Deferred { retry_at, .. }) => retry_at,
+                Delivery::Failed(Failure::Counted {
+                    retry_at: Some(t), ..
+                }) => t,
+                other => panic!("{other:?}"),
+            };
+            assert!(
+                at <= chrono::Utc::now() + chrono::Duration::seconds(3601),
+                "{at}"
+            );
         }
     }
 

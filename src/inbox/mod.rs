@@ -50,12 +50,7 @@ pub fn start(
     let mut handler_latency = HashMap::new();
     let mut tasks = Vec::new();
     for sub in &config.subscriptions {
-        let sink = handler::HandlerSink::new(
-            &sub.name,
-            &sub.handler,
-            sub.handler_timeout,
-            sub.concurrency,
-        )?;
+        let sink = handler::HandlerSink::new(sub)?;
         let latency = sink.latency();
         handler_latency.insert(sub.name.clone(), latency);
         let relay_config = RelayConfig {

@@ -66,15 +66,16 @@ pub(crate) fn check_ids(
     wanted: Status,
     verb: &str,
 ) -> AdminResult<()> {
+    let known: std::collections::HashSet<EventId> = found.iter().map(|(id, _)| *id).collect();
     let missing: Vec<String> = ids
         .iter()
-        .filter(|id| !found.iter().any(|(f, _)| f == *id))
+        .filter(|id| !known.contains(*id))
         .map(ToString::to_string)
         .collect();
     if !missing.is_empty() {
         return Err(Error::NotFound(format!(
             "no event with id {}; nothing was changed",
-            missing.join(", ")
+            some_of(&missing)
         )));
     }
     let wrong: Vec<String> = found
@@ -86,10 +87,21 @@ pub(crate) fn check_ids(
         return Err(Error::FailedPrecondition(format!(
             "only {} events can be {verb}: {}; nothing was changed",
             wanted.as_str(),
-            wrong.join(", ")
+            some_of(&wrong)
         )));
     }
     Ok(())
+}
+
+/// At most the first `SHOWN` items and how many more: an error naming 100,000 ids must
+/// stay far below gRPC's metadata limits (the message travels in a header).
+pub(crate) fn some_of(items: &[String]) -> String {
+    const SHOWN: usize = 10;
+    let head = items[..items.len().min(SHOWN)].join(", ");
+    match items.len().saturating_sub(SHOWN) {
+        0 => head,
+        more => format!("{head} and {more} more"),
+    }
 }
 
 /// The keys of a set of events as (subscription, topic, key), sorted and distinct: the
@@ -112,5 +124,22 @@ pub(crate) fn admin_key(b: BoxKind, subscription: String, topic: String, key: St
         },
         topic,
         key,
+    }
+}
+
+#[cfg(test)]
+mod short_errors {
+    use super::*;
+
+    #[test]
+    fn an_error_naming_100000_ids_stays_short() {
+        let ids: Vec<EventId> = (1..=100_000).collect();
+        let e = check_ids(&ids, &[], Status::Failed, "requeued").unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.len() < 200, "{} bytes", msg.len());
+        assert!(msg.contains("99990 more"), "{msg}");
+        let found: Vec<(EventId, Status)> = ids.iter().map(|i| (*i, Status::Pending)).collect();
+        let e = check_ids(&ids, &found, Status::Failed, "requeued").unwrap_err();
+        assert!(e.to_string().len() < 300, "{e}");
     }
 }

@@ -42,7 +42,11 @@ impl From<sqlx::Error> for StoreError {
             | sqlx::Error::PoolTimedOut
             | sqlx::Error::PoolClosed
             | sqlx::Error::WorkerCrashed
-            | sqlx::Error::Tls(_) => StoreError::Unavailable(e.to_string()),
+            | sqlx::Error::Tls(_)
+            // A connection closed mid-handshake: with TLS built in, sqlx asks for TLS
+            // first (`sslmode=prefer`) and reads EOF as "unexpected response from
+            // SSLRequest". The database is unreachable, not the request wrong.
+            | sqlx::Error::Protocol(_) => StoreError::Unavailable(e.to_string()),
             sqlx::Error::Database(db) => {
                 // Class 08 (connection), 57P (operator intervention: shutdown), 53 (resources),
                 // 40001/40P01 (serialization, deadlock): all say "try again", not "bad request".

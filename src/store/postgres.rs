@@ -17,7 +17,9 @@ use super::{
     Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
     Store, StoreError, StoreResult, fit_in_budget,
 };
-use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
+use crate::domain::{
+    BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent, idempotency_scope,
+};
 
 /// Columns read into a `StoredEvent`, in `decode_event` order.
 const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers::text AS headers, event_type, \
@@ -359,37 +361,65 @@ pub(crate) fn inbox_admissions(
         .collect()
 }
 
+/// The stored fingerprint of the row holding an idempotency key: version 2 (128 bits,
+/// `content_fp`) for rows written since migration 0008, version 1 (`content_hash`) before.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Holder {
+    V1(i64),
+    V2(Vec<u8>),
+}
+
+impl Holder {
+    /// From the row's `content_hash` and `content_fp`.
+    pub(crate) fn of(hash: Option<i64>, fp: Option<Vec<u8>>) -> Holder {
+        match fp {
+            Some(fp) => Holder::V2(fp),
+            None => Holder::V1(hash.unwrap_or_default()),
+        }
+    }
+
+    fn same_content(&self, e: &NewEvent) -> bool {
+        match self {
+            Holder::V2(fp) => *fp == e.fingerprint128(),
+            // Rows from before 0008: the 64-bit fingerprint, or the FNV one before 0007.
+            Holder::V1(h) => e.same_content(*h),
+        }
+    }
+}
+
 /// Resolves which events were inserted, which were idempotent duplicates and which
 /// conflicted, from the ids the insert returned and the rows already holding the keys.
+/// Keys are scoped by topic (`idempotency_scope`) in both maps.
 pub(crate) fn admissions(
     events: &[NewEvent],
     mut inserted_unkeyed: Vec<EventId>,
     inserted_by_key: &HashMap<String, EventId>,
-    existing: &HashMap<String, (EventId, i64)>,
+    existing: &HashMap<String, (EventId, Holder)>,
 ) -> Vec<Admission> {
     // Ids are drawn in slice order, so sorted ids of events without an idempotency key
     // line up with those events in order.
     inserted_unkeyed.sort_unstable();
     let mut plain = inserted_unkeyed.into_iter();
-    let mut seen_in_batch: HashMap<&str, (EventId, i64)> = HashMap::new();
+    let mut seen_in_batch: HashMap<String, (EventId, Vec<u8>)> = HashMap::new();
     events
         .iter()
         .map(|e| match &e.idempotency_key {
             None => Admission::Inserted(plain.next().expect("one id per plain insert")),
             Some(k) => {
-                if let Some(&(id, fp)) = seen_in_batch.get(k.as_str()) {
-                    return if fp == e.fingerprint() {
-                        Admission::Duplicate(id)
+                let scoped = idempotency_scope(&e.topic, k);
+                if let Some((id, fp)) = seen_in_batch.get(&scoped) {
+                    return if *fp == e.fingerprint128() {
+                        Admission::Duplicate(*id)
                     } else {
                         Admission::Conflict
                     };
                 }
-                if let Some(&id) = inserted_by_key.get(k) {
-                    seen_in_batch.insert(k, (id, e.fingerprint()));
+                if let Some(&id) = inserted_by_key.get(&scoped) {
+                    seen_in_batch.insert(scoped, (id, e.fingerprint128()));
                     Admission::Inserted(id)
                 } else {
-                    match existing.get(k) {
-                        Some(&(id, fp)) if e.same_content(fp) => Admission::Duplicate(id),
+                    match existing.get(&scoped) {
+                        Some((id, holder)) if holder.same_content(e) => Admission::Duplicate(*id),
                         _ => Admission::Conflict,
                     }
                 }
@@ -455,6 +485,7 @@ impl Store for PgStore {
         let mut etype = Vec::with_capacity(n);
         let mut idem = Vec::with_capacity(n);
         let mut hash = Vec::with_capacity(n);
+        let mut fp128: Vec<Option<Vec<u8>>> = Vec::with_capacity(n);
         let mut max_attempts = Vec::with_capacity(n);
         let mut sched = Vec::with_capacity(n);
         for e in events {
@@ -465,6 +496,7 @@ impl Store for PgStore {
             etype.push(e.event_type.as_deref());
             idem.push(e.idempotency_key.as_deref());
             hash.push(e.idempotency_key.as_ref().map(|_| e.fingerprint()));
+            fp128.push(e.idempotency_key.as_ref().map(|_| e.fingerprint128()));
             max_attempts.push(e.max_attempts as i32);
             sched.push(e.deliver_after);
         }
@@ -486,15 +518,17 @@ impl Store for PgStore {
                               pending = outbox_keys.pending + EXCLUDED.pending
                 RETURNING 1)
              INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
-                 idempotency_key, content_hash, max_attempts, scheduled_at)
-             SELECT t, k, p, h::jsonb, ty, i, c, m, COALESCE(s, now())
+                 idempotency_key, content_hash, max_attempts, scheduled_at, content_fp,
+                 content_fp_version)
+             SELECT t, k, p, h::jsonb, ty, i, c, m, COALESCE(s, now()), f,
+                    CASE WHEN f IS NULL THEN NULL ELSE 2 END
              FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::text[],
-                         $7::int8[], $8::int4[], $9::timestamptz[])
-                  WITH ORDINALITY AS u(t, k, p, h, ty, i, c, m, s, o)
+                         $7::int8[], $8::int4[], $9::timestamptz[], $14::bytea[])
+                  WITH ORDINALITY AS u(t, k, p, h, ty, i, c, m, s, f, o)
              WHERE (SELECT count(*) FROM keys) >= 0
              ORDER BY o
-             ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-             RETURNING id, idempotency_key",
+             ON CONFLICT (topic, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+             RETURNING id, topic, idempotency_key",
         )
         .bind(&topic)
         .bind(&key)
@@ -508,9 +542,12 @@ impl Store for PgStore {
         .bind(&k_topic)
         .bind(&k_name)
         .bind(&k_ready)
-        .bind(&k_plain);
-        let holders_sql = "SELECT idempotency_key, id, content_hash FROM outbox_events
-                           WHERE idempotency_key = ANY($1)";
+        .bind(&k_plain)
+        .bind(&fp128);
+        let holders_sql = "SELECT e.topic, e.idempotency_key, e.id, e.content_hash, e.content_fp
+                           FROM outbox_events e
+                           JOIN unnest($1::text[], $2::text[]) AS w(t, i)
+                             ON e.topic = w.t AND e.idempotency_key = w.i";
         let has_idem = events.iter().any(|e| e.idempotency_key.is_some());
 
         // An atomic batch that may conflict needs a transaction it can roll back. Anything
@@ -529,32 +566,33 @@ impl Store for PgStore {
         let mut by_key = HashMap::new();
         for r in &rows {
             let id: i64 = r.try_get(0)?;
-            match r.try_get::<Option<String>, _>(1)? {
+            match r.try_get::<Option<String>, _>(2)? {
                 None => plain.push(id),
                 Some(k) => {
-                    by_key.insert(k, id);
+                    by_key.insert(idempotency_scope(r.try_get::<&str, _>(1)?, &k), id);
                 }
             }
         }
-        let missing: Vec<&str> = idem
+        let (missing_topics, missing): (Vec<&str>, Vec<&str>) = events
             .iter()
-            .flatten()
-            .copied()
-            .filter(|k| !by_key.contains_key(*k))
-            .collect();
+            .filter_map(|e| Some((e.topic.as_str(), e.idempotency_key.as_deref()?)))
+            .filter(|(t, k)| !by_key.contains_key(&idempotency_scope(t, k)))
+            .unzip();
         let mut existing = HashMap::new();
         if !missing.is_empty() {
-            let q = sqlx::query(holders_sql).bind(&missing);
+            let q = sqlx::query(holders_sql)
+                .bind(&missing_topics)
+                .bind(&missing);
             let holders = match tx.as_mut() {
                 Some(tx) => q.fetch_all(&mut **tx).await?,
                 None => q.fetch_all(&self.pool).await?,
             };
             for r in holders {
                 existing.insert(
-                    r.try_get::<String, _>(0)?,
+                    idempotency_scope(r.try_get::<&str, _>(0)?, r.try_get::<&str, _>(1)?),
                     (
-                        r.try_get::<i64, _>(1)?,
-                        r.try_get::<Option<i64>, _>(2)?.unwrap_or_default(),
+                        r.try_get::<i64, _>(2)?,
+                        Holder::of(r.try_get(3)?, r.try_get(4)?),
                     ),
                 );
             }

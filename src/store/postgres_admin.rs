@@ -181,23 +181,57 @@ async fn lock_and_wake_keys(
     Ok(leased)
 }
 
+/// The audit entry of an action already done under `request_id`: (id, count, selection).
+async fn replayed(
+    tx: &mut Transaction<'static, Postgres>,
+    action: &str,
+    b: BoxKind,
+    request_id: Option<&str>,
+) -> AdminResult<Option<(i64, i64, String)>> {
+    let Some(rid) = request_id else {
+        return Ok(None);
+    };
+    let row = sqlx::query(
+        "SELECT id, count, selection::text AS selection FROM admin_audit
+         WHERE action = $1 AND box = $2 AND request_id = $3",
+    )
+    .bind(action)
+    .bind(b.as_str())
+    .bind(rid)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(match row {
+        None => None,
+        Some(r) => Some((
+            r.try_get("id")?,
+            r.try_get("count")?,
+            r.try_get("selection")?,
+        )),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn audit(
     tx: &mut Transaction<'static, Postgres>,
     actor: &str,
+    principal: Option<&str>,
+    request_id: Option<&str>,
     action: &str,
     b: BoxKind,
     selection: &serde_json::Value,
     count: i64,
 ) -> AdminResult<i64> {
     Ok(sqlx::query_scalar(
-        "INSERT INTO admin_audit (actor, action, box, selection, count)
-         VALUES ($1, $2, $3, $4::text::jsonb, $5) RETURNING id",
+        "INSERT INTO admin_audit (actor, action, box, selection, count, principal, request_id)
+         VALUES ($1, $2, $3, $4::text::jsonb, $5, $6, $7) RETURNING id",
     )
     .bind(actor)
     .bind(action)
     .bind(b.as_str())
     .bind(selection.to_string())
     .bind(count)
+    .bind(principal)
+    .bind(request_id)
     .fetch_one(&mut **tx)
     .await?)
 }
@@ -221,7 +255,7 @@ impl AdminStore for PgStore {
             "WITH h AS MATERIALIZED (
                 SELECT {k_sub} AS subscription, k.topic, k.event_key AS key, k.pending,
                        e.id AS head_id, e.created_at, e.attempts, e.scheduled_at, e.last_error,
-                       (e.attempts > 0 AND e.scheduled_at > now()) AS blocked
+                       ((e.attempts > 0 OR e.last_error IS NOT NULL) AND e.scheduled_at > now()) AS blocked
                 FROM {keys} k
                 CROSS JOIN LATERAL (
                     SELECT id, created_at, attempts, scheduled_at, last_error FROM {events} e
@@ -234,7 +268,7 @@ impl AdminStore for PgStore {
                 UNION ALL
                 SELECT u.subscription, u.topic, ''::text, u.pending, e.id, e.created_at,
                        e.attempts, e.scheduled_at, e.last_error,
-                       (e.attempts > 0 AND e.scheduled_at > now())
+                       ((e.attempts > 0 OR e.last_error IS NOT NULL) AND e.scheduled_at > now())
                 FROM (SELECT {sub} AS subscription, topic, count(*) AS pending,
                              min(id) AS head_id FROM {events}
                       WHERE status = 'pending' AND event_key IS NULL AND $2::text IS NULL
@@ -329,6 +363,19 @@ impl AdminStore for PgStore {
         let sh = Shape::postgres(b);
         let events = sh.events;
         let mut tx = self.pool().begin().await?;
+        if !r.dry_run
+            && let Some((audit_id, count, _)) =
+                replayed(&mut tx, "requeue", b, r.request_id.as_deref()).await?
+        {
+            tx.rollback().await?;
+            return Ok(RequeueOutcome {
+                count,
+                sample_ids: Vec::new(),
+                audit_id: Some(audit_id),
+                leased_keys: Vec::new(),
+                replayed: true,
+            });
+        }
         let cands = match &r.selection {
             Selection::Ids(ids) => {
                 let c = candidates_by_id(&mut tx, &sh, ids).await?;
@@ -361,6 +408,7 @@ impl AdminStore for PgStore {
                 sample_ids,
                 audit_id: None,
                 leased_keys: Vec::new(),
+                replayed: false,
             });
         }
         let leased_keys = lock_and_wake_keys(&mut tx, b, &cands).await?;
@@ -383,6 +431,8 @@ impl AdminStore for PgStore {
         let audit_id = audit(
             &mut tx,
             &r.actor,
+            r.principal.as_deref(),
+            r.request_id.as_deref(),
             "requeue",
             b,
             &selection,
@@ -395,6 +445,7 @@ impl AdminStore for PgStore {
             sample_ids,
             audit_id: Some(audit_id),
             leased_keys,
+            replayed: false,
         })
     }
 
@@ -402,6 +453,22 @@ impl AdminStore for PgStore {
         let sh = Shape::postgres(b);
         let events = sh.events;
         let mut tx = self.pool().begin().await?;
+        if !r.dry_run
+            && let Some((audit_id, _, selection)) =
+                replayed(&mut tx, "cancel", b, r.request_id.as_deref()).await?
+        {
+            tx.rollback().await?;
+            let ids = serde_json::from_str::<serde_json::Value>(&selection)
+                .ok()
+                .and_then(|v| serde_json::from_value::<Vec<EventId>>(v["ids"].clone()).ok())
+                .unwrap_or_default();
+            return Ok(CancelOutcome {
+                ids,
+                audit_id: Some(audit_id),
+                leased_keys: Vec::new(),
+                replayed: true,
+            });
+        }
         let cands = candidates_by_id(&mut tx, &sh, &r.ids).await?;
         let found: Vec<(EventId, Status)> = cands.iter().map(|c| (c.id, c.status)).collect();
         check_ids(&r.ids, &found, Status::Pending, "cancelled")?;
@@ -412,6 +479,7 @@ impl AdminStore for PgStore {
                 ids,
                 audit_id: None,
                 leased_keys: Vec::new(),
+                replayed: false,
             });
         }
         let leased_keys = lock_and_wake_keys(&mut tx, b, &cands).await?;
@@ -429,12 +497,23 @@ impl AdminStore for PgStore {
             return Err(changed_concurrently());
         }
         let selection = serde_json::json!({ "ids": ids, "reason": r.reason });
-        let audit_id = audit(&mut tx, &r.actor, "cancel", b, &selection, ids.len() as i64).await?;
+        let audit_id = audit(
+            &mut tx,
+            &r.actor,
+            r.principal.as_deref(),
+            r.request_id.as_deref(),
+            "cancel",
+            b,
+            &selection,
+            ids.len() as i64,
+        )
+        .await?;
         tx.commit().await?;
         Ok(CancelOutcome {
             ids,
             audit_id: Some(audit_id),
             leased_keys,
+            replayed: false,
         })
     }
 
@@ -493,7 +572,8 @@ impl AdminStore for PgStore {
 
     async fn list_audit(&self, page_size: u32, before_id: Option<i64>) -> AdminResult<AuditPage> {
         let rows = sqlx::query(
-            "SELECT id, at, actor, action, box, selection::text AS selection, count
+            "SELECT id, at, actor, action, box, selection::text AS selection, count,
+                    principal, request_id
              FROM admin_audit WHERE ($1::int8 IS NULL OR id < $1) ORDER BY id DESC LIMIT $2",
         )
         .bind(before_id)
@@ -515,6 +595,8 @@ impl AdminStore for PgStore {
                 },
                 selection: r.try_get("selection")?,
                 count: r.try_get("count")?,
+                principal: r.try_get("principal")?,
+                request_id: r.try_get("request_id")?,
             });
         }
         let mut next_before_id = None;
@@ -554,10 +636,10 @@ impl AdminStore for PgStore {
         .fetch_all(&mut *tx)
         .await?;
         let heads = sqlx::query(AssertSqlSafe(format!(
-            "SELECT count(*) FILTER (WHERE h.attempts > 0 AND h.scheduled_at > now()) AS blocked,
+            "SELECT count(*) FILTER (WHERE (h.attempts > 0 OR h.last_error IS NOT NULL) AND h.scheduled_at > now()) AS blocked,
                     min(h.created_at) AS oldest, now() AS now
              FROM {keys} k CROSS JOIN LATERAL (
-                SELECT attempts, scheduled_at, created_at FROM {events} e
+                SELECT attempts, scheduled_at, created_at, last_error FROM {events} e
                 WHERE e.status = 'pending'{same_sub} AND e.topic = k.topic
                   AND e.event_key = k.event_key
                 ORDER BY e.id LIMIT 1) h

@@ -13,12 +13,14 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Row};
 
-use super::postgres::{admissions, batch_keys, headers_json, inbox_admissions};
+use super::postgres::{Holder, admissions, batch_keys, headers_json, inbox_admissions};
 use super::{
     Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
     Store, StoreError, StoreResult, fit_in_budget,
 };
-use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
+use crate::domain::{
+    BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent, idempotency_scope,
+};
 
 const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers, event_type, \
      idempotency_key, status, attempts, max_attempts, scheduled_at, created_at, updated_at, \
@@ -155,9 +157,11 @@ impl Store for SqliteStore {
         for e in events {
             let row = sqlx::query(
                 "INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
-                     idempotency_key, content_hash, max_attempts, scheduled_at, created_at, updated_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10)
-                 ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+                     idempotency_key, content_hash, max_attempts, scheduled_at, created_at, updated_at,
+                     content_fp, content_fp_version)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10, ?11,
+                         CASE WHEN ?11 IS NULL THEN NULL ELSE 2 END)
+                 ON CONFLICT (topic, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                  RETURNING id",
             )
             .bind(&e.topic)
@@ -170,14 +174,17 @@ impl Store for SqliteStore {
             .bind(e.max_attempts as i64)
             .bind(e.deliver_after.map(micros).unwrap_or(now))
             .bind(now)
+            .bind(e.idempotency_key.as_ref().map(|_| e.fingerprint128()))
             .fetch_optional(&mut *tx)
             .await?;
             match (row, &e.idempotency_key) {
                 (Some(r), None) => plain.push(r.try_get::<i64, _>(0)?),
                 (Some(r), Some(k)) => {
-                    by_key.entry(k.clone()).or_insert(r.try_get::<i64, _>(0)?);
+                    by_key
+                        .entry(idempotency_scope(&e.topic, k))
+                        .or_insert(r.try_get::<i64, _>(0)?);
                 }
-                (None, Some(k)) => missing.push(k.clone()),
+                (None, Some(k)) => missing.push((e.topic.clone(), k.clone())),
                 (None, None) => {
                     return Err(StoreError::Other(
                         "insert without idempotency key returned no id".into(),
@@ -186,18 +193,21 @@ impl Store for SqliteStore {
             }
         }
         let mut existing = HashMap::new();
-        for k in missing {
-            if let Some(r) =
-                sqlx::query("SELECT id, content_hash FROM outbox_events WHERE idempotency_key = ?1")
-                    .bind(&k)
-                    .fetch_optional(&mut *tx)
-                    .await?
+        for (t, k) in missing {
+            if let Some(r) = sqlx::query(
+                "SELECT id, content_hash, content_fp FROM outbox_events
+                 WHERE topic = ?1 AND idempotency_key = ?2",
+            )
+            .bind(&t)
+            .bind(&k)
+            .fetch_optional(&mut *tx)
+            .await?
             {
                 existing.insert(
-                    k,
+                    idempotency_scope(&t, &k),
                     (
                         r.try_get::<i64, _>(0)?,
-                        r.try_get::<Option<i64>, _>(1)?.unwrap_or_default(),
+                        Holder::of(r.try_get(1)?, r.try_get(2)?),
                     ),
                 );
             }

@@ -159,18 +159,50 @@ async fn lock_and_wake_keys(
     Ok(leased)
 }
 
+/// The audit entry of an action already done under `request_id`: (id, count, selection).
+async fn replayed(
+    tx: &mut Transaction<'static, Sqlite>,
+    action: &str,
+    b: BoxKind,
+    request_id: Option<&str>,
+) -> AdminResult<Option<(i64, i64, String)>> {
+    let Some(rid) = request_id else {
+        return Ok(None);
+    };
+    let row = sqlx::query(
+        "SELECT id, count, selection FROM admin_audit
+         WHERE action = ?1 AND box = ?2 AND request_id = ?3",
+    )
+    .bind(action)
+    .bind(b.as_str())
+    .bind(rid)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(match row {
+        None => None,
+        Some(r) => Some((
+            r.try_get("id")?,
+            r.try_get("count")?,
+            r.try_get("selection")?,
+        )),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn audit(
     tx: &mut Transaction<'static, Sqlite>,
     now: i64,
     actor: &str,
+    principal: Option<&str>,
+    request_id: Option<&str>,
     action: &str,
     b: BoxKind,
     selection: &serde_json::Value,
     count: i64,
 ) -> AdminResult<i64> {
     Ok(sqlx::query_scalar(
-        "INSERT INTO admin_audit (at, actor, action, box, selection, count)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6) RETURNING id",
+        "INSERT INTO admin_audit (at, actor, action, box, selection, count, principal, request_id)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) RETURNING id",
     )
     .bind(now)
     .bind(actor)
@@ -178,6 +210,8 @@ async fn audit(
     .bind(b.as_str())
     .bind(selection.to_string())
     .bind(count)
+    .bind(principal)
+    .bind(request_id)
     .fetch_one(&mut **tx)
     .await?)
 }
@@ -215,7 +249,7 @@ impl AdminStore for SqliteStore {
                 SELECT heads.subscription, heads.topic, heads.key, heads.pending,
                        e.id AS head_id, e.created_at,
                        e.attempts, e.scheduled_at, e.last_error,
-                       (e.attempts > 0 AND e.scheduled_at > ?9) AS blocked
+                       ((e.attempts > 0 OR e.last_error IS NOT NULL) AND e.scheduled_at > ?9) AS blocked
                 FROM heads JOIN {events} e ON e.id = heads.head_id
             ), t AS (
                 SELECT count(*) AS total_keys, coalesce(sum(pending), 0) AS total_pending,
@@ -304,6 +338,19 @@ impl AdminStore for SqliteStore {
         let events = sh.events;
         let now = micros(Utc::now());
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
+        if !r.dry_run
+            && let Some((audit_id, count, _)) =
+                replayed(&mut tx, "requeue", b, r.request_id.as_deref()).await?
+        {
+            tx.rollback().await?;
+            return Ok(RequeueOutcome {
+                count,
+                sample_ids: Vec::new(),
+                audit_id: Some(audit_id),
+                leased_keys: Vec::new(),
+                replayed: true,
+            });
+        }
         let cands = match &r.selection {
             Selection::Ids(ids) => {
                 let c = candidates_by_id(&mut tx, &sh, ids).await?;
@@ -336,6 +383,7 @@ impl AdminStore for SqliteStore {
                 sample_ids,
                 audit_id: None,
                 leased_keys: Vec::new(),
+                replayed: false,
             });
         }
         let leased_keys = lock_and_wake_keys(&mut tx, b, &cands, now).await?;
@@ -360,6 +408,8 @@ impl AdminStore for SqliteStore {
             &mut tx,
             now,
             &r.actor,
+            r.principal.as_deref(),
+            r.request_id.as_deref(),
             "requeue",
             b,
             &selection,
@@ -372,6 +422,7 @@ impl AdminStore for SqliteStore {
             sample_ids,
             audit_id: Some(audit_id),
             leased_keys,
+            replayed: false,
         })
     }
 
@@ -380,6 +431,22 @@ impl AdminStore for SqliteStore {
         let events = sh.events;
         let now = micros(Utc::now());
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
+        if !r.dry_run
+            && let Some((audit_id, _, selection)) =
+                replayed(&mut tx, "cancel", b, r.request_id.as_deref()).await?
+        {
+            tx.rollback().await?;
+            let ids = serde_json::from_str::<serde_json::Value>(&selection)
+                .ok()
+                .and_then(|v| serde_json::from_value::<Vec<EventId>>(v["ids"].clone()).ok())
+                .unwrap_or_default();
+            return Ok(CancelOutcome {
+                ids,
+                audit_id: Some(audit_id),
+                leased_keys: Vec::new(),
+                replayed: true,
+            });
+        }
         let cands = candidates_by_id(&mut tx, &sh, &r.ids).await?;
         let found: Vec<(EventId, Status)> = cands.iter().map(|c| (c.id, c.status)).collect();
         check_ids(&r.ids, &found, Status::Pending, "cancelled")?;
@@ -390,6 +457,7 @@ impl AdminStore for SqliteStore {
                 ids,
                 audit_id: None,
                 leased_keys: Vec::new(),
+                replayed: false,
             });
         }
         let leased_keys = lock_and_wake_keys(&mut tx, b, &cands, now).await?;
@@ -412,6 +480,8 @@ impl AdminStore for SqliteStore {
             &mut tx,
             now,
             &r.actor,
+            r.principal.as_deref(),
+            r.request_id.as_deref(),
             "cancel",
             b,
             &selection,
@@ -423,6 +493,7 @@ impl AdminStore for SqliteStore {
             ids,
             audit_id: Some(audit_id),
             leased_keys,
+            replayed: false,
         })
     }
 
@@ -481,7 +552,8 @@ impl AdminStore for SqliteStore {
 
     async fn list_audit(&self, page_size: u32, before_id: Option<i64>) -> AdminResult<AuditPage> {
         let rows = sqlx::query(
-            "SELECT id, at, actor, action, box, selection, count FROM admin_audit
+            "SELECT id, at, actor, action, box, selection, count, principal, request_id
+             FROM admin_audit
              WHERE (?1 IS NULL OR id < ?1) ORDER BY id DESC LIMIT ?2",
         )
         .bind(before_id)
@@ -503,6 +575,8 @@ impl AdminStore for SqliteStore {
                 },
                 selection: r.try_get("selection")?,
                 count: r.try_get("count")?,
+                principal: r.try_get("principal")?,
+                request_id: r.try_get("request_id")?,
             });
         }
         let mut next_before_id = None;
@@ -539,7 +613,7 @@ impl AdminStore for SqliteStore {
         .fetch_all(self.pool())
         .await?;
         let heads = sqlx::query(AssertSqlSafe(format!(
-            "SELECT coalesce(sum(e.attempts > 0 AND e.scheduled_at > ?2), 0) AS blocked,
+            "SELECT coalesce(sum((e.attempts > 0 OR e.last_error IS NOT NULL) AND e.scheduled_at > ?2), 0) AS blocked,
                     min(e.created_at) AS oldest
              FROM (SELECT (SELECT id FROM {events} e WHERE e.status = 'pending'{same_sub}
                              AND e.topic = k.topic AND e.event_key = k.event_key
