@@ -86,8 +86,8 @@ BEGIN
     IF v_id IS NULL THEN
         SELECT e.id, e.content_hash, e.content_fp INTO v_id, v_held, v_held_fp
         FROM outbox_events e WHERE e.topic = enqueue.topic AND e.idempotency_key = v_idem;
-        IF CASE WHEN v_held_fp IS NOT NULL THEN v_held_fp IS DISTINCT FROM v_fp
-                ELSE v_held IS DISTINCT FROM v_hash END THEN
+        IF (v_held_fp IS NOT NULL AND v_held_fp IS DISTINCT FROM v_fp)
+           OR (v_held_fp IS NULL AND v_held IS DISTINCT FROM v_hash) THEN
             RAISE EXCEPTION 'mailroom: idempotency_key is already used by an event with other content'
                 USING ERRCODE = 'MR020', COLUMN = 'idempotency_key';
         END IF;
@@ -219,8 +219,8 @@ BEGIN
             SELECT e.id, e.content_hash, e.content_fp INTO r_id, r_hash, r_fp
             FROM outbox_events e
             WHERE e.topic = enqueue_batch.topics[i] AND e.idempotency_key = v_idem[i];
-            IF CASE WHEN r_fp IS NOT NULL THEN r_fp IS DISTINCT FROM v_fp[i]
-                    ELSE r_hash IS DISTINCT FROM v_hash[i] END THEN
+            IF (r_fp IS NOT NULL AND r_fp IS DISTINCT FROM v_fp[i])
+               OR (r_fp IS NULL AND r_hash IS DISTINCT FROM v_hash[i]) THEN
                 RAISE EXCEPTION 'mailroom: events[%].idempotency_key is already used by an event with other content', i
                     USING ERRCODE = 'MR020', COLUMN = 'events[' || i || '].idempotency_key';
             END IF;
