@@ -235,7 +235,7 @@ async fn invented_paths_do_not_grow_metric_labels() {
         "invented paths became labels:\n{text}"
     );
     assert!(
-        text.contains("method=\"unknown\",code=\"Unauthenticated\""),
+        text.contains("method=\"unknown\",code=\"UNAUTHENTICATED\""),
         "{text}"
     );
     s.app.stop().await.unwrap();

@@ -28,9 +28,7 @@ pub async fn scrape(addr: std::net::SocketAddr) -> String {
 /// The value of one sample line (`name{labels} value`). A series that is not on the page
 /// fails the test: reading it as 0 would hide a renamed or missing metric.
 pub fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|r| r.strip_prefix(' ')))
-        .map(|v| v.trim().parse().unwrap())
+    sample_opt(text, series)
         .unwrap_or_else(|| panic!("metric series {series} is not exported; the page was:\n{text}"))
 }
 
@@ -40,4 +38,12 @@ pub fn body(response: &str) -> &str {
         .split_once("\r\n\r\n")
         .map(|(_, b)| b)
         .unwrap_or(response)
+}
+
+/// The value of one sample line, or `None` while the series is not on the page yet (for
+/// polling loops that wait for a series to appear; assertions use `sample`).
+pub fn sample_opt(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|r| r.strip_prefix(' ')))
+        .map(|v| v.trim().parse().unwrap())
 }
