@@ -14,7 +14,7 @@ pub mod backoff;
 pub mod domains;
 pub mod plan;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -359,7 +359,8 @@ impl Shared {
 
         // Gate each line by its topic's health.
         let mut out: Vec<Outgoing<'_>> = Vec::with_capacity(plans.len());
-        let mut held_unkeyed: Vec<(EventId, Duration)> = Vec::new();
+        // Unkeyed events of topics that are down, by how long they wait (one per topic).
+        let mut held_unkeyed: HashMap<Duration, Vec<EventId>> = HashMap::new();
         {
             let now = Instant::now();
             let mut domains = self.domains.lock().expect("domains lock");
@@ -391,7 +392,7 @@ impl Shared {
                                     ..Default::default()
                                 },
                             }),
-                            None => held_unkeyed.push((plan.run[0].id, wait)),
+                            None => held_unkeyed.entry(wait).or_default().push(plan.run[0].id),
                         }
                     }
                 }
@@ -402,9 +403,9 @@ impl Shared {
         if !idle.is_empty() {
             self.store.settle(&self.queue, token, &[], &idle).await?;
         }
-        for (id, wait) in &held_unkeyed {
+        for (wait, ids) in &held_unkeyed {
             self.store
-                .renew(&self.queue, token, &[], &[*id], *wait)
+                .renew(&self.queue, token, &[], ids, *wait)
                 .await?;
         }
         if out.is_empty() {
