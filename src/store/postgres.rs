@@ -291,6 +291,41 @@ fn scoped(
     }
 }
 
+/// Runs of a call PostgreSQL aborted as a deadlock victim (`40P01`) or a serialization
+/// failure (`40001`). Such an abort applied nothing of the statement or transaction (the
+/// only statements that can get either are the writes, before any commit), so the same
+/// call runs again. The lock order makes a deadlock among mailroom's own statements
+/// impossible by design (docs/relay.md); this keeps an unforeseen one, or one with a
+/// caller's own transaction through the SQL API, from failing an `Enqueue` or a settle.
+const ABORTED_RUNS: u32 = 4;
+
+async fn retry_aborted<T, F, Fut>(mut call: F) -> StoreResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut run = 1;
+    loop {
+        match call().await {
+            Err(e) if run < ABORTED_RUNS && aborted(&e) => {
+                tracing::warn!(error = %e, run, "PostgreSQL aborted the transaction; running it again");
+                let pause =
+                    rand::RngExt::random_range(&mut rand::rng(), 1..=10u64) * u64::from(run);
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+                run += 1;
+            }
+            r => return r.map_err(StoreError::from),
+        }
+    }
+}
+
+fn aborted(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => matches!(db.code().as_deref(), Some("40P01" | "40001")),
+        _ => false,
+    }
+}
+
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -455,6 +490,195 @@ impl Store for PgStore {
     }
 
     async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>> {
+        retry_aborted(|| self.enqueue_once(events, atomic)).await
+    }
+
+    async fn receive(
+        &self,
+        subscription: &str,
+        messages: &[InboundMessage],
+    ) -> StoreResult<Vec<Admission>> {
+        retry_aborted(|| self.receive_once(subscription, messages)).await
+    }
+
+    async fn settle(
+        &self,
+        queue: &Queue,
+        token: i64,
+        updates: &[EventUpdate],
+        releases: &[KeyRelease],
+    ) -> StoreResult<SettleReport> {
+        retry_aborted(|| self.settle_once(queue, token, updates, releases)).await
+    }
+
+    async fn renew(
+        &self,
+        queue: &Queue,
+        token: i64,
+        lines: &[LineKey],
+        unkeyed: &[EventId],
+        lease: Duration,
+    ) -> StoreResult<usize> {
+        retry_aborted(|| self.renew_once(queue, token, lines, unkeyed, lease)).await
+    }
+
+    async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
+        let sql = self.sql(queue.box_kind());
+        let lease_ms = millis(limits.lease);
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&self.pool)
+            .await?;
+        let leased = scoped(
+            q(&sql.lease_keys)
+                .bind(limits.max_keys as i64)
+                .bind(token)
+                .bind(lease_ms),
+            queue,
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let mut keyed = Vec::with_capacity(leased.len());
+        if !leased.is_empty() {
+            let mut topics = Vec::with_capacity(leased.len());
+            let mut names = Vec::with_capacity(leased.len());
+            for r in &leased {
+                let line = LineKey {
+                    topic: r.try_get(0)?,
+                    key: r.try_get(1)?,
+                };
+                topics.push(line.topic.clone());
+                names.push(line.key.clone());
+                keyed.push(KeyWindow {
+                    line,
+                    rows: Vec::new(),
+                    full: false,
+                    delayed_at: None,
+                    line_end: None,
+                });
+            }
+            let per_key = limits.per_key(leased.len());
+            let heads = scoped(
+                q(&sql.windows)
+                    .bind(topics)
+                    .bind(names)
+                    .bind(per_key as i64),
+                queue,
+            )
+            .fetch_all(&self.pool)
+            .await?;
+            // In-line ids and sizes per key (in claim order, ids ascending).
+            let mut in_line: Vec<Vec<(EventId, u64)>> = vec![Vec::new(); keyed.len()];
+            for r in &heads {
+                let i = usize::try_from(r.try_get::<i64, _>("o")? - 1)
+                    .map_err(|_| StoreError::Other("bad ordinality".into()))?;
+                let w = &mut keyed[i];
+                w.line_end = r.try_get("line_end")?;
+                w.delayed_at = r.try_get("delayed_at")?;
+                if let Some(id) = r.try_get::<Option<i64>, _>("id")? {
+                    let size = r.try_get::<Option<i64>, _>("size")?.unwrap_or(0).max(0) as u64;
+                    in_line[i].push((id, size));
+                }
+            }
+            for v in &mut in_line {
+                v.sort_unstable();
+            }
+            // The byte budget, shared in claim order: the keys past it get an empty
+            // window marked full (looked at again at once).
+            let mut take = fit_in_budget(
+                in_line.iter().flatten().map(|&(_, size)| size),
+                limits.max_bytes,
+            );
+            let mut ids = Vec::new();
+            for (w, v) in keyed.iter_mut().zip(&in_line) {
+                let n = take.min(v.len());
+                take -= n;
+                w.full = v.len() >= per_key as usize || n < v.len();
+                ids.extend(v[..n].iter().map(|&(id, _)| id));
+            }
+            if !ids.is_empty() {
+                let index: HashMap<LineKey, usize> = keyed
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| (w.line.clone(), i))
+                    .collect();
+                let rows = scoped(q(&sql.events_by_id).bind(ids), queue)
+                    .fetch_all(&self.pool)
+                    .await?;
+                for r in &rows {
+                    let e = decode_event(r)?;
+                    let line = LineKey {
+                        topic: e.topic.clone(),
+                        key: e.key.clone().unwrap_or_default(),
+                    };
+                    if let Some(&i) = index.get(&line) {
+                        keyed[i].rows.push(e);
+                    }
+                }
+                for w in &mut keyed {
+                    w.rows.sort_by_key(|e| e.id);
+                }
+            }
+        }
+        let unkeyed = if limits.max_unkeyed > 0 {
+            let mut v = scoped(
+                q(&sql.claim_unkeyed)
+                    .bind(limits.max_unkeyed as i64)
+                    .bind(token)
+                    .bind(lease_ms)
+                    .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
+                queue,
+            )
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(decode_event)
+            .collect::<StoreResult<Vec<_>>>()?;
+            v.sort_by_key(|e| (e.scheduled_at, e.id));
+            v
+        } else {
+            Vec::new()
+        };
+        Ok(Claim {
+            token,
+            now,
+            keyed,
+            unkeyed,
+        })
+    }
+
+    async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {
+        q(&self.sql(b).get_event)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(decode_event)
+            .transpose()
+    }
+
+    async fn count_events(&self, b: BoxKind, status: Option<Status>) -> StoreResult<i64> {
+        let table = match b {
+            BoxKind::Outbox => "outbox_events",
+            BoxKind::Inbox => "inbox_events",
+        };
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {table} WHERE $1::text IS NULL OR status = $1"
+        )))
+        .bind(status.map(Status::as_str))
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(n)
+    }
+}
+
+/// The bodies of the store calls that PostgreSQL may abort as a deadlock victim or a
+/// serialization failure; `retry_aborted` runs them again.
+impl PgStore {
+    async fn enqueue_once(
+        &self,
+        events: &[NewEvent],
+        atomic: bool,
+    ) -> Result<Vec<Admission>, sqlx::Error> {
         // Sorted distinct keys with the earliest schedule of each.
         let keys = batch_keys(events);
         let mut k_topic = Vec::with_capacity(keys.len());
@@ -608,11 +832,11 @@ impl Store for PgStore {
         Ok(result)
     }
 
-    async fn receive(
+    async fn receive_once(
         &self,
         subscription: &str,
         messages: &[InboundMessage],
-    ) -> StoreResult<Vec<Admission>> {
+    ) -> Result<Vec<Admission>, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
         // Key rows first, in byte order (BTreeSet, fed through `ORDER BY o`): the order
         // the settle locks them in, whatever the collation.
@@ -706,137 +930,13 @@ impl Store for PgStore {
         Ok(inbox_admissions(messages, &inserted, &existing))
     }
 
-    async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
-        let sql = self.sql(queue.box_kind());
-        let lease_ms = millis(limits.lease);
-        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
-            .fetch_one(&self.pool)
-            .await?;
-        let leased = scoped(
-            q(&sql.lease_keys)
-                .bind(limits.max_keys as i64)
-                .bind(token)
-                .bind(lease_ms),
-            queue,
-        )
-        .fetch_all(&self.pool)
-        .await?;
-        let mut keyed = Vec::with_capacity(leased.len());
-        if !leased.is_empty() {
-            let mut topics = Vec::with_capacity(leased.len());
-            let mut names = Vec::with_capacity(leased.len());
-            for r in &leased {
-                let line = LineKey {
-                    topic: r.try_get(0)?,
-                    key: r.try_get(1)?,
-                };
-                topics.push(line.topic.clone());
-                names.push(line.key.clone());
-                keyed.push(KeyWindow {
-                    line,
-                    rows: Vec::new(),
-                    full: false,
-                    delayed_at: None,
-                    line_end: None,
-                });
-            }
-            let per_key = limits.per_key(leased.len());
-            let heads = scoped(
-                q(&sql.windows)
-                    .bind(topics)
-                    .bind(names)
-                    .bind(per_key as i64),
-                queue,
-            )
-            .fetch_all(&self.pool)
-            .await?;
-            // In-line ids and sizes per key (in claim order, ids ascending).
-            let mut in_line: Vec<Vec<(EventId, u64)>> = vec![Vec::new(); keyed.len()];
-            for r in &heads {
-                let i = usize::try_from(r.try_get::<i64, _>("o")? - 1)
-                    .map_err(|_| StoreError::Other("bad ordinality".into()))?;
-                let w = &mut keyed[i];
-                w.line_end = r.try_get("line_end")?;
-                w.delayed_at = r.try_get("delayed_at")?;
-                if let Some(id) = r.try_get::<Option<i64>, _>("id")? {
-                    let size = r.try_get::<Option<i64>, _>("size")?.unwrap_or(0).max(0) as u64;
-                    in_line[i].push((id, size));
-                }
-            }
-            for v in &mut in_line {
-                v.sort_unstable();
-            }
-            // The byte budget, shared in claim order: the keys past it get an empty
-            // window marked full (looked at again at once).
-            let mut take = fit_in_budget(
-                in_line.iter().flatten().map(|&(_, size)| size),
-                limits.max_bytes,
-            );
-            let mut ids = Vec::new();
-            for (w, v) in keyed.iter_mut().zip(&in_line) {
-                let n = take.min(v.len());
-                take -= n;
-                w.full = v.len() >= per_key as usize || n < v.len();
-                ids.extend(v[..n].iter().map(|&(id, _)| id));
-            }
-            if !ids.is_empty() {
-                let index: HashMap<LineKey, usize> = keyed
-                    .iter()
-                    .enumerate()
-                    .map(|(i, w)| (w.line.clone(), i))
-                    .collect();
-                let rows = scoped(q(&sql.events_by_id).bind(ids), queue)
-                    .fetch_all(&self.pool)
-                    .await?;
-                for r in &rows {
-                    let e = decode_event(r)?;
-                    let line = LineKey {
-                        topic: e.topic.clone(),
-                        key: e.key.clone().unwrap_or_default(),
-                    };
-                    if let Some(&i) = index.get(&line) {
-                        keyed[i].rows.push(e);
-                    }
-                }
-                for w in &mut keyed {
-                    w.rows.sort_by_key(|e| e.id);
-                }
-            }
-        }
-        let unkeyed = if limits.max_unkeyed > 0 {
-            let mut v = scoped(
-                q(&sql.claim_unkeyed)
-                    .bind(limits.max_unkeyed as i64)
-                    .bind(token)
-                    .bind(lease_ms)
-                    .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
-                queue,
-            )
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(decode_event)
-            .collect::<StoreResult<Vec<_>>>()?;
-            v.sort_by_key(|e| (e.scheduled_at, e.id));
-            v
-        } else {
-            Vec::new()
-        };
-        Ok(Claim {
-            token,
-            now,
-            keyed,
-            unkeyed,
-        })
-    }
-
-    async fn settle(
+    async fn settle_once(
         &self,
         queue: &Queue,
         token: i64,
         updates: &[EventUpdate],
         releases: &[KeyRelease],
-    ) -> StoreResult<SettleReport> {
+    ) -> Result<SettleReport, sqlx::Error> {
         let sql = self.sql(queue.box_kind());
         let mut tx = self.pool.begin().await?;
         if !releases.is_empty() {
@@ -961,14 +1061,14 @@ impl Store for PgStore {
         })
     }
 
-    async fn renew(
+    async fn renew_once(
         &self,
         queue: &Queue,
         token: i64,
         lines: &[LineKey],
         unkeyed: &[EventId],
         lease: Duration,
-    ) -> StoreResult<usize> {
+    ) -> Result<usize, sqlx::Error> {
         let sql = self.sql(queue.box_kind());
         let mut held = 0;
         if !lines.is_empty() {
@@ -999,29 +1099,5 @@ impl Store for PgStore {
             .rows_affected() as usize;
         }
         Ok(held)
-    }
-
-    async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {
-        q(&self.sql(b).get_event)
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?
-            .as_ref()
-            .map(decode_event)
-            .transpose()
-    }
-
-    async fn count_events(&self, b: BoxKind, status: Option<Status>) -> StoreResult<i64> {
-        let table = match b {
-            BoxKind::Outbox => "outbox_events",
-            BoxKind::Inbox => "inbox_events",
-        };
-        let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT count(*) FROM {table} WHERE $1::text IS NULL OR status = $1"
-        )))
-        .bind(status.map(Status::as_str))
-        .fetch_one(&self.pool)
-        .await?;
-        Ok(n)
     }
 }
