@@ -29,7 +29,7 @@ use crate::sink::fault::FaultySink;
 use crate::sink::kafka::{KafkaSink, fit_record_size, producer_config, record_bytes_needed};
 use crate::sink::local::LocalSink;
 use crate::store::Store;
-use crate::store::postgres::PgStore;
+use crate::store::postgres::{PgPools, PgStore};
 use crate::store::sqlite::SqliteStore;
 
 /// The PostgreSQL pool of the store: every connection gets the statement timeout
@@ -38,6 +38,7 @@ use crate::store::sqlite::SqliteStore;
 pub async fn pg_pool(
     config: &Config,
     statement_timeout: Option<std::time::Duration>,
+    max_connections: u32,
 ) -> anyhow::Result<sqlx::PgPool> {
     let redacted = redact_url(&config.database_url);
     let mut opts: sqlx::postgres::PgConnectOptions = config
@@ -50,12 +51,25 @@ pub async fn pg_pool(
     // A request that cannot get a connection within the acquire timeout fails as
     // UNAVAILABLE instead of waiting behind an exhausted pool.
     sqlx::postgres::PgPoolOptions::new()
-        .max_connections(config.database_max_connections)
+        .max_connections(max_connections)
         .acquire_timeout(config.database_acquire_timeout)
         .connect_with(opts)
         .await
         .map_err(crate::store::StoreError::from)
         .with_context(|| format!("connecting to {redacted}"))
+}
+
+/// The service's pools, one per query class with its class's statement timeout:
+/// enqueues get `database_max_connections`, relays half of it, the admin a quarter (at
+/// least 2 each), so a burst of one class cannot take the others' connections.
+pub async fn pg_pools(config: &Config) -> anyhow::Result<PgPools> {
+    let n = config.database_max_connections;
+    let t = config.database_timeouts;
+    Ok(PgPools {
+        enqueue: pg_pool(config, t.enqueue, n).await?,
+        relay: pg_pool(config, t.relay, (n / 2).max(2)).await?,
+        admin: pg_pool(config, t.admin, (n / 4).max(2)).await?,
+    })
 }
 
 /// Opens the configured store (and migrates it when asked).
@@ -64,16 +78,14 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
         if config.migrate {
             // Migrations run without the statement timeout: building an index on a large
             // table may take longer than any query of the service should.
-            let pool = pg_pool(config, None).await?;
+            let pool = pg_pool(config, None, 2).await?;
             PgStore::from_pool(pool.clone())
                 .migrate()
                 .await
                 .context("running migrations")?;
             pool.close().await;
         }
-        Arc::new(PgStore::from_pool(
-            pg_pool(config, config.database_statement_timeout).await?,
-        ))
+        Arc::new(PgStore::from_pools(pg_pools(config).await?))
     } else {
         let store = Arc::new(
             SqliteStore::connect(&config.database_url)

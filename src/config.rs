@@ -218,10 +218,22 @@ pub struct Settings {
     /// (PostgreSQL) [default: 3000].
     #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
     pub database_acquire_timeout_ms: Option<u64>,
-    /// PostgreSQL statement timeout of the service's queries, in ms (migrations are
-    /// exempt); 0 = none [default: 60000].
+    /// PostgreSQL statement timeout, in ms, of every query class that has no setting
+    /// of its own (below); migrations are exempt; 0 = none.
     #[arg(long, env = "MAILROOM_DATABASE_STATEMENT_TIMEOUT_MS", global = true)]
     pub database_statement_timeout_ms: Option<u64>,
+    /// Statement timeout of enqueues and inbox receives (the writes a caller waits on),
+    /// in ms; 0 = none [default: 10000].
+    #[arg(long, env = "MAILROOM_DATABASE_ENQUEUE_TIMEOUT_MS", global = true)]
+    pub database_enqueue_timeout_ms: Option<u64>,
+    /// Statement timeout of the relays and dispatchers (claims, settles, lease renewals)
+    /// and of retention, in ms; 0 = none [default: 30000].
+    #[arg(long, env = "MAILROOM_DATABASE_RELAY_TIMEOUT_MS", global = true)]
+    pub database_relay_timeout_ms: Option<u64>,
+    /// Statement timeout of admin RPCs, the console and stats, in ms; 0 = none
+    /// [default: 30000].
+    #[arg(long, env = "MAILROOM_DATABASE_ADMIN_TIMEOUT_MS", global = true)]
+    pub database_admin_timeout_ms: Option<u64>,
     /// Completed events are deleted this many hours after publication; 0 = keep
     /// forever [default: 168].
     #[arg(long, env = "MAILROOM_RETENTION_COMPLETED_HOURS", global = true)]
@@ -567,8 +579,8 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     pub overload: crate::api::overload::OverloadConfig,
     pub database_acquire_timeout: Duration,
-    /// PostgreSQL `statement_timeout` of the service's connections; `None`: none.
-    pub database_statement_timeout: Option<Duration>,
+    /// PostgreSQL `statement_timeout` per query class.
+    pub database_timeouts: DatabaseTimeouts,
     pub retention: crate::retention::RetentionConfig,
 }
 
@@ -585,6 +597,18 @@ pub struct TlsConfig {
 /// headers, plus slack for the other fields (topic, type, idempotency key, framing).
 pub fn enqueue_request_bytes(limits: &Limits) -> usize {
     limits.max_payload_bytes + limits.max_header_bytes + limits.max_key_bytes + 64 * 1024
+}
+
+/// PostgreSQL `statement_timeout` of each query class; each class has a pool of its own
+/// (`app::pg_pools`). `None`: no timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DatabaseTimeouts {
+    /// Enqueues and inbox receives.
+    pub enqueue: Option<Duration>,
+    /// Claims, settles and lease renewals of relays and dispatchers; retention.
+    pub relay: Option<Duration>,
+    /// Admin RPCs, the console and stats.
+    pub admin: Option<Duration>,
 }
 
 impl Default for Config {
@@ -651,6 +675,9 @@ impl Settings {
             rpc_timeout_ms,
             database_acquire_timeout_ms,
             database_statement_timeout_ms,
+            database_enqueue_timeout_ms,
+            database_relay_timeout_ms,
+            database_admin_timeout_ms,
             retention_completed_hours,
             retention_failed_hours,
             retention_interval_ms,
@@ -1020,10 +1047,20 @@ impl Config {
             database_acquire_timeout: Duration::from_millis(
                 s.database_acquire_timeout_ms.unwrap_or(3000).max(10),
             ),
-            database_statement_timeout: Some(Duration::from_millis(
-                s.database_statement_timeout_ms.unwrap_or(60_000),
-            ))
-            .filter(|d| !d.is_zero()),
+            database_timeouts: {
+                // A class's own setting, else the general one, else the class default.
+                let class = |own: Option<u64>, default: u64| {
+                    Some(Duration::from_millis(
+                        own.or(s.database_statement_timeout_ms).unwrap_or(default),
+                    ))
+                    .filter(|d| !d.is_zero())
+                };
+                DatabaseTimeouts {
+                    enqueue: class(s.database_enqueue_timeout_ms, 10_000),
+                    relay: class(s.database_relay_timeout_ms, 30_000),
+                    admin: class(s.database_admin_timeout_ms, 30_000),
+                }
+            },
             retention,
         })
     }

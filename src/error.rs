@@ -34,6 +34,10 @@ pub enum Error {
     Overloaded(String),
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// The database cancelled the request's statement after its statement timeout;
+    /// nothing was changed.
+    #[error("deadline exceeded: {0}")]
+    DeadlineExceeded(String),
     #[error("unauthenticated")]
     Unauthenticated,
     #[error("internal error")]
@@ -50,6 +54,7 @@ impl From<StoreError> for Error {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::Unavailable(m) => Error::Unavailable(m),
+            StoreError::TimedOut(m) => Error::DeadlineExceeded(m),
             StoreError::Other(m) | StoreError::Refused(m) => Error::Internal(m),
         }
     }

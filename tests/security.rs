@@ -24,6 +24,7 @@ use mailroom::pb::handler_service_server::{HandlerService, HandlerServiceServer}
 use mailroom::pb::inbox_service_client::InboxServiceClient;
 use mailroom::relay::backoff::RetryPolicy;
 use tonic::{Request, Response, Status};
+use tonic_types::StatusExt;
 
 // ---------------------------------------------------------------- test PKI
 
@@ -1044,31 +1045,96 @@ async fn admin_actions_record_the_principal_need_all_and_replay_request_ids() {
 
 // ---------------------------------------------------------------- §3 statement timeout
 
-/// Every pooled PostgreSQL connection of the service carries the statement timeout, so
-/// a query that outlives it is cancelled by the server (`57014 query_canceled`);
-/// migrations run without it.
+/// Each query class has its own pool with its own `statement_timeout`, so a query that
+/// outlives its class's timeout is cancelled by the server (`57014`) and the RPC is
+/// `DEADLINE_EXCEEDED` with nothing changed, while the other classes go on; migrations
+/// run without a timeout. Through the service: with a 1 ms admin timeout, `GetStats`
+/// over 200,000 rows is cancelled while `Enqueue` still answers OK.
 #[tokio::test]
-async fn postgres_queries_are_cancelled_after_the_statement_timeout() {
+async fn postgres_statement_timeouts_are_per_query_class() {
     let db = fresh_pg().await;
     let mut c = config(&db);
-    c.database_statement_timeout = Some(Duration::from_millis(300));
-    // Migrations (run by open_store) are exempt; the service's pool is not.
+    c.relays = 0;
+    c.database_timeouts = mailroom::config::DatabaseTimeouts {
+        enqueue: Some(Duration::from_millis(4000)),
+        relay: Some(Duration::from_millis(2500)),
+        admin: Some(Duration::from_millis(300)),
+    };
+    // Migrations (run by open_store) are exempt; the service's pools are not.
     mailroom::app::open_store(&c).await.expect("migrated");
-    let pool = mailroom::app::pg_pool(&c, c.database_statement_timeout)
-        .await
-        .unwrap();
+    let pools = mailroom::app::pg_pools(&c).await.unwrap();
+    for (pool, want) in [
+        (&pools.enqueue, "4s"),
+        (&pools.relay, "2500ms"),
+        (&pools.admin, "300ms"),
+    ] {
+        let t: String = sqlx::query_scalar("SHOW statement_timeout")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        assert_eq!(t, want);
+    }
     let started = std::time::Instant::now();
     let e = sqlx::query("SELECT pg_sleep(5)")
-        .execute(&pool)
+        .execute(&pools.admin)
         .await
         .unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(3), "{e}");
     assert!(e.to_string().contains("statement timeout"), "{e}");
-    // The default is on (60 s).
+    sqlx::query("SELECT pg_sleep(1)")
+        .execute(&pools.enqueue)
+        .await
+        .expect("the enqueue class allows 4 s");
+
+    // Through the service.
+    sqlx::query(
+        "INSERT INTO outbox_events (topic, event_key, payload, max_attempts, scheduled_at, status)
+         SELECT 'bulk', 'k' || (g % 100), 'x', 6, now(), 'completed'
+         FROM generate_series(1, 200000) g",
+    )
+    .execute(&pools.enqueue)
+    .await
+    .unwrap();
+    c.database_timeouts.admin = Some(Duration::from_millis(1));
+    let s = Service::start(c).await;
+    let mut admin = pb::admin_service_client::AdminServiceClient::new(channel(s.app.addr).await);
+    let e = admin
+        .get_stats(pb::GetStatsRequest {
+            r#box: pb::Box::Outbox as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
     assert_eq!(
-        config(&db).database_statement_timeout,
-        Some(Duration::from_secs(60))
+        e.get_details_error_info().map(|i| i.reason),
+        Some("STATEMENT_TIMEOUT".to_string())
     );
+    let mut client = s.client.clone();
+    client
+        .enqueue(pb::EnqueueRequest {
+            event: Some(event("orders", "k", b"still accepted")),
+        })
+        .await
+        .expect("enqueues have their own timeout");
+    s.app.stop().await.unwrap();
+
+    // The defaults: 10 s for enqueues, 30 s for relays and the admin; the general
+    // setting applies to every class without its own.
+    let d = config(&db).database_timeouts;
+    assert_eq!(d.enqueue, Some(Duration::from_secs(10)));
+    assert_eq!(d.relay, Some(Duration::from_secs(30)));
+    assert_eq!(d.admin, Some(Duration::from_secs(30)));
+    let general = Config::resolve(Settings {
+        database_statement_timeout_ms: Some(5000),
+        database_admin_timeout_ms: Some(0),
+        ..Default::default()
+    })
+    .unwrap()
+    .database_timeouts;
+    assert_eq!(general.enqueue, Some(Duration::from_secs(5)));
+    assert_eq!(general.relay, Some(Duration::from_secs(5)));
+    assert_eq!(general.admin, None);
 }
 
 // ---------------------------------------------------------------- §4 idempotency tenancy

@@ -36,6 +36,9 @@ pub mod reason {
     pub const REQUEST_TOO_LARGE: &str = "REQUEST_TOO_LARGE";
     /// The database could not be reached; nothing was stored.
     pub const STORAGE_UNAVAILABLE: &str = "STORAGE_UNAVAILABLE";
+    /// The database cancelled the statement after the statement timeout of its query
+    /// class; nothing was changed.
+    pub const STATEMENT_TIMEOUT: &str = "STATEMENT_TIMEOUT";
     pub const UNAUTHENTICATED: &str = "UNAUTHENTICATED";
     pub const INTERNAL: &str = "INTERNAL";
 }
@@ -167,6 +170,16 @@ fn status_of(e: Error) -> Status {
                     Some(RETRY_UNAVAILABLE),
                 )
             }
+            Error::DeadlineExceeded(m) => {
+                tracing::warn!(error = %m, "answering DEADLINE_EXCEEDED");
+                status(
+                    Code::DeadlineExceeded,
+                    "the database cancelled the query after its statement timeout; nothing was changed",
+                    reason::STATEMENT_TIMEOUT,
+                    none(),
+                    None,
+                )
+            }
             Error::Unauthenticated => status(
                 Code::Unauthenticated,
                 "missing or invalid token",
@@ -230,6 +243,12 @@ mod tests {
                 Code::Unavailable,
                 reason::STORAGE_UNAVAILABLE,
                 Some(RETRY_UNAVAILABLE),
+            ),
+            (
+                Error::DeadlineExceeded("57014".into()),
+                Code::DeadlineExceeded,
+                reason::STATEMENT_TIMEOUT,
+                None,
             ),
             (
                 Error::Internal("boom".into()),

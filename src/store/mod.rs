@@ -31,6 +31,10 @@ pub enum StoreError {
     /// too large; SQLite TOOBIG, CONSTRAINT, MISMATCH, RANGE): retrying cannot help.
     #[error("database refused the data: {0}")]
     Refused(String),
+    /// PostgreSQL cancelled the statement after the `statement_timeout` of its query
+    /// class (`57014`): the statement, and its transaction, changed nothing.
+    #[error("database statement timed out: {0}")]
+    TimedOut(String),
     #[error("database error: {0}")]
     Other(String),
 }
@@ -61,6 +65,8 @@ impl From<sqlx::Error> for StoreError {
                     || code == "517"
                 {
                     StoreError::Unavailable(e.to_string())
+                } else if code == "57014" {
+                    StoreError::TimedOut(e.to_string())
                 } else if refusal(&code) {
                     StoreError::Refused(e.to_string())
                 } else {

@@ -214,9 +214,22 @@ impl Sql {
 }
 
 pub struct PgStore {
+    /// Enqueues, receives and health checks.
     pool: PgPool,
+    /// Claims, settles, renewals and retention.
+    relay_pool: PgPool,
+    /// Admin reads and actions.
+    admin_pool: PgPool,
     outbox: Sql,
     inbox: Sql,
+}
+
+/// The service's connection pools, one per query class so that each carries the
+/// `statement_timeout` of its class (`config::DatabaseTimeouts`).
+pub struct PgPools {
+    pub enqueue: PgPool,
+    pub relay: PgPool,
+    pub admin: PgPool,
 }
 
 impl PgStore {
@@ -234,16 +247,36 @@ impl PgStore {
         Ok(Self::from_pool(pool))
     }
 
+    /// One pool for every query class.
     pub fn from_pool(pool: PgPool) -> Self {
+        Self::from_pools(PgPools {
+            enqueue: pool.clone(),
+            relay: pool.clone(),
+            admin: pool,
+        })
+    }
+
+    pub fn from_pools(pools: PgPools) -> Self {
         PgStore {
-            pool,
+            pool: pools.enqueue,
+            relay_pool: pools.relay,
+            admin_pool: pools.admin,
             outbox: Sql::new("outbox_events", "outbox_keys", false),
             inbox: Sql::new("inbox_events", "inbox_keys", true),
         }
     }
 
+    /// The pool of enqueues and health checks.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    pub(crate) fn relay_pool(&self) -> &PgPool {
+        &self.relay_pool
+    }
+
+    pub(crate) fn admin_pool(&self) -> &PgPool {
+        &self.admin_pool
     }
 
     /// `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)` of the claim's read of one key's line,
@@ -526,7 +559,7 @@ impl Store for PgStore {
         let sql = self.sql(queue.box_kind());
         let lease_ms = millis(limits.lease);
         let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
-            .fetch_one(&self.pool)
+            .fetch_one(&self.relay_pool)
             .await?;
         let leased = scoped(
             q(&sql.lease_keys)
@@ -535,7 +568,7 @@ impl Store for PgStore {
                 .bind(lease_ms),
             queue,
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.relay_pool)
         .await?;
         let mut keyed = Vec::with_capacity(leased.len());
         if !leased.is_empty() {
@@ -564,7 +597,7 @@ impl Store for PgStore {
                     .bind(per_key as i64),
                 queue,
             )
-            .fetch_all(&self.pool)
+            .fetch_all(&self.relay_pool)
             .await?;
             // In-line ids and sizes per key (in claim order, ids ascending).
             let mut in_line: Vec<Vec<(EventId, u64)>> = vec![Vec::new(); keyed.len()];
@@ -602,7 +635,7 @@ impl Store for PgStore {
                     .map(|(i, w)| (w.line.clone(), i))
                     .collect();
                 let rows = scoped(q(&sql.events_by_id).bind(ids), queue)
-                    .fetch_all(&self.pool)
+                    .fetch_all(&self.relay_pool)
                     .await?;
                 for r in &rows {
                     let e = decode_event(r)?;
@@ -628,7 +661,7 @@ impl Store for PgStore {
                     .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
                 queue,
             )
-            .fetch_all(&self.pool)
+            .fetch_all(&self.relay_pool)
             .await?
             .iter()
             .map(decode_event)
@@ -649,7 +682,7 @@ impl Store for PgStore {
     async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {
         q(&self.sql(b).get_event)
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.admin_pool)
             .await?
             .as_ref()
             .map(decode_event)
@@ -665,7 +698,7 @@ impl Store for PgStore {
             "SELECT count(*) FROM {table} WHERE $1::text IS NULL OR status = $1"
         )))
         .bind(status.map(Status::as_str))
-        .fetch_one(&self.pool)
+        .fetch_one(&self.admin_pool)
         .await?;
         Ok(n)
     }
@@ -938,7 +971,7 @@ impl PgStore {
         releases: &[KeyRelease],
     ) -> Result<SettleReport, sqlx::Error> {
         let sql = self.sql(queue.box_kind());
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.relay_pool.begin().await?;
         if !releases.is_empty() {
             // Lock our still-valid keys in byte order, the order enqueue, receive and the
             // admin flows take them (Rust's sort of `(topic, key)`): `COLLATE "C"` in the
@@ -1082,7 +1115,7 @@ impl PgStore {
                     .bind(token),
                 queue,
             )
-            .execute(&self.pool)
+            .execute(&self.relay_pool)
             .await?
             .rows_affected() as usize;
         }
@@ -1094,7 +1127,7 @@ impl PgStore {
                     .bind(millis(lease)),
                 queue,
             )
-            .execute(&self.pool)
+            .execute(&self.relay_pool)
             .await?
             .rows_affected() as usize;
         }

@@ -300,7 +300,7 @@ impl AdminStore for PgStore {
         let c = q.after.as_ref();
         let after_pending = c.filter(|c| c.order == PendingOrder::MostPending);
         let after_oldest = c.filter(|c| c.order == PendingOrder::Oldest);
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.admin_pool().begin().await?;
         // The query is short and its plan simple: JIT would cost more than it saves.
         sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
         let rows = sqlx::query(AssertSqlSafe(sql))
@@ -362,7 +362,7 @@ impl AdminStore for PgStore {
     async fn requeue_failed(&self, b: BoxKind, r: &RequeueRequest) -> AdminResult<RequeueOutcome> {
         let sh = Shape::postgres(b);
         let events = sh.events;
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.admin_pool().begin().await?;
         if !r.dry_run
             && let Some((audit_id, count, _)) =
                 replayed(&mut tx, "requeue", b, r.request_id.as_deref()).await?
@@ -452,7 +452,7 @@ impl AdminStore for PgStore {
     async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> AdminResult<CancelOutcome> {
         let sh = Shape::postgres(b);
         let events = sh.events;
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.admin_pool().begin().await?;
         if !r.dry_run
             && let Some((audit_id, _, selection)) =
                 replayed(&mut tx, "cancel", b, r.request_id.as_deref()).await?
@@ -531,7 +531,7 @@ impl AdminStore for PgStore {
         )))
         .bind(id)
         .bind(with_payload)
-        .fetch_optional(self.pool())
+        .fetch_optional(self.admin_pool())
         .await?
         .as_ref()
         .map(decode_detail)
@@ -553,7 +553,7 @@ impl AdminStore for PgStore {
             .bind(q.before_id);
         let rows = bind_filter(q2, &q.filter)
             .bind(i64::from(q.page_size) + 1)
-            .fetch_all(self.pool())
+            .fetch_all(self.admin_pool())
             .await?;
         let mut events = rows
             .iter()
@@ -578,7 +578,7 @@ impl AdminStore for PgStore {
         )
         .bind(before_id)
         .bind(i64::from(page_size) + 1)
-        .fetch_all(self.pool())
+        .fetch_all(self.admin_pool())
         .await?;
         let mut entries = Vec::with_capacity(rows.len());
         for r in &rows {
@@ -616,7 +616,7 @@ impl AdminStore for PgStore {
         let sub = sh.sub("subscription");
         let filter = sh.sub_filter("subscription", "$1");
         let group_sub = sh.group_sub();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.admin_pool().begin().await?;
         sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
         // Pending from the per-key counts (keyed) and the unkeyed index; the other
         // statuses by one scan.
@@ -723,7 +723,7 @@ impl AdminStore for PgStore {
             .bind(&k.topic)
             .bind(&k.key)
             .bind(k.subscription.as_deref())
-            .fetch_optional(self.pool())
+            .fetch_optional(self.admin_pool())
             .await?;
             if still_leased == Some(true) {
                 held.push(k.clone());

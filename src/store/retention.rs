@@ -61,7 +61,7 @@ async fn pg_purge(
     )))
     .bind(secs(older_than))
     .bind(i64::from(limit))
-    .execute(store.pool())
+    .execute(store.relay_pool())
     .await?;
     Ok(r.rows_affected())
 }
@@ -108,7 +108,7 @@ impl RetentionStore for PgStore {
              AND ready_at = 'infinity' AND lease_token IS NULL AND pending = 0",
         )
         .bind(i64::from(limit))
-        .execute(self.pool())
+        .execute(self.relay_pool())
         .await?;
         Ok(r.rows_affected())
     }
