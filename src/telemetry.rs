@@ -53,9 +53,7 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Te
                 .with_tonic()
                 .with_endpoint(endpoint.clone());
             if endpoint.starts_with("https://") {
-                // TLS to the collector, verified with the webpki roots.
-                builder = builder
-                    .with_tls_config(tonic::transport::ClientTlsConfig::new().with_webpki_roots());
+                builder = builder.with_tls_config(collector_tls(|k| std::env::var(k).ok())?);
             }
             let exporter = builder.build()?;
             let processor =
@@ -95,6 +93,42 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Te
 }
 
 /// Where spans are exported: `MAILROOM_OTLP_ENDPOINT`, else OpenTelemetry's own
+/// TLS to an `https://` collector, from OpenTelemetry's variables (the traces-specific
+/// one first): the CA that verifies the collector (`OTEL_EXPORTER_OTLP_CERTIFICATE`,
+/// else the webpki roots) and, for mTLS, the client certificate and key
+/// (`OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`, `OTEL_EXPORTER_OTLP_CLIENT_KEY`), PEM files.
+fn collector_tls(
+    env: impl Fn(&str) -> Option<String>,
+) -> anyhow::Result<tonic::transport::ClientTlsConfig> {
+    use anyhow::Context as _;
+    let var = |name: &str| {
+        env(&format!("OTEL_EXPORTER_OTLP_TRACES_{name}"))
+            .or_else(|| env(&format!("OTEL_EXPORTER_OTLP_{name}")))
+            .filter(|v| !v.is_empty())
+    };
+    let read = |path: String| {
+        std::fs::read(&path).with_context(|| format!("reading the OTLP TLS file {path}"))
+    };
+    let mut tls = tonic::transport::ClientTlsConfig::new();
+    tls = match var("CERTIFICATE") {
+        Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read(ca)?)),
+        None => tls.with_webpki_roots(),
+    };
+    match (var("CLIENT_CERTIFICATE"), var("CLIENT_KEY")) {
+        (Some(cert), Some(key)) => {
+            tls = tls.identity(tonic::transport::Identity::from_pem(
+                read(cert)?,
+                read(key)?,
+            ));
+        }
+        (None, None) => {}
+        _ => anyhow::bail!(
+            "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and OTEL_EXPORTER_OTLP_CLIENT_KEY go together"
+        ),
+    }
+    Ok(tls)
+}
+
 /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`; never when
 /// `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`.
 pub fn export_endpoint(

@@ -83,41 +83,47 @@ impl TraceService for Collector {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn enqueue_spans_join_the_producers_trace() {
+/// A collector on 127.0.0.1, plain or with TLS.
+async fn start_collector(tls: Option<tonic::transport::ServerTlsConfig>) -> (Collector, u16) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let collector_addr = listener.local_addr().unwrap();
+    let port = listener.local_addr().unwrap().port();
     let collector = Collector::default();
     let svc = TraceServiceServer::new(collector.clone());
     tokio::spawn(async move {
-        tonic::transport::Server::builder()
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = tls {
+            server = server.tls_config(tls).unwrap();
+        }
+        server
             .add_service(svc)
             .serve_with_incoming(TcpListenerStream::new(listener))
             .await
             .unwrap();
     });
+    (collector, port)
+}
 
+/// Runs the binary (SQLite, a local sink, logs quieted to errors only) with `env`, sends
+/// one `Enqueue` in trace `trace_id` and stops it with SIGTERM, which flushes the
+/// exporter on the way out.
+async fn one_traced_enqueue(env: &[(&str, String)], trace_id: &str) {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
-        .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"));
+    cmd.env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
         .env(
             "MAILROOM_DATABASE_URL",
             format!("sqlite://{}", dir.path().join("m.db").display()),
         )
         .env("MAILROOM_LOCAL_SINK", dir.path().join("out.jsonl"))
-        // OpenTelemetry's own variables, and logs quieted to errors only.
-        .env(
-            "OTEL_EXPORTER_OTLP_ENDPOINT",
-            format!("http://{collector_addr}"),
-        )
-        .env("OTEL_SERVICE_NAME", "mailroom-under-test")
         .env("RUST_LOG", "error")
         .env_remove("MAILROOM_OTLP_ENDPOINT")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+        .stderr(std::process::Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
     eventually(
         Duration::from_secs(30),
         "mailroom listening",
@@ -128,7 +134,6 @@ async fn enqueue_spans_join_the_producers_trace() {
         },
     )
     .await;
-    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let mut c = client(format!("127.0.0.1:{port}").parse().unwrap()).await;
     let mut req = tonic::Request::new(pb::EnqueueRequest {
         event: Some(event("traced", "k", b"x")),
@@ -140,7 +145,6 @@ async fn enqueue_spans_join_the_producers_trace() {
             .unwrap(),
     );
     c.enqueue(req).await.unwrap();
-    // SIGTERM flushes the exporter on the way out.
     let pid = child.id().to_string();
     assert!(
         std::process::Command::new("kill")
@@ -153,10 +157,30 @@ async fn enqueue_spans_join_the_producers_trace() {
         .await
         .unwrap();
     assert!(status.success(), "{status}");
+}
+
+const ENQUEUE_SPAN: &str = "mailroom.v1.OutboxService/Enqueue";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_spans_join_the_producers_trace() {
+    let (collector, port) = start_collector(None).await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    // OpenTelemetry's own variables.
+    one_traced_enqueue(
+        &[
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                format!("http://127.0.0.1:{port}"),
+            ),
+            ("OTEL_SERVICE_NAME", "mailroom-under-test".into()),
+        ],
+        trace_id,
+    )
+    .await;
     let spans = collector.spans.lock().unwrap().clone();
     let rpc = spans
         .iter()
-        .find(|s| s.trace_id == trace_id && s.name == "mailroom.v1.OutboxService/Enqueue")
+        .find(|s| s.trace_id == trace_id && s.name == ENQUEUE_SPAN)
         .unwrap_or_else(|| panic!("no Enqueue span in the producer's trace among {spans:#?}"));
     // SpanKind::Server = 2.
     assert_eq!(rpc.kind, 2, "{rpc:?}");
@@ -173,6 +197,69 @@ async fn enqueue_spans_join_the_producers_trace() {
         );
     }
     assert_eq!(rpc.service_name, "mailroom-under-test");
+}
+
+/// Export over TLS with mTLS: a collector that requires a client certificate signed by
+/// the test CA receives the `Enqueue` span when the binary is given the CA, the client
+/// certificate and the key (`OTEL_EXPORTER_OTLP_CERTIFICATE`,
+/// `…_CLIENT_CERTIFICATE`, `…_CLIENT_KEY`); without the CA (the webpki roots then
+/// refuse the test CA) and without the client certificate it receives nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_over_tls_with_a_client_certificate() {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let pki = common::pki::pki();
+    let read = |p: &std::path::Path| std::fs::read(p).unwrap();
+    let tls = ServerTlsConfig::new()
+        .identity(Identity::from_pem(
+            read(&pki.server_cert),
+            read(&pki.server_key),
+        ))
+        .client_ca_root(Certificate::from_pem(read(&pki.ca)));
+    let (collector, port) = start_collector(Some(tls)).await;
+    let endpoint = (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        format!("https://localhost:{port}"),
+    );
+    let ca = (
+        "OTEL_EXPORTER_OTLP_CERTIFICATE",
+        pki.ca.display().to_string(),
+    );
+    let cert = (
+        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+        pki.client_cert.display().to_string(),
+    );
+    let key = (
+        "OTEL_EXPORTER_OTLP_CLIENT_KEY",
+        pki.client_key.display().to_string(),
+    );
+    let refused = [
+        (
+            "11111111111111111111111111111111",
+            vec![endpoint.clone(), cert.clone(), key.clone()],
+        ),
+        (
+            "22222222222222222222222222222222",
+            vec![endpoint.clone(), ca.clone()],
+        ),
+    ];
+    for (trace_id, env) in &refused {
+        one_traced_enqueue(env, trace_id).await;
+    }
+    let trusted = "33333333333333333333333333333333";
+    one_traced_enqueue(&[endpoint, ca, cert, key], trusted).await;
+    let spans = collector.spans.lock().unwrap().clone();
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.trace_id == trusted && s.name == ENQUEUE_SPAN),
+        "no Enqueue span over mTLS among {spans:#?}"
+    );
+    for (trace_id, _) in &refused {
+        assert!(
+            spans.iter().all(|s| s.trace_id != *trace_id),
+            "a span of {trace_id} arrived without the CA or the client certificate"
+        );
+    }
 }
 
 /// A producer span per Kafka publish (OpenTelemetry messaging conventions), a child of the

@@ -11,11 +11,12 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::pki::{Pki, pki};
 use common::*;
 use mailroom::api::auth::{Scope, TokenEntry};
 use mailroom::config::{ClientTls, Config, Settings, SinkConfig, SubscriptionConfig};
@@ -25,71 +26,6 @@ use mailroom::pb::inbox_service_client::InboxServiceClient;
 use mailroom::relay::backoff::RetryPolicy;
 use tonic::{Request, Response, Status};
 use tonic_types::StatusExt;
-
-// ---------------------------------------------------------------- test PKI
-
-struct Pki {
-    dir: tempfile::TempDir,
-    ca: PathBuf,
-    server_cert: PathBuf,
-    server_key: PathBuf,
-    client_cert: PathBuf,
-    client_key: PathBuf,
-    /// A CA that signed nothing here.
-    other_ca: PathBuf,
-    server_cert_der: Vec<u8>,
-    server_key_der: Vec<u8>,
-}
-
-fn pki() -> Pki {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    // Distinct names: with rcgen's default name on both, OpenSSL (librdkafka) takes the
-    // leaf for a self-signed certificate and refuses it.
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "mailroom test CA");
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let leaf = |names: Vec<String>| {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(names.clone()).unwrap();
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, names[0].clone());
-        let cert = params.signed_by(&key, &issuer).unwrap();
-        (cert, key)
-    };
-    let (server, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
-    let (client, client_key) = leaf(vec!["mailroom".into()]);
-    let other_key = KeyPair::generate().unwrap();
-    let mut other_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    other_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    other_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "another CA");
-    let other = other_params.self_signed(&other_key).unwrap();
-
-    let dir = tempfile::tempdir().unwrap();
-    let write = |name: &str, text: String| {
-        let p = dir.path().join(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    };
-    Pki {
-        ca: write("ca.pem", ca_cert.pem()),
-        server_cert: write("server.pem", server.pem()),
-        server_key: write("server.key", server_key.serialize_pem()),
-        client_cert: write("client.pem", client.pem()),
-        client_key: write("client.key", client_key.serialize_pem()),
-        other_ca: write("other-ca.pem", other.pem()),
-        server_cert_der: server.der().to_vec(),
-        server_key_der: server_key.serialize_der(),
-        dir,
-    }
-}
 
 // ---------------------------------------------------------------- a recording handler
 

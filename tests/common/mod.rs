@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod pki;
 pub mod probe;
 pub mod proxy;
 
