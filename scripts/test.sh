@@ -63,7 +63,7 @@ if ! pg_isready -q -h 127.0.0.1 -p 5432; then
 fi
 pg_isready -h 127.0.0.1 -p 5432
 # Databases left by earlier runs.
-psql "$PG_URL" -qAtc "SELECT 'DROP DATABASE IF EXISTS ' || quote_ident(datname) || ';' FROM pg_database WHERE datname LIKE 'mailroom_test_%' OR datname LIKE 'mailroom_bench_%'" \
+psql "$PG_URL" -qAtc "SELECT 'DROP DATABASE IF EXISTS ' || quote_ident(datname) || ';' FROM pg_database WHERE datname LIKE 'mailroom_test_%' OR datname LIKE 'mailroom_icu_%' OR datname LIKE 'mailroom_bench_%'" \
   | psql "$PG_URL" -q >/dev/null 2>&1 || true
 export MAILROOM_TEST_DATABASE_URL="$PG_URL"
 
