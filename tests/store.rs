@@ -442,6 +442,12 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
 
+    // A deadlock victim run again is logged with PostgreSQL's account of the cycle; the
+    // output of a failing run shows it.
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter("mailroom=warn")
+        .try_init();
     let (url, name) = fresh_pg_icu().await;
     let store = open_store(&config(&url)).await.unwrap();
     // The database really orders text the other way round from bytes.
@@ -661,6 +667,10 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadlocked_enqueue_runs_again_and_is_stored_once() {
     use sqlx::Connection;
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter("mailroom=warn")
+        .try_init();
     let (url, name) = fresh_pg_icu().await;
     let store = open_store(&config(&url)).await.unwrap();
     let on_dl = |key: &str, payload: &str| {

@@ -341,7 +341,17 @@ where
     loop {
         match call().await {
             Err(e) if run < ABORTED_RUNS && aborted(&e) => {
-                tracing::warn!(error = %e, run, "PostgreSQL aborted the transaction; running it again");
+                // PostgreSQL's detail names the processes of the cycle and what each
+                // waited for: the one clue to an unforeseen lock order.
+                let detail = match &e {
+                    sqlx::Error::Database(db) => db
+                        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                        .and_then(|p| p.detail())
+                        .unwrap_or_default()
+                        .to_string(),
+                    _ => String::new(),
+                };
+                tracing::warn!(error = %e, %detail, run, "PostgreSQL aborted the transaction; running it again");
                 let pause =
                     rand::RngExt::random_range(&mut rand::rng(), 1..=10u64) * u64::from(run);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
