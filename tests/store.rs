@@ -39,6 +39,15 @@ async fn store_for(engine: &Engine) -> (std::sync::Arc<dyn Store>, Option<tempfi
     (open_store(&config(&url)).await.unwrap(), dir)
 }
 
+/// Shows mailroom's warnings in a test's output (printed when it fails): a deadlock
+/// victim run again is logged with PostgreSQL's account of the cycle.
+fn log_warnings() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter("mailroom=warn")
+        .try_init();
+}
+
 fn ids(a: &[Admission]) -> Vec<i64> {
     a.iter()
         .map(|x| match x {
@@ -442,12 +451,7 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    // A deadlock victim run again is logged with PostgreSQL's account of the cycle; the
-    // output of a failing run shows it.
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_env_filter("mailroom=warn")
-        .try_init();
+    log_warnings();
     let (url, name) = fresh_pg_icu().await;
     let store = open_store(&config(&url)).await.unwrap();
     // The database really orders text the other way round from bytes.
@@ -667,10 +671,7 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadlocked_enqueue_runs_again_and_is_stored_once() {
     use sqlx::Connection;
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_env_filter("mailroom=warn")
-        .try_init();
+    log_warnings();
     let (url, name) = fresh_pg_icu().await;
     let store = open_store(&config(&url)).await.unwrap();
     let on_dl = |key: &str, payload: &str| {
