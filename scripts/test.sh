@@ -81,7 +81,7 @@ log "rustfmt"
 cargo fmt --all -- --check
 
 log "clippy"
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked -- -D warnings
 
 log "buf lint"
 "$BUF" lint

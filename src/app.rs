@@ -17,7 +17,7 @@ use crate::api::admin::AdminApi;
 use crate::api::auth::{Auth, AuthLayer};
 use crate::api::outbox::{OutboxApi, OutboxLimits};
 use crate::api::overload::OverloadLayer;
-use crate::config::{Config, SinkConfig, redact_url};
+use crate::config::{Config, redact_url};
 use crate::domain::Queue;
 use crate::health::Health;
 use crate::intake::{Intake, Wakeup};
@@ -25,6 +25,7 @@ use crate::metrics::Metrics;
 use crate::pb;
 use crate::relay::{Relay, RelayStats};
 use crate::sink::Sink;
+use crate::sink::SinkConfig;
 use crate::sink::fault::FaultySink;
 use crate::sink::kafka::{KafkaSink, fit_record_size, producer_config, record_bytes_needed};
 use crate::sink::local::LocalSink;
@@ -251,24 +252,30 @@ impl App {
             )));
         }
         let intake = Intake::start(store.clone(), config.intake, wakeup);
+        let inbox_config = crate::inbox::InboxConfig {
+            subscriptions: config.subscriptions.clone(),
+            source: config.sink.clone(),
+            relay: config.relay,
+            limits: config.limits,
+        };
         let (inbox_handles, inbox_tasks) =
-            crate::inbox::start(store.clone(), &config, background.clone())?;
+            crate::inbox::start(store.clone(), &inbox_config, background.clone())?;
         tasks.extend(inbox_tasks);
         let inbox =
             pb::inbox_service_server::InboxServiceServer::new(crate::api::inbox::InboxApi::new(
-                store.clone(),
-                config.subscriptions.clone(),
+                Arc::new(crate::inbox::Inbox::new(
+                    store.clone(),
+                    config.subscriptions.clone(),
+                    inbox_handles.clone(),
+                )),
                 config.limits,
-                inbox_handles.clone(),
             ));
 
         let metrics = Metrics::with_inbox(relay_stats.clone(), inbox_handles.clone());
         let mut metrics_addr = None;
         if let Some(listen) = config.metrics_listen {
-            let l = tokio::net::TcpListener::bind(listen)
-                .await
-                .with_context(|| format!("binding the metrics address {listen}"))?;
-            metrics_addr = Some(l.local_addr()?);
+            let (l, addr) = bind(listen, "metrics").await?;
+            metrics_addr = Some(addr);
             tasks.push(tokio::spawn(metrics.clone().serve(l, background.clone())));
             tasks.push(tokio::spawn(metrics.clone().poll_stats(
                 store.clone(),
@@ -295,10 +302,8 @@ impl App {
         }
         let mut console_addr = None;
         if let Some(listen) = config.console_listen {
-            let l = tokio::net::TcpListener::bind(listen)
-                .await
-                .with_context(|| format!("binding the console address {listen}"))?;
-            console_addr = Some(l.local_addr()?);
+            let (l, addr) = bind(listen, "console").await?;
+            console_addr = Some(addr);
             let console = crate::console::Console::new(
                 Admin::new(store.clone(), config.relay.lease),
                 auth.clone(),
@@ -315,7 +320,7 @@ impl App {
         }
         let tls = match &config.tls {
             None => None,
-            Some(t) => Some(tls_config(t)?),
+            Some(t) => Some(t.tonic()?),
         };
 
         let reflection = tonic_reflection::server::Builder::configure()
@@ -440,16 +445,14 @@ impl App {
     }
 }
 
-/// Reads the TLS files; errors name the file, never its content.
-fn tls_config(t: &crate::config::TlsConfig) -> anyhow::Result<tonic::transport::ServerTlsConfig> {
-    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
-    let read = |p: &std::path::Path, what: &str| {
-        std::fs::read(p).with_context(|| format!("reading the TLS {what} {}", p.display()))
-    };
-    let identity = Identity::from_pem(read(&t.cert, "certificate")?, read(&t.key, "key")?);
-    let mut c = ServerTlsConfig::new().identity(identity);
-    if let Some(ca) = &t.client_ca {
-        c = c.client_ca_root(Certificate::from_pem(read(ca, "client CA")?));
-    }
-    Ok(c)
+/// Binds a side port (`what`: metrics, console); the address says which port port 0 got.
+async fn bind(
+    listen: std::net::SocketAddr,
+    what: &str,
+) -> anyhow::Result<(tokio::net::TcpListener, std::net::SocketAddr)> {
+    let l = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding the {what} address {listen}"))?;
+    let addr = l.local_addr()?;
+    Ok((l, addr))
 }

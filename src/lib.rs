@@ -38,6 +38,8 @@ pub mod notify;
 pub mod pb;
 pub mod relay;
 pub mod retention;
+pub mod secret;
 pub mod sink;
 pub mod store;
 pub mod telemetry;
+pub mod tls;

@@ -15,7 +15,14 @@ use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
-use crate::config::LogFormat;
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// One readable line per event, control characters escaped.
+    Human,
+    /// One JSON object per line.
+    Json,
+}
 
 /// Keeps the exporter alive; `shutdown` flushes the spans still buffered.
 pub struct Telemetry {
@@ -100,33 +107,18 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Te
 fn collector_tls(
     env: impl Fn(&str) -> Option<String>,
 ) -> anyhow::Result<tonic::transport::ClientTlsConfig> {
-    use anyhow::Context as _;
     let var = |name: &str| {
         env(&format!("OTEL_EXPORTER_OTLP_TRACES_{name}"))
             .or_else(|| env(&format!("OTEL_EXPORTER_OTLP_{name}")))
             .filter(|v| !v.is_empty())
+            .map(std::path::PathBuf::from)
     };
-    let read = |path: String| {
-        std::fs::read(&path).with_context(|| format!("reading the OTLP TLS file {path}"))
-    };
-    let mut tls = tonic::transport::ClientTlsConfig::new();
-    tls = match var("CERTIFICATE") {
-        Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read(ca)?)),
-        None => tls.with_webpki_roots(),
-    };
-    match (var("CLIENT_CERTIFICATE"), var("CLIENT_KEY")) {
-        (Some(cert), Some(key)) => {
-            tls = tls.identity(tonic::transport::Identity::from_pem(
-                read(cert)?,
-                read(key)?,
-            ));
-        }
-        (None, None) => {}
-        _ => anyhow::bail!(
-            "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and OTEL_EXPORTER_OTLP_CLIENT_KEY go together"
-        ),
+    crate::tls::ClientTls {
+        ca: var("CERTIFICATE"),
+        cert: var("CLIENT_CERTIFICATE"),
+        key: var("CLIENT_KEY"),
     }
-    Ok(tls)
+    .tonic()
 }
 
 /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`; never when

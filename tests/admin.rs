@@ -2,16 +2,18 @@
 //! RequeueFailed, CancelEvents, GetEvent, ListEvents, ListAudit, GetStats, the bearer
 //! token, and the `mailroom admin` CLI end to end.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
-use mailroom::config::SinkConfig;
 use mailroom::domain::BoxKind;
 use mailroom::pb;
 use mailroom::pb::admin_service_client::AdminServiceClient;
+use mailroom::sink::SinkConfig;
 use mailroom::store::Store;
 use tonic::Code;
 use tonic::transport::Channel;

@@ -4,6 +4,8 @@
 //! RequeueFailed, CancelEvents with `box = BOX_INBOX`, the wake-up of keys a dispatcher
 //! held, and `mailroom admin --inbox`.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::HashMap;
@@ -12,8 +14,9 @@ use std::time::Duration;
 
 use common::*;
 use mailroom::admin::{AdminKey, RequeueRequest, Selection};
-use mailroom::config::{Config, SubscriptionConfig};
+use mailroom::config::Config;
 use mailroom::domain::{BoxKind, InboundMessage, Status};
+use mailroom::inbox::SubscriptionConfig;
 use mailroom::pb;
 use mailroom::pb::admin_service_client::AdminServiceClient;
 use mailroom::pb::handler_service_server::HandlerService;

@@ -6,6 +6,8 @@
 //!
 //! `MAILROOM_CONSOLE_SCREENSHOTS=DIR` saves a PNG of each page there (docs/img).
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::BTreeMap;

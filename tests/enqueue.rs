@@ -1,6 +1,8 @@
 //! The foundation's contract, against real PostgreSQL and SQLite: round trips, batch
 //! atomicity, idempotency, concurrency, validation, health and shutdown.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::HashSet;

@@ -8,6 +8,8 @@
 //! Scenario 7 (hostile input) is `tests/hostile.rs`; scenario 6 (overload) is
 //! `tests/production.rs::overload_sheds_fast_and_loses_nothing`.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::{HashMap, HashSet};

@@ -7,6 +7,8 @@
 //!
 //! Cases: 256 per pure property, 64 per gRPC run; `MAILROOM_SOAK` multiplies both.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::{BTreeSet, HashMap};
@@ -15,11 +17,12 @@ use std::sync::Arc;
 use base64::Engine as _;
 use common::faults::soak;
 use common::*;
-use mailroom::api::convert::{Limits, check_topic, enqueue_batch_request, new_event, timestamp};
+use mailroom::api::convert::{Limits, check_topic, enqueue_batch_request, new_event};
 use mailroom::domain::BoxKind;
 use mailroom::error::Error;
 use mailroom::pb;
 use mailroom::pb::admin_service_client::AdminServiceClient;
+use mailroom::pb::time::timestamp;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PropConfig, TestCaseError, TestRunner};
 use tonic::Code;

@@ -1,6 +1,8 @@
 //! The inbox against real PostgreSQL, a real broker and real gRPC handlers (Rust and
 //! Python): end to end from the outbox, redelivery, every handler outcome, `Receive`.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::HashMap;
@@ -9,8 +11,9 @@ use std::time::Duration;
 
 use common::probe::*;
 use common::*;
-use mailroom::config::{Config, SubscriptionConfig};
+use mailroom::config::Config;
 use mailroom::domain::{BoxKind, Status};
+use mailroom::inbox::SubscriptionConfig;
 use mailroom::pb;
 use mailroom::pb::handler_service_server::HandlerService;
 use mailroom::pb::inbox_service_client::InboxServiceClient;

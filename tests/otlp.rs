@@ -3,6 +3,8 @@
 //! after OpenTelemetry's RPC conventions, configured by the standard `OTEL_*` variables,
 //! and not silenced by `RUST_LOG`.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::HashMap;

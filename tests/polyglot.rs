@@ -1,6 +1,8 @@
 //! The polyglot contract: a Python `grpcio` client, with stubs generated from `proto/` at
 //! test time, enqueues events and runs the standard health check.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use common::*;

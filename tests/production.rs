@@ -1,6 +1,8 @@
 //! The production surface (issue 7): tokens and scopes, overload, transport limits,
 //! secrets in logs, metrics, retention and TLS, against real PostgreSQL and SQLite.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::HashSet;
@@ -382,7 +384,7 @@ async fn metrics_follow_the_events() {
     let mut c = config(&url);
     c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
     c.metrics_stats_interval = Duration::from_millis(100);
-    c.sink = mailroom::config::SinkConfig::Local {
+    c.sink = mailroom::sink::SinkConfig::Local {
         path: Some(dir.path().join("out.jsonl")),
     };
     let mut s = Service::start(c).await;
@@ -468,7 +470,7 @@ async fn metrics_follow_the_events() {
     c.faults = (1.0, 0.0);
     c.relay.retry.base = Duration::ZERO;
     c.relay.retry.cap = Duration::ZERO;
-    c.sink = mailroom::config::SinkConfig::Local {
+    c.sink = mailroom::sink::SinkConfig::Local {
         path: Some(dir.path().join("out2.jsonl")),
     };
     let mut s = Service::start(c).await;
@@ -829,7 +831,7 @@ async fn tls_and_mutual_tls() {
     let (url, _d) = fresh_sqlite();
     let mut c = config(&url);
     c.relays = 0;
-    c.tls = Some(mailroom::config::TlsConfig {
+    c.tls = Some(mailroom::tls::ServerTls {
         cert: cert.clone(),
         key: key.clone(),
         client_ca: None,
@@ -860,7 +862,7 @@ async fn tls_and_mutual_tls() {
     let (url, _d) = fresh_sqlite();
     let mut c = config(&url);
     c.relays = 0;
-    c.tls = Some(mailroom::config::TlsConfig {
+    c.tls = Some(mailroom::tls::ServerTls {
         cert,
         key,
         client_ca: Some(ca),

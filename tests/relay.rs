@@ -2,6 +2,8 @@
 //! under transient and counted failures, backoff, attempt budgets, outages, several
 //! relays, runs per key, claim cost, a stand test and a crash.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::{HashMap, HashSet};

@@ -8,6 +8,8 @@
 //!   free port that refuses connections without TLS.
 //! - TLS and mTLS towards an inbox handler and from `mailroom admin`.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::BTreeMap;
@@ -19,11 +21,14 @@ use std::time::Duration;
 use common::pki::{Pki, pki};
 use common::*;
 use mailroom::api::auth::{Scope, TokenEntry};
-use mailroom::config::{ClientTls, Config, Settings, SinkConfig, SubscriptionConfig};
+use mailroom::config::{Config, Settings};
+use mailroom::inbox::SubscriptionConfig;
 use mailroom::pb;
 use mailroom::pb::handler_service_server::{HandlerService, HandlerServiceServer};
 use mailroom::pb::inbox_service_client::InboxServiceClient;
 use mailroom::relay::backoff::RetryPolicy;
+use mailroom::sink::SinkConfig;
+use mailroom::tls::ClientTls;
 use tonic::{Request, Response, Status};
 use tonic_types::StatusExt;
 
@@ -325,7 +330,7 @@ async fn admin_cli_speaks_tls_and_mtls() {
     let (db, _dir) = fresh_sqlite();
     let mut c = config(&db);
     c.relays = 0;
-    c.tls = Some(mailroom::config::TlsConfig {
+    c.tls = Some(mailroom::tls::ServerTls {
         cert: pki.server_cert.clone(),
         key: pki.server_key.clone(),
         client_ca: Some(pki.ca.clone()),

@@ -5,6 +5,8 @@
 //! idempotency, pending counts and wake-ups are those of gRPC Enqueue; the producer role
 //! can do nothing else.
 
+#![allow(clippy::unwrap_used)] // a panic is how a test fails
+
 mod common;
 
 use std::collections::HashMap;

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status};
 
 use super::auth::{LEGACY_ADMIN_TOKEN, Principal};
-use super::convert::{check_topic, timestamp, to_timestamp};
+use super::convert::check_topic;
 use crate::admin::{
     Admin, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter, EventsQuery,
     KeyBacklog, MAX_CANCEL, MAX_REQUEUE, PendingCursor, PendingOrder, PendingQuery, RequeueRequest,
@@ -18,6 +18,7 @@ use crate::domain::{BoxKind, Status as EventStatus};
 use crate::error::{Error, FieldViolation};
 use crate::metrics::Metrics;
 use crate::pb;
+use crate::pb::time::{timestamp, to_duration, to_timestamp};
 
 const DEFAULT_PAGE: u32 = 100;
 const MAX_PAGE: u32 = 1000;
@@ -410,13 +411,6 @@ fn audit_entry(a: AuditEntry) -> pb::AuditEntry {
     }
 }
 
-fn duration(d: std::time::Duration) -> prost_types::Duration {
-    prost_types::Duration {
-        seconds: d.as_secs() as i64,
-        nanos: d.subsec_nanos() as i32,
-    }
-}
-
 #[tonic::async_trait]
 impl pb::admin_service_server::AdminService for AdminApi {
     async fn list_pending(
@@ -550,7 +544,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
             pending: s.pending,
             completed: s.completed,
             failed: s.failed,
-            oldest_pending_age: s.oldest_pending_age.map(duration),
+            oldest_pending_age: s.oldest_pending_age.map(to_duration),
             blocked_keys: s.blocked_keys,
             topics: s
                 .topics

@@ -3,11 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use chrono::{DateTime, Utc};
-
 use crate::domain::NewEvent;
 use crate::error::{Error, FieldViolation};
 use crate::pb;
+use crate::pb::time::timestamp;
 
 /// Request limits, from the configuration.
 #[derive(Debug, Clone, Copy)]
@@ -53,25 +52,6 @@ pub fn check_topic(topic: &str) -> Result<(), &'static str> {
         return Err("may contain only [a-zA-Z0-9._-]");
     }
     Ok(())
-}
-
-/// A protobuf timestamp as a UTC time, if it is a valid one.
-pub fn timestamp(t: &prost_types::Timestamp) -> Option<DateTime<Utc>> {
-    if !(0..1_000_000_000).contains(&t.nanos) {
-        return None;
-    }
-    // RFC 3339 range: 0001-01-01 to 9999-12-31, as google.protobuf.Timestamp requires.
-    if !(-62_135_596_800..=253_402_300_799).contains(&t.seconds) {
-        return None;
-    }
-    DateTime::from_timestamp(t.seconds, t.nanos as u32)
-}
-
-pub fn to_timestamp(t: DateTime<Utc>) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: t.timestamp(),
-        nanos: t.timestamp_subsec_nanos() as i32,
-    }
 }
 
 /// Validates one event; `field` prefixes violation paths (`event` or `events[3]`).
@@ -329,38 +309,6 @@ mod tests {
             assert_eq!(traceparent(&md(bad)), None, "{bad}");
         }
         assert_eq!(traceparent(&tonic::metadata::MetadataMap::new()), None);
-    }
-
-    #[test]
-    fn timestamps_outside_the_range_are_rejected() {
-        assert!(
-            timestamp(&prost_types::Timestamp {
-                seconds: 0,
-                nanos: -1
-            })
-            .is_none()
-        );
-        assert!(
-            timestamp(&prost_types::Timestamp {
-                seconds: 0,
-                nanos: 1_000_000_000
-            })
-            .is_none()
-        );
-        assert!(
-            timestamp(&prost_types::Timestamp {
-                seconds: i64::MAX,
-                nanos: 0
-            })
-            .is_none()
-        );
-        assert!(
-            timestamp(&prost_types::Timestamp {
-                seconds: 1_700_000_000,
-                nanos: 5
-            })
-            .is_some()
-        );
     }
 
     #[test]

@@ -6,39 +6,21 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use super::convert::{self, Limits};
-use crate::config::SubscriptionConfig;
 use crate::error::{Error, FieldViolation};
-use crate::inbox::InboxHandles;
+use crate::inbox::Inbox;
 use crate::pb;
-use crate::store::{Admission, Store};
+use crate::pb::time::to_duration;
 
+/// `InboxService` over the inbox's middle layer.
 pub struct InboxApi {
-    store: Arc<dyn Store>,
-    subscriptions: Vec<SubscriptionConfig>,
+    inbox: Arc<Inbox>,
     limits: Limits,
-    handles: InboxHandles,
 }
 
 impl InboxApi {
-    pub fn new(
-        store: Arc<dyn Store>,
-        subscriptions: Vec<SubscriptionConfig>,
-        limits: Limits,
-        handles: InboxHandles,
-    ) -> Self {
-        InboxApi {
-            store,
-            subscriptions,
-            limits,
-            handles,
-        }
-    }
-}
-
-fn duration(d: std::time::Duration) -> prost_types::Duration {
-    prost_types::Duration {
-        seconds: d.as_secs() as i64,
-        nanos: d.subsec_nanos() as i32,
+    /// The service for `inbox`, validating messages against `limits`.
+    pub fn new(inbox: Arc<Inbox>, limits: Limits) -> Self {
+        InboxApi { inbox, limits }
     }
 }
 
@@ -53,14 +35,10 @@ impl pb::inbox_service_server::InboxService for InboxApi {
         // Before the lookup: a token limited to some subscriptions learns nothing about
         // the names of others.
         principal.check_subscription(&r.subscription)?;
-        let Some(sub) = self.subscriptions.iter().find(|s| s.name == r.subscription) else {
-            return Err(if r.subscription.is_empty() {
-                Error::invalid("subscription", "is required")
-            } else {
-                Error::NotFound(format!("no subscription named {:?}", r.subscription))
-            }
-            .into());
-        };
+        if r.subscription.is_empty() {
+            return Err(Error::invalid("subscription", "is required").into());
+        }
+        let sub = self.inbox.subscription(&r.subscription)?;
         let mut v = Vec::new();
         if r.message_id.is_empty() || r.message_id.len() > 256 {
             v.push(FieldViolation::new(
@@ -94,33 +72,11 @@ impl pb::inbox_service_server::InboxService for InboxApi {
                 return Err(Error::InvalidArgument(v).into());
             }
         };
-        // Receive's ids have a namespace of their own: they never meet a Kafka record's.
-        let message = crate::domain::InboundMessage {
-            message_id: crate::inbox::identity::rpc(&r.message_id),
-            topic: event.topic,
-            key: event.key,
-            payload: event.payload,
-            headers: event.headers,
-            event_type: event.event_type,
-            max_attempts: sub.retry.max_attempts,
-            failure: None,
-        };
-        let admitted = self
-            .store
-            .receive(&sub.name, std::slice::from_ref(&message))
-            .await
-            .map_err(Error::from)?;
-        let (id, duplicate) = match admitted[0] {
-            Admission::Inserted(id) => {
-                self.handles.wake(&sub.name);
-                (id, false)
-            }
-            Admission::Duplicate(id) => (id, true),
-            Admission::Conflict => {
-                return Err(Error::Internal("inbox insert conflict".into()).into());
-            }
-        };
-        Ok(Response::new(pb::ReceiveResponse { id, duplicate }))
+        let received = self.inbox.receive(sub, &r.message_id, event).await?;
+        Ok(Response::new(pb::ReceiveResponse {
+            id: received.id,
+            duplicate: received.duplicate,
+        }))
     }
 
     async fn list_subscriptions(
@@ -130,7 +86,8 @@ impl pb::inbox_service_server::InboxService for InboxApi {
         let principal = crate::api::auth::Principal::of(request.extensions());
         Ok(Response::new(pb::ListSubscriptionsResponse {
             subscriptions: self
-                .subscriptions
+                .inbox
+                .subscriptions()
                 .iter()
                 .filter(|s| principal.may_use_subscription(&s.name))
                 .map(|s| pb::Subscription {
@@ -138,11 +95,11 @@ impl pb::inbox_service_server::InboxService for InboxApi {
                     topics: s.topics.clone(),
                     group: s.group.clone(),
                     handler: s.handler.clone(),
-                    handler_timeout: Some(duration(s.handler_timeout)),
+                    handler_timeout: Some(to_duration(s.handler_timeout)),
                     concurrency: s.concurrency as u32,
                     max_attempts: s.retry.max_attempts,
-                    retry_base: Some(duration(s.retry.base)),
-                    retry_cap: Some(duration(s.retry.cap)),
+                    retry_base: Some(to_duration(s.retry.base)),
+                    retry_cap: Some(to_duration(s.retry.cap)),
                 })
                 .collect(),
         }))

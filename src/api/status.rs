@@ -76,13 +76,6 @@ pub fn too_large(message: String, limit: usize) -> Status {
     )
 }
 
-/// The delay a status asks for in its `RetryInfo`, if any (e.g. an inbox handler's).
-pub fn retry_delay(s: &Status) -> Option<Duration> {
-    s.get_details_retry_info()
-        .and_then(|r| r.retry_delay)
-        .filter(|d| !d.is_zero())
-}
-
 /// Longest message a status carries: it travels in the `grpc-message` header, and a
 /// header past the peer's limit (often 8 KiB) turns the answer into a protocol error.
 pub const MAX_MESSAGE_BYTES: usize = 1024;
@@ -261,7 +254,7 @@ mod tests {
             let s = Status::from(e);
             assert_eq!(s.code(), code);
             assert_eq!(info(&s), (want.to_string(), DOMAIN.to_string()));
-            assert_eq!(retry_delay(&s), retry, "{code:?}");
+            assert_eq!(crate::pb::time::retry_delay(&s), retry, "{code:?}");
         }
         let s = Status::from(Error::invalid("f", "d"));
         assert_eq!(

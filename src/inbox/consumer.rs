@@ -20,9 +20,9 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::SubscriptionConfig;
 use super::identity;
 use crate::api::convert::Limits;
-use crate::config::SubscriptionConfig;
 use crate::domain::InboundMessage;
 use crate::store::{Admission, Store, StoreError};
 

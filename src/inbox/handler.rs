@@ -19,9 +19,9 @@ use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::domain::StoredEvent;
-use crate::metrics::Latency;
 use crate::pb;
 use crate::pb::handler_service_client::HandlerServiceClient;
+use crate::relay::Latency;
 use crate::sink::{Delivery, Failure, Sink};
 
 /// Wait before an uncounted retry that named no time.
@@ -46,7 +46,7 @@ impl HandlerSink {
     /// not a start-up error. An `https://` handler gets TLS (the subscription's CA or the
     /// webpki roots, and its client certificate when one is set); the TLS files are read
     /// here, so a missing file stops the start-up.
-    pub fn new(sub: &crate::config::SubscriptionConfig) -> anyhow::Result<Self> {
+    pub fn new(sub: &super::SubscriptionConfig) -> anyhow::Result<Self> {
         use anyhow::Context as _;
         let mut endpoint = Endpoint::from_shared(sub.handler.clone())
             .with_context(|| format!("subscription {}: handler URL", sub.name))?
@@ -59,7 +59,7 @@ impl HandlerSink {
             endpoint = endpoint
                 .tls_config(tls)
                 .with_context(|| format!("subscription {}: handler TLS", sub.name))?;
-        } else if sub.handler_tls != crate::config::ClientTls::default() {
+        } else if sub.handler_tls != crate::tls::ClientTls::default() {
             anyhow::bail!(
                 "subscription {}: handler_ca/handler_cert need an https:// handler",
                 sub.name
@@ -185,7 +185,7 @@ pub fn classify_status(status: &tonic::Status) -> Failure {
         // A google.rpc.RetryInfo in the status is honoured: not before its delay.
         _ => Failure::Counted {
             error,
-            retry_at: crate::api::status::retry_delay(status)
+            retry_at: crate::pb::time::retry_delay(status)
                 .and_then(|d| chrono::Duration::from_std(d).ok())
                 .map(|d| chrono::Utc::now() + d),
         },
@@ -194,8 +194,7 @@ pub fn classify_status(status: &tonic::Status) -> Failure {
 
 fn outcome(resp: pb::HandleResponse) -> Delivery {
     use pb::handle_response::Outcome;
-    let time =
-        |t: Option<prost_types::Timestamp>| t.as_ref().and_then(crate::api::convert::timestamp);
+    let time = |t: Option<prost_types::Timestamp>| t.as_ref().and_then(crate::pb::time::timestamp);
     match resp.outcome {
         None | Some(Outcome::Success(_)) => Delivery::Delivered,
         Some(Outcome::Reject(r)) => Delivery::Failed(Failure::Rejected {

@@ -5,6 +5,9 @@
 pub mod consumer;
 pub mod handler;
 pub mod identity;
+mod receive;
+
+pub use receive::{Inbox, Received};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,10 +16,34 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, SinkConfig};
+use std::time::Duration;
+
+use crate::api::convert::Limits;
 use crate::domain::Queue;
+use crate::relay::backoff::RetryPolicy;
 use crate::relay::{Relay, RelayConfig, RelayStats};
+use crate::secret::Secret;
+use crate::sink::SinkConfig;
 use crate::store::Store;
+use crate::tls::ClientTls;
+
+/// A validated subscription.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SubscriptionConfig {
+    pub name: String,
+    pub topics: Vec<String>,
+    pub group: String,
+    pub handler: String,
+    pub handler_timeout: Duration,
+    pub concurrency: usize,
+    pub retry: RetryPolicy,
+    /// TLS towards the handler (files read when the inbox starts).
+    pub handler_tls: ClientTls,
+    /// Bearer token sent with every Handle call.
+    pub handler_token: Option<Secret>,
+    /// Cap on a handler's `retry.not_before`.
+    pub handler_max_defer: Duration,
+}
 
 /// Handles of the running inbox, shared with the API.
 #[derive(Clone, Default)]
@@ -26,7 +53,7 @@ pub struct InboxHandles {
     pub dispatch_stats: Arc<HashMap<String, Arc<RelayStats>>>,
     pub intake_stats: Arc<HashMap<String, Arc<consumer::IntakeStats>>>,
     /// Duration of each Handle call, per subscription.
-    pub handler_latency: Arc<HashMap<String, Arc<crate::metrics::Latency>>>,
+    pub handler_latency: Arc<HashMap<String, Arc<crate::relay::Latency>>>,
 }
 
 impl InboxHandles {
@@ -37,11 +64,25 @@ impl InboxHandles {
     }
 }
 
+/// What the inbox runs on.
+#[derive(Debug, Clone)]
+pub struct InboxConfig {
+    /// The subscriptions, each with its dispatcher.
+    pub subscriptions: Vec<SubscriptionConfig>,
+    /// Where subscriptions' topics are read from: a Kafka sink's brokers and properties
+    /// (a local sink: `Receive` only).
+    pub source: SinkConfig,
+    /// The outbox relays' settings, which dispatchers share but for retries and leases.
+    pub relay: RelayConfig,
+    /// Limits a consumed record must meet to be stored.
+    pub limits: Limits,
+}
+
 /// Starts a dispatcher per subscription, and a Kafka consumer for those with topics
 /// when brokers are configured.
 pub fn start(
     store: Arc<dyn Store>,
-    config: &Config,
+    config: &InboxConfig,
     shutdown: CancellationToken,
 ) -> anyhow::Result<(InboxHandles, Vec<JoinHandle<()>>)> {
     let mut wakers = HashMap::new();
@@ -81,7 +122,7 @@ pub fn start(
                 ..
             },
             false,
-        ) = (&config.sink, sub.topics.is_empty())
+        ) = (&config.source, sub.topics.is_empty())
         {
             let cc = consumer::consumer_config(brokers, &sub.group, properties);
             tasks.push(tokio::spawn(consumer::run(

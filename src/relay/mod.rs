@@ -13,9 +13,12 @@
 pub mod backoff;
 pub mod domains;
 pub mod plan;
+mod stats;
+
+pub use stats::{CycleReport, LATENCY_BUCKETS, Latency, RelayStats};
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -81,58 +84,6 @@ impl Default for RelayConfig {
     }
 }
 
-/// Counters, shared with whoever wants to watch the relay (tests, metrics, admin).
-#[derive(Debug, Default)]
-pub struct RelayStats {
-    pub cycles: AtomicU64,
-    pub delivered: AtomicU64,
-    pub retried: AtomicU64,
-    pub failed: AtomicU64,
-    pub transient: AtomicU64,
-    pub stale: AtomicU64,
-    pub delivered_after_failure: AtomicU64,
-    /// Events handed to the sink that came back with a transient failure (no attempt spent).
-    pub transient_events: AtomicU64,
-    /// Cycles that attempted deliveries, claim to settle.
-    pub cycle_latency: crate::metrics::Latency,
-    /// The sink's delivery of one cycle's runs.
-    pub publish_latency: crate::metrics::Latency,
-    /// Since when (Unix ms) deliveries have failed transiently with nothing delivered;
-    /// 0 while the destination is reachable.
-    pub unreachable_since_ms: std::sync::atomic::AtomicI64,
-    /// Lease renewals of lines still in flight, and the keys or events they found taken.
-    pub renewals: AtomicU64,
-    pub renewals_lost: AtomicU64,
-    /// Lines held back because their topic is down and not due for a probe.
-    pub held_back: AtomicU64,
-}
-
-impl RelayStats {
-    /// How long the destination has been unreachable, if it is.
-    pub fn unreachable_for(&self) -> Option<Duration> {
-        let since = self.unreachable_since_ms.load(Ordering::Relaxed);
-        (since > 0).then(|| {
-            Duration::from_millis((chrono::Utc::now().timestamp_millis() - since).max(0) as u64)
-        })
-    }
-}
-
-/// What one cycle did.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct CycleReport {
-    pub keys: usize,
-    pub attempted: usize,
-    pub delivered: usize,
-    pub retried: usize,
-    pub failed: usize,
-    pub transient: bool,
-    pub stale: usize,
-    /// Events published after an earlier event of their run failed (flagged).
-    pub delivered_after_failure: usize,
-    /// Events handed to the sink that came back transient (no attempt spent).
-    pub transient_events: usize,
-}
-
 /// One relay task.
 pub struct Relay {
     shared: Arc<Shared>,
@@ -174,11 +125,7 @@ impl Relay {
 
     /// Records this relay's latencies into the given histograms (shared by the relays
     /// of one process, so that each is exported once). Call before the relay runs.
-    pub fn with_latency(
-        mut self,
-        cycle: &crate::metrics::Latency,
-        publish: &crate::metrics::Latency,
-    ) -> Self {
+    pub fn with_latency(mut self, cycle: &Latency, publish: &Latency) -> Self {
         let shared = Arc::get_mut(&mut self.shared).expect("with_latency before the relay runs");
         let stats = Arc::get_mut(&mut shared.stats).expect("with_latency before stats() is taken");
         stats.cycle_latency = cycle.clone();

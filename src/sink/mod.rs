@@ -10,6 +10,25 @@ use chrono::{DateTime, Utc};
 
 use crate::domain::StoredEvent;
 
+/// Where the relay publishes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SinkConfig {
+    /// A Kafka cluster, through rdkafka.
+    Kafka {
+        /// `bootstrap.servers`.
+        brokers: String,
+        /// Extra librdkafka properties (TLS, SASL, ...).
+        properties: std::collections::BTreeMap<String, String>,
+        /// `message.timeout.ms`: how long one publish may wait for the broker.
+        message_timeout: std::time::Duration,
+    },
+    /// JSON lines; `None` is stdout.
+    Local {
+        /// The file appended to.
+        path: Option<std::path::PathBuf>,
+    },
+}
+
 /// Why a delivery failed, which decides what it costs the event.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Failure {

@@ -1,7 +1,7 @@
 //! Test harness: real PostgreSQL databases, real tansu brokers, a cuttable TCP proxy,
 //! and mailroom started in-process on 127.0.0.1:0. Missing infrastructure fails the
 //! test (it is never skipped): run the suite through `scripts/test.sh`.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used)]
 
 pub mod faults;
 pub mod pki;
@@ -15,10 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mailroom::app::App;
-use mailroom::config::{Config, Settings, SinkConfig};
+use mailroom::config::{Config, Settings};
 use mailroom::pb;
 use mailroom::pb::outbox_service_client::OutboxServiceClient;
 use mailroom::sink::Sink;
+use mailroom::sink::SinkConfig;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};

@@ -11,13 +11,11 @@
 //! - retention counters (rows deleted).
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
-use prometheus_client::metrics::MetricType;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -26,68 +24,19 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 use tonic::codegen::http;
 
+mod collectors;
+mod exposition;
+
+pub use exposition::check_histograms;
+
 use crate::domain::BoxKind;
 use crate::inbox::InboxHandles;
 use crate::relay::RelayStats;
 use crate::store::Store;
+use collectors::{InboxCollector, RelayCollector};
 
 /// Distinct topic label values at most; later topics are counted under `_other`.
 pub const TOPIC_LABELS: usize = 1000;
-
-/// Upper bounds (seconds) of the latency histograms.
-const LATENCY_BUCKETS: [f64; 14] = [
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 15.0,
-];
-
-/// A latency histogram: a handle to the library's `Histogram` with the fixed buckets
-/// above. Clones share the counts, so all relays of a process can record into one.
-#[derive(Debug, Clone)]
-pub struct Latency(Arc<Histogram>);
-
-impl Default for Latency {
-    fn default() -> Self {
-        Latency(Arc::new(Histogram::new(LATENCY_BUCKETS)))
-    }
-}
-
-impl Latency {
-    pub fn observe(&self, d: Duration) {
-        self.0.observe(d.as_secs_f64());
-    }
-
-    /// Whether both handles record into the same histogram.
-    pub fn same(&self, other: &Latency) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
-
-/// Encodes the distinct histograms among `hs` as one metric: the shared one as is, or,
-/// when relays were built without sharing (tests), one series per histogram under a
-/// `relay` label.
-fn encode_latencies(
-    encoder: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    hs: &[&Latency],
-) -> Result<(), std::fmt::Error> {
-    let mut distinct: Vec<&Latency> = Vec::new();
-    for h in hs {
-        if !distinct.iter().any(|d| d.same(h)) {
-            distinct.push(h);
-        }
-    }
-    let mut e = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
-    match distinct.as_slice() {
-        [] => Latency::default().0.encode(e),
-        [one] => one.0.encode(e),
-        many => {
-            for (i, h) in many.iter().enumerate() {
-                h.0.encode(e.encode_family(&[("relay", i.to_string())])?)?;
-            }
-            Ok(())
-        }
-    }
-}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TopicLabel {
@@ -132,223 +81,6 @@ struct Inner {
     stats_errors: Counter,
     retention_deleted: Family<StatusLabel, Counter>,
     keys_pruned: Counter,
-}
-
-/// The relays' counters and histograms, read at scrape time.
-#[derive(Debug)]
-struct RelayCollector {
-    relays: Vec<Arc<RelayStats>>,
-}
-
-impl Collector for RelayCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let sum = |f: fn(&RelayStats) -> &AtomicU64| -> u64 {
-            self.relays
-                .iter()
-                .map(|r| f(r).load(Ordering::Relaxed))
-                .sum()
-        };
-        let counter = |e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64| {
-            e.encode_descriptor(name, help, None, MetricType::Counter)?
-                .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(&v, None)
-        };
-        counter(
-            &mut encoder,
-            "mailroom_outbox_published",
-            "Events the relays published (acknowledged by the destination).",
-            sum(|r| &r.delivered),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_outbox_failed",
-            "Events that used up their attempts (or were rejected) and became failed.",
-            sum(|r| &r.failed),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_cycles",
-            "Relay cycles (claims) run.",
-            sum(|r| &r.cycles),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_stale_updates",
-            "Settle updates dropped because another relay had taken the key or event over.",
-            sum(|r| &r.stale),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_delivered_after_failure",
-            "Events the destination acknowledged after an earlier event of their key failed \
-             in the same run (possible reordering; each is flagged in its last_error). \
-             Expected to stay 0.",
-            sum(|r| &r.delivered_after_failure),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_held_back_lines",
-            "Lines (a key's run, or an unkeyed event) not sent because their topic looked \
-             down and was not due for a probe.",
-            sum(|r| &r.held_back),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_lease_renewals",
-            "Lease renewals of lines whose delivery outlasted a third of the lease.",
-            sum(|r| &r.renewals),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_leases_lost",
-            "Keys or events whose lease another relay took while their delivery was in flight.",
-            sum(|r| &r.renewals_lost),
-        )?;
-        {
-            let mut e = encoder.encode_descriptor(
-                "mailroom_outbox_retried",
-                "Failed delivery attempts that will be retried, by class: counted spends an \
-                 attempt and backs off; transient (destination unreachable) spends none.",
-                None,
-                MetricType::Counter,
-            )?;
-            let counted = sum(|r| &r.retried);
-            let transient = sum(|r| &r.transient_events);
-            e.encode_family(&[("class", "counted")])?
-                .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(
-                    &counted, None,
-                )?;
-            e.encode_family(&[("class", "transient")])?
-                .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(
-                    &transient, None,
-                )?;
-        }
-        encode_latencies(
-            &mut encoder,
-            "mailroom_relay_cycle_seconds",
-            "Duration of relay cycles that published something: claim, delivery, settle.",
-            &self
-                .relays
-                .iter()
-                .map(|r| &r.cycle_latency)
-                .collect::<Vec<_>>(),
-        )?;
-        encode_latencies(
-            &mut encoder,
-            "mailroom_relay_publish_seconds",
-            "Duration of one cycle's delivery to the destination (all its runs).",
-            &self
-                .relays
-                .iter()
-                .map(|r| &r.publish_latency)
-                .collect::<Vec<_>>(),
-        )?;
-        Ok(())
-    }
-}
-
-/// The inbox's counters per subscription, read at scrape time. The subscription label is
-/// bounded by the configuration.
-struct InboxCollector {
-    inbox: InboxHandles,
-}
-
-impl std::fmt::Debug for InboxCollector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("InboxCollector")
-    }
-}
-
-impl Collector for InboxCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        use prometheus_client::encoding::NoLabelSet;
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut subs: Vec<&String> = self.inbox.dispatch_stats.keys().collect();
-        subs.sort();
-        {
-            let mut e = encoder.encode_descriptor(
-                "mailroom_inbox_received",
-                "Records the inbox consumers read from Kafka.",
-                None,
-                MetricType::Counter,
-            )?;
-            for s in &subs {
-                if let Some(i) = self.inbox.intake_stats.get(*s) {
-                    e.encode_family(&[("subscription", s.as_str())])?
-                        .encode_counter::<NoLabelSet, _, u64>(&load(&i.received), None)?;
-                }
-            }
-        }
-        for (name, help, field) in [
-            (
-                "mailroom_inbox_intake_failed",
-                "Records stored as failed at intake: over the inbox limits, or refused by the database and stored stripped.",
-                (|i: &crate::inbox::consumer::IntakeStats| i.failed.load(Ordering::Relaxed))
-                    as fn(&crate::inbox::consumer::IntakeStats) -> u64,
-            ),
-            (
-                "mailroom_inbox_intake_unstorable",
-                "Records the database refused in every form: skipped and logged with their topic, partition and offset.",
-                |i| i.unstorable.load(Ordering::Relaxed),
-            ),
-        ] {
-            let mut e = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for s in &subs {
-                if let Some(i) = self.inbox.intake_stats.get(*s) {
-                    e.encode_family(&[("subscription", s.as_str())])?
-                        .encode_counter::<NoLabelSet, _, u64>(&field(i), None)?;
-                }
-            }
-        }
-        {
-            let mut e = encoder.encode_descriptor(
-                "mailroom_inbox_duplicates",
-                "Records dropped as duplicates (already in the inbox).",
-                None,
-                MetricType::Counter,
-            )?;
-            for s in &subs {
-                if let Some(i) = self.inbox.intake_stats.get(*s) {
-                    e.encode_family(&[("subscription", s.as_str())])?
-                        .encode_counter::<NoLabelSet, _, u64>(&load(&i.duplicates), None)?;
-                }
-            }
-        }
-        {
-            let mut e = encoder.encode_descriptor(
-                "mailroom_inbox_handled",
-                "Handler outcomes: completed, retried (counted or deferred), failed \
-                 (rejected or out of attempts), transient (handler unreachable).",
-                None,
-                MetricType::Counter,
-            )?;
-            for s in &subs {
-                let r = &self.inbox.dispatch_stats[*s];
-                for (outcome, v) in [
-                    ("completed", load(&r.delivered)),
-                    ("retried", load(&r.retried)),
-                    ("failed", load(&r.failed)),
-                    ("transient", load(&r.transient_events)),
-                ] {
-                    e.encode_family(&[("subscription", s.as_str()), ("outcome", outcome)])?
-                        .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
-                }
-            }
-        }
-        {
-            let mut e = encoder.encode_descriptor(
-                "mailroom_inbox_handle_seconds",
-                "Duration of one HandlerService.Handle call.",
-                None,
-                MetricType::Histogram,
-            )?;
-            for s in &subs {
-                if let Some(l) = self.inbox.handler_latency.get(*s) {
-                    l.0.encode(e.encode_family(&[("subscription", s.as_str())])?)?;
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Metrics {
@@ -634,102 +366,8 @@ pub fn code_name(code: tonic::Code) -> &'static str {
     }
 }
 
-/// Checks every histogram of a text exposition: per series (labels other than `le`),
-/// bucket counts never decrease with `le`, a `+Inf` bucket exists and equals `_count`.
-/// Returns the number of series checked, or the problems found.
-pub fn check_histograms(text: &str) -> Result<usize, Vec<String>> {
-    use std::collections::BTreeMap;
-    let mut histograms = HashSet::new();
-    for l in text.lines() {
-        let mut w = l.split_whitespace();
-        if let (Some("#"), Some("TYPE"), Some(name), Some("histogram")) =
-            (w.next(), w.next(), w.next(), w.next())
-        {
-            histograms.insert(name.to_string());
-        }
-    }
-    // (name, other labels) -> (buckets by le, count)
-    type Series = (Vec<(f64, f64)>, Option<f64>);
-    let mut series: BTreeMap<(String, String), Series> = BTreeMap::new();
-    let mut problems = Vec::new();
-    for l in text
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-    {
-        let (head, value) = match l.rsplit_once(' ') {
-            Some(x) => x,
-            None => continue,
-        };
-        let value: f64 = match value.parse() {
-            Ok(v) => v,
-            Err(_) => {
-                problems.push(format!("unparsable sample: {l}"));
-                continue;
-            }
-        };
-        let (name, labels) = match head.split_once('{') {
-            Some((n, rest)) => (n, rest.trim_end_matches('}')),
-            None => (head, ""),
-        };
-        let (base, suffix) = match name.rsplit_once('_') {
-            Some(x) => x,
-            None => continue,
-        };
-        if !histograms.contains(base) {
-            continue;
-        }
-        let mut le = None;
-        let others: Vec<&str> = labels
-            .split(',')
-            .filter(|p| !p.is_empty())
-            .filter(|p| match p.strip_prefix("le=") {
-                Some(v) => {
-                    le = Some(v.trim_matches('"').to_string());
-                    false
-                }
-                None => true,
-            })
-            .collect();
-        let entry = series
-            .entry((base.to_string(), others.join(",")))
-            .or_default();
-        match (suffix, le) {
-            ("bucket", Some(le)) => {
-                let bound = if le == "+Inf" {
-                    f64::INFINITY
-                } else {
-                    le.parse().unwrap_or(f64::NAN)
-                };
-                entry.0.push((bound, value));
-            }
-            ("count", None) => entry.1 = Some(value),
-            _ => {}
-        }
-    }
-    for ((name, labels), (mut buckets, count)) in series.iter().map(|(k, v)| (k, v.clone())) {
-        let id = format!("{name}{{{labels}}}");
-        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-        if buckets.windows(2).any(|w| w[1].1 < w[0].1) {
-            problems.push(format!("{id}: bucket counts decrease: {buckets:?}"));
-        }
-        match (buckets.last(), count) {
-            (Some((b, inf)), Some(c)) if b.is_infinite() => {
-                if *inf != c {
-                    problems.push(format!("{id}: +Inf bucket {inf} != _count {c}"));
-                }
-            }
-            _ => problems.push(format!("{id}: no +Inf bucket or no _count")),
-        }
-    }
-    if problems.is_empty() {
-        Ok(series.len())
-    } else {
-        Err(problems)
-    }
-}
-
 fn rpc_histogram() -> Histogram {
-    Histogram::new(LATENCY_BUCKETS)
+    Histogram::new(crate::relay::LATENCY_BUCKETS)
 }
 
 /// Whether `path` (`/package.Service/Method`) is a method this server serves: the
@@ -770,6 +408,7 @@ pub fn known_method(path: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::relay::Latency;
 
     #[test]
     fn histograms_are_cumulative_once() {

@@ -1,0 +1,449 @@
+//! The relay: drain rates by key spread and depth (order checked on read-back), end to
+//! end latency at a fixed rate, and `ListPending` over a large backlog.
+
+use super::*;
+
+impl Bench {
+    /// Relay drain of a prepared backlog: events stored through the store (relays off),
+    /// then mailroom starts with 2 relays (the default) and the clock runs until every
+    /// event is completed. Single-key runs read the topic back to check the order.
+    pub(crate) async fn relay(
+        &self,
+        name: &'static str,
+        events: usize,
+        keys: usize,
+    ) -> anyhow::Result<Row> {
+        let (db, url) = self.dbs.fresh().await?;
+        let topic = self.topic(&name.replace('-', "_"));
+        {
+            let store = PgStore::connect(&url, 2).await?;
+            let mut i = 0;
+            while i < events {
+                let chunk: Vec<NewEvent> = (i..(i + 1000).min(events))
+                    .map(|j| new_event(&topic, key(j, keys), &self.payload))
+                    .collect();
+                i += chunk.len();
+                store.enqueue(&chunk, false).await?;
+            }
+            sqlx::query("ANALYZE").execute(store.pool()).await?;
+            store.pool().close().await;
+        }
+        let config = mailroom_config(&url, &self.brokers, 2)?;
+        let relays = config.relays;
+        let sink = Arc::new(TimedSink {
+            inner: open_sink(&config).await?,
+            nanos: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
+        });
+        let mark = CpuMark::take(self.broker_pid);
+        reset_peak_rss();
+        let start = Instant::now();
+        let app = App::start_with_sink(config, sink.clone(), CancellationToken::new()).await?;
+        let delivered = |stats: &[Arc<RelayStats>]| -> u64 {
+            stats
+                .iter()
+                .map(|s| s.delivered.load(Ordering::Relaxed))
+                .sum()
+        };
+        let limit = Duration::from_secs(60) + Duration::from_millis(events as u64 * 10);
+        let mut timed_out = false;
+        while delivered(&app.relay_stats) < events as u64 {
+            if start.elapsed() > limit {
+                timed_out = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let elapsed = start.elapsed();
+        let cpu = mark.since(self.broker_pid);
+        let peak = mb(status_kb("VmHWM:"));
+        let pending = app
+            .store
+            .count_events(BoxKind::Outbox, Some(Status::Pending))
+            .await?;
+        let sum = |f: fn(&RelayStats) -> &AtomicU64| -> u64 {
+            app.relay_stats
+                .iter()
+                .map(|s| f(s).load(Ordering::Relaxed))
+                .sum()
+        };
+        let cycles = sum(|s| &s.cycles);
+        let done = delivered(&app.relay_stats);
+        let mut notes = vec![
+            format!("{events} events / {keys} keys, {relays} relays"),
+            format!(
+                "{cycles} cycles, {:.0} events/cycle, {:.1} ms/cycle per relay",
+                done as f64 / cycles.max(1) as f64,
+                elapsed.as_secs_f64() * 1000.0 * relays as f64 / cycles.max(1) as f64
+            ),
+            format!(
+                "{:.0}% of relay time in sink.deliver",
+                sink.nanos.load(Ordering::Relaxed) as f64
+                    / 1e9
+                    / (elapsed.as_secs_f64() * relays as f64)
+                    * 100.0
+            ),
+        ];
+        let (failed, retried, stale, transient, after_failure) = (
+            sum(|s| &s.failed),
+            sum(|s| &s.retried),
+            sum(|s| &s.stale),
+            sum(|s| &s.transient),
+            sum(|s| &s.delivered_after_failure),
+        );
+        if failed + retried + stale + transient + after_failure > 0 {
+            notes.push(format!(
+                "stats: failed {failed}, retried {retried}, stale {stale}, transient {transient}, out of order {after_failure}"
+            ));
+        }
+        if timed_out || pending > 0 {
+            notes.push(format!(
+                "NOT DRAINED: {done} delivered, {pending} pending after {:.0} s",
+                elapsed.as_secs_f64()
+            ));
+        }
+        app.stop().await?;
+        if keys == 1 {
+            notes.push(self.verify_order(&topic, events).await);
+        }
+        self.dbs.drop_db(&db).await;
+        Ok(Row {
+            name: name.into(),
+            events: done,
+            secs: elapsed.as_secs_f64(),
+            latency: None,
+            peak_rss_mb: peak,
+            cpu,
+            baseline: Some(if keys == 1 {
+                "raw-kafka-1-key"
+            } else {
+                "raw-kafka-1000-keys"
+            }),
+            notes,
+        })
+    }
+
+    /// Reads a single-key topic back and checks each event arrived once, in id order.
+    pub(crate) async fn verify_order(&self, topic: &str, expected: usize) -> String {
+        let reader = match TopicReader::start(&self.brokers, topic) {
+            Ok(r) => r,
+            Err(e) => return format!("order not verified: {e:#}"),
+        };
+        let recs = reader
+            .collect(expected, Duration::from_secs(120), |_| true)
+            .await;
+        let ids: Vec<i64> = recs.iter().map(|r| r.id).collect();
+        let increasing = ids.windows(2).all(|w| w[0] < w[1]);
+        if ids.len() == expected && increasing {
+            format!(
+                "order ok ({} records read back, ids strictly increasing)",
+                ids.len()
+            )
+        } else {
+            format!(
+                "ORDER CHECK FAILED: {} of {expected} records, increasing: {increasing}",
+                ids.len()
+            )
+        }
+    }
+
+    /// End to end at a fixed offered rate (open loop): each answered `Enqueue` is matched,
+    /// by `ce_id`, with its record read back from the broker.
+    pub(crate) async fn e2e(&self) -> anyhow::Result<Row> {
+        let (db, url) = self.dbs.fresh().await?;
+        let topic = self.topic("e2e");
+        // Create the topic before the reader assigns its partitions.
+        let producer: FutureProducer =
+            producer_config(&self.brokers, Duration::from_secs(15), &BTreeMap::new()).create()?;
+        producer
+            .send(
+                FutureRecord::<str, [u8]>::to(&topic)
+                    .payload(&b"warm"[..])
+                    .key("warm"),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)?;
+        drop(producer);
+        let reader = TopicReader::start(&self.brokers, &topic)?;
+        let app = App::start(
+            mailroom_config(&url, &self.brokers, 2)?,
+            CancellationToken::new(),
+        )
+        .await?;
+        let chans = channels(app.addr, 8).await?;
+        // Warm up mailroom's own producer (connection, metadata, idempotent producer id:
+        // about a second on a fresh process) before the clock starts: the scenario measures
+        // the steady state, not process start-up.
+        pb::outbox_service_client::OutboxServiceClient::new(chans[0].clone())
+            .enqueue(pb::EnqueueRequest {
+                event: Some(pb_event(&topic, "warm-up".to_string(), &self.payload)),
+            })
+            .await?;
+        let warm = Instant::now();
+        while app
+            .store
+            .count_events(BoxKind::Outbox, Some(Status::Completed))
+            .await?
+            < 1
+        {
+            anyhow::ensure!(
+                warm.elapsed() < Duration::from_secs(30),
+                "warm-up event not published"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let answered: Arc<Mutex<HashMap<i64, i64>>> = Arc::default();
+        let rpc_lat: Arc<Mutex<Vec<u64>>> = Arc::default();
+        let errors = Arc::new(AtomicU64::new(0));
+        let total = (E2E_RATE as f64 * self.sizes.e2e.as_secs_f64()) as usize;
+        let mark = CpuMark::take(self.broker_pid);
+        reset_peak_rss();
+        let start = Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / E2E_RATE));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        let mut tasks = Vec::with_capacity(total);
+        for i in 0..total {
+            tick.tick().await;
+            let mut client =
+                pb::outbox_service_client::OutboxServiceClient::new(chans[i % chans.len()].clone());
+            let e = pb_event(&topic, key(i, KEYS), &self.payload);
+            let (answered, rpc_lat, errors) = (answered.clone(), rpc_lat.clone(), errors.clone());
+            tasks.push(tokio::spawn(async move {
+                let t = Instant::now();
+                match client.enqueue(pb::EnqueueRequest { event: Some(e) }).await {
+                    Ok(r) => {
+                        let at = now_us();
+                        rpc_lat
+                            .lock()
+                            .expect("lock")
+                            .push(t.elapsed().as_micros() as u64);
+                        answered.lock().expect("lock").insert(r.into_inner().id, at);
+                    }
+                    Err(_) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+        futures::future::join_all(tasks).await;
+        let offered_secs = start.elapsed().as_secs_f64();
+        let answered = std::mem::take(&mut *answered.lock().expect("lock"));
+        let expected = answered.len();
+        let recs = reader
+            .collect(expected, Duration::from_secs(60), |r| {
+                answered.contains_key(&r.id)
+            })
+            .await;
+        let cpu = mark.since(self.broker_pid);
+        let peak = mb(status_kb("VmHWM:"));
+        let stranded = if recs.len() < expected {
+            Some(stranded(&url).await)
+        } else {
+            None
+        };
+        let mut consumed = Vec::with_capacity(recs.len());
+        let mut produced = Vec::new();
+        let mut ts_kind = "none";
+        for r in &recs {
+            if let Some(&at) = answered.get(&r.id) {
+                consumed.push((r.consumed_us - at).max(0) as u64);
+                if let Some((kind, ms)) = r.timestamp {
+                    ts_kind = kind;
+                    produced.push(ms * 1000 - at);
+                }
+            }
+        }
+        let mut notes = vec![format!(
+            "offered {total} in {offered_secs:.1} s; latency = enqueue answered → record consumed back (upper bound of the broker ack)"
+        )];
+        if let Some(l) = latency(std::mem::take(&mut *rpc_lat.lock().expect("lock"))) {
+            notes.push(format!(
+                "Enqueue RPC p50/p99 {} / {} ms",
+                fmt_ms(l.p50),
+                fmt_ms(l.p99)
+            ));
+        }
+        if !produced.is_empty() {
+            produced.sort_unstable();
+            let at = |p: f64| {
+                produced[((p * produced.len() as f64).ceil() as usize).clamp(1, produced.len()) - 1]
+                    as f64
+                    / 1000.0
+            };
+            notes.push(format!(
+                "answered → record {ts_kind} timestamp (ms resolution) p50/p99/p99.9 {} / {} / {} ms",
+                fmt_ms(at(0.5)),
+                fmt_ms(at(0.99)),
+                fmt_ms(at(0.999))
+            ));
+        }
+        if recs.len() < expected || errors.load(Ordering::Relaxed) > 0 {
+            notes.push(format!(
+                "{} of {expected} read back; {} enqueue errors",
+                recs.len(),
+                errors.load(Ordering::Relaxed)
+            ));
+        }
+        if let Some((pending, idle)) = stranded {
+            notes.push(format!(
+                "after the wait {pending} events still pending, {idle} of them on keys marked idle (ready_at = infinity, no lease)"
+            ));
+        }
+        app.stop().await?;
+        self.dbs.drop_db(&db).await;
+        Ok(Row {
+            name: "e2e-1000-per-s".into(),
+            events: recs.len() as u64,
+            secs: offered_secs,
+            latency: latency(consumed),
+            peak_rss_mb: peak,
+            cpu,
+            baseline: None,
+            notes,
+        })
+    }
+
+    /// `ListPending` (top 100 keys by backlog) over a backlog generated in SQL: rows like
+    /// the ones `Enqueue` stores, spread evenly over the keys, relays off.
+    pub(crate) async fn list_pending(&self) -> anyhow::Result<Row> {
+        let (db, url) = self.dbs.fresh().await?;
+        let (events, keys) = (self.sizes.pending_events, self.sizes.pending_keys);
+        let topic = self.topic("admin");
+        let prep = Instant::now();
+        {
+            let pool = sqlx::PgPool::connect(&url).await?;
+            sqlx::query(
+                "INSERT INTO outbox_keys (topic, event_key, ready_at)
+                 SELECT $1, 'key-' || i, now() FROM generate_series(0, $2 - 1) AS i",
+            )
+            .bind(&topic)
+            .bind(keys as i64)
+            .execute(&pool)
+            .await?;
+            sqlx::query(
+                "INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
+                     max_attempts, scheduled_at)
+                 SELECT $1, 'key-' || (i % $3), $4, '{}'::jsonb, $5, 6, now()
+                 FROM generate_series(0, $2 - 1) AS i",
+            )
+            .bind(&topic)
+            .bind(events as i64)
+            .bind(keys as i64)
+            .bind(&self.payload)
+            .bind(EVENT_TYPE)
+            .execute(&pool)
+            .await?;
+            // Rows written behind the intake's back: set the per-key pending counts the
+            // way enqueue keeps them (its key upsert counts the events it inserts).
+            sqlx::query(
+                "UPDATE outbox_keys k SET pending = c.n
+                 FROM (SELECT topic, event_key, count(*) AS n FROM outbox_events
+                       WHERE status = 'pending' GROUP BY topic, event_key) c
+                 WHERE k.topic = c.topic AND k.event_key = c.event_key",
+            )
+            .execute(&pool)
+            .await?;
+            sqlx::query("VACUUM ANALYZE outbox_events")
+                .execute(&pool)
+                .await?;
+            sqlx::query("VACUUM ANALYZE outbox_keys")
+                .execute(&pool)
+                .await?;
+            pool.close().await;
+        }
+        let prep = prep.elapsed();
+        let app = App::start(
+            mailroom_config(&url, &self.brokers, 0)?,
+            CancellationToken::new(),
+        )
+        .await?;
+        let chan = channels(app.addr, 1).await?.remove(0);
+        let mut admin = pb::admin_service_client::AdminServiceClient::new(chan);
+        let request = pb::ListPendingRequest {
+            page_size: 100,
+            order: pb::PendingOrder::MostPending as i32,
+            ..Default::default()
+        };
+        let mut notes = vec![format!(
+            "{events} pending / {keys} keys (prepared in SQL in {:.0} s)",
+            prep.as_secs_f64()
+        )];
+        let mut lat = Vec::new();
+        let mut via = "gRPC AdminService/ListPending";
+        let pool = sqlx::PgPool::connect(&url).await?;
+        let mark = CpuMark::take(self.broker_pid);
+        reset_peak_rss();
+        let start = Instant::now();
+        for call in 0..self.sizes.list_calls {
+            let t = Instant::now();
+            match admin.list_pending(request.clone()).await {
+                Ok(r) => {
+                    lat.push(t.elapsed().as_micros() as u64);
+                    if call == 0 {
+                        let r = r.into_inner();
+                        // A page that is not the prepared backlog measures nothing.
+                        anyhow::ensure!(
+                            r.keys.len() == 100 && r.total_pending == events as i64,
+                            "ListPending returned {} groups and total_pending {}: not the prepared backlog",
+                            r.keys.len(),
+                            r.total_pending
+                        );
+                        notes.push(format!(
+                            "{} groups returned, total_pending {}, total_keys {}",
+                            r.keys.len(),
+                            r.total_pending,
+                            r.total_keys
+                        ));
+                    }
+                }
+                Err(status) => {
+                    if call == 0 {
+                        notes.push(format!(
+                            "ListPending over gRPC answered {:?}",
+                            status.code()
+                        ));
+                    }
+                    via = "SQL directly (the AdminService is not served yet)";
+                    let t = Instant::now();
+                    let top: Vec<(String, Option<String>, i64)> = sqlx::query_as(
+                        "SELECT topic, event_key, count(*) AS pending
+                         FROM outbox_events WHERE status = 'pending'
+                         GROUP BY topic, event_key ORDER BY pending DESC, topic, event_key LIMIT 100",
+                    )
+                    .fetch_all(&pool)
+                    .await?;
+                    let (total, groups): (i64, i64) = sqlx::query_as(
+                        "SELECT count(*), count(DISTINCT (topic, event_key))
+                         FROM outbox_events WHERE status = 'pending'",
+                    )
+                    .fetch_one(&pool)
+                    .await?;
+                    lat.push(t.elapsed().as_micros() as u64);
+                    if call == 0 {
+                        notes.push(format!(
+                            "{} groups, total_pending {total}, total_keys {groups}",
+                            top.len()
+                        ));
+                    }
+                }
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        notes.insert(0, format!("{} calls via {via}", lat.len()));
+        let row = Row {
+            name: "list-pending".into(),
+            events: lat.len() as u64,
+            secs,
+            latency: latency(lat),
+            peak_rss_mb: mb(status_kb("VmHWM:")),
+            cpu: mark.since(self.broker_pid),
+            baseline: None,
+            notes,
+        };
+        pool.close().await;
+        app.stop().await?;
+        self.dbs.drop_db(&db).await;
+        Ok(row)
+    }
+}

@@ -1,0 +1,520 @@
+//! How answers are shown: aligned tables and short texts for people, one JSON document
+//! per answer for scripts.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use serde_json::{Value, json};
+
+use crate::pb;
+use crate::pb::time::timestamp;
+
+/// What `requeue` prints.
+pub(super) fn requeue_out(r: &pb::RequeueFailedResponse, json_out: bool) -> String {
+    if json_out {
+        lines(&json!({
+            "dry_run": r.dry_run,
+            "count": r.count,
+            "sample_ids": r.sample_ids,
+            "audit_id": r.audit_id,
+        }))
+    } else if r.dry_run {
+        format!(
+            "dry run: would requeue {} failed event(s){}\nrun again with --yes to requeue them\n",
+            r.count,
+            sample(&r.sample_ids, r.count)
+        )
+    } else {
+        format!(
+            "requeued {} event(s){} (audit entry {})\n",
+            r.count,
+            sample(&r.sample_ids, r.count),
+            r.audit_id
+        )
+    }
+}
+
+/// What `cancel` prints; `dry_run` unless given `--yes`.
+pub(super) fn cancel_out(r: &pb::CancelEventsResponse, dry_run: bool, json_out: bool) -> String {
+    if json_out {
+        lines(&json!({
+            "dry_run": dry_run,
+            "count": r.count,
+            "ids": r.ids,
+            "audit_id": r.audit_id,
+        }))
+    } else if dry_run {
+        format!(
+            "dry run: would cancel {} pending event(s): {}\nrun again with --yes to cancel them\n",
+            r.count,
+            join_ids(&r.ids)
+        )
+    } else {
+        format!(
+            "cancelled {} event(s): {} (audit entry {})\n",
+            r.count,
+            join_ids(&r.ids),
+            r.audit_id
+        )
+    }
+}
+
+/// What `audit` prints.
+pub(super) fn audit_out(r: &pb::ListAuditResponse, json_out: bool) -> String {
+    if json_out {
+        lines(&json!({
+            "entries": r.entries.iter().map(|a| json!({
+                "id": a.id,
+                "at": ts(a.at.as_ref()),
+                "actor": a.actor,
+                "action": a.action,
+                "box": box_name(a.r#box),
+                "selection": serde_json::from_str::<Value>(&a.selection).unwrap_or(Value::String(a.selection.clone())),
+                "count": a.count,
+                "principal": a.principal,
+                "request_id": a.request_id,
+            })).collect::<Vec<_>>(),
+            "next_page_token": r.next_page_token,
+        }))
+    } else {
+        let mut t = Table::new(&["ID", "AT", "ACTOR", "ACTION", "BOX", "COUNT", "SELECTION"]);
+        for a in &r.entries {
+            t.row(vec![
+                a.id.to_string(),
+                ts(a.at.as_ref()).unwrap_or_default(),
+                a.actor.clone(),
+                a.action.clone(),
+                box_name(a.r#box).into(),
+                a.count.to_string(),
+                truncate(&a.selection, 80),
+            ]);
+        }
+        t.render() + &next_page(&r.next_page_token)
+    }
+}
+
+/// What `failed` prints.
+pub(super) fn failed_out(r: &pb::ListEventsResponse, json_out: bool, inbox: bool) -> String {
+    if json_out {
+        lines(&json!({
+            "events": r.events.iter().map(|e| event_json(e, false, inbox)).collect::<Vec<_>>(),
+            "next_page_token": r.next_page_token,
+        }))
+    } else {
+        events_table(r, inbox)
+    }
+}
+
+pub(super) fn lines(v: &Value) -> String {
+    let mut s = serde_json::to_string_pretty(v).expect("json");
+    s.push('\n');
+    s
+}
+
+pub(super) fn ts(t: Option<&prost_types::Timestamp>) -> Option<String> {
+    t.and_then(timestamp)
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+}
+
+pub(super) fn age_since(t: Option<&prost_types::Timestamp>) -> String {
+    match t.and_then(timestamp) {
+        None => "-".into(),
+        Some(t) => age((Utc::now() - t).to_std().unwrap_or(Duration::ZERO)),
+    }
+}
+
+/// In how long from now, `now` if due.
+pub(super) fn due_in(t: Option<&prost_types::Timestamp>) -> String {
+    match t.and_then(timestamp) {
+        None => "-".into(),
+        Some(t) => match (t - Utc::now()).to_std() {
+            Ok(d) if d >= Duration::from_secs(1) => format!("in {}", age(d)),
+            _ => "now".into(),
+        },
+    }
+}
+
+/// A duration the way operators read it: `850ms`, `45s`, `3m12s`, `2h05m`, `3d4h`.
+pub fn age(d: Duration) -> String {
+    let s = d.as_secs();
+    if s == 0 {
+        format!("{}ms", d.as_millis())
+    } else if s < 60 {
+        format!("{s}s")
+    } else if s < 3600 {
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else if s < 86_400 {
+        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
+    } else {
+        format!("{}d{}h", s / 86_400, (s % 86_400) / 3600)
+    }
+}
+
+/// At most `max` characters, on one line, with `…` when cut.
+pub fn truncate(s: &str, max: usize) -> String {
+    let one_line: String = s
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if one_line.chars().count() <= max {
+        one_line
+    } else {
+        let mut t: String = one_line.chars().take(max.saturating_sub(1)).collect();
+        t.push('…');
+        t
+    }
+}
+
+pub(super) fn join_ids(ids: &[i64]) -> String {
+    ids.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+pub(super) fn sample(ids: &[i64], count: i64) -> String {
+    if ids.is_empty() {
+        String::new()
+    } else if (ids.len() as i64) < count {
+        format!(": {}, …", join_ids(ids))
+    } else {
+        format!(": {}", join_ids(ids))
+    }
+}
+
+pub(super) fn next_page(token: &str) -> String {
+    if token.is_empty() {
+        String::new()
+    } else {
+        format!("next page: --page-token {token}\n")
+    }
+}
+
+pub(super) fn box_name(b: i32) -> &'static str {
+    match pb::Box::try_from(b) {
+        Ok(pb::Box::Inbox) => "inbox",
+        _ => "outbox",
+    }
+}
+
+/// A plain text table: left-aligned columns, two spaces apart.
+struct Table {
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    fn new(header: &[&str]) -> Self {
+        Table {
+            rows: vec![header.iter().map(ToString::to_string).collect()],
+        }
+    }
+    /// The same, led by a SUBSCRIPTION column when `inbox`.
+    fn with_sub(inbox: bool, header: &[&str]) -> Self {
+        let mut h = Vec::with_capacity(header.len() + 1);
+        if inbox {
+            h.push("SUBSCRIPTION");
+        }
+        h.extend_from_slice(header);
+        Table::new(&h)
+    }
+    /// A row, led by `sub` when `inbox`.
+    fn row_with_sub(&mut self, inbox: bool, sub: &str, mut r: Vec<String>) {
+        if inbox {
+            r.insert(0, sub.to_string());
+        }
+        self.rows.push(r);
+    }
+    fn row(&mut self, r: Vec<String>) {
+        self.rows.push(r);
+    }
+    fn render(&self) -> String {
+        let n = self.rows[0].len();
+        let widths: Vec<usize> = (0..n)
+            .map(|i| {
+                self.rows
+                    .iter()
+                    .map(|r| r[i].chars().count())
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let mut out = String::new();
+        for r in &self.rows {
+            let mut line = String::new();
+            for (i, cell) in r.iter().enumerate() {
+                line.push_str(cell);
+                if i + 1 < n {
+                    let pad = widths[i] - cell.chars().count() + 2;
+                    line.extend(std::iter::repeat_n(' ', pad));
+                }
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}
+
+pub(super) fn pending_table(r: &pb::ListPendingResponse, inbox: bool) -> String {
+    let mut t = Table::with_sub(
+        inbox,
+        &[
+            "TOPIC",
+            "KEY",
+            "PENDING",
+            "OLDEST",
+            "HEAD",
+            "ATTEMPTS",
+            "NEXT",
+            "BLOCKED",
+            "LAST ERROR",
+        ],
+    );
+    for k in &r.keys {
+        t.row_with_sub(
+            inbox,
+            &k.subscription,
+            vec![
+                k.topic.clone(),
+                if k.key.is_empty() {
+                    "(unkeyed)".into()
+                } else {
+                    k.key.clone()
+                },
+                k.pending.to_string(),
+                age_since(k.oldest_created_at.as_ref()),
+                k.head_id.to_string(),
+                k.head_attempts.to_string(),
+                due_in(k.head_next_attempt_at.as_ref()),
+                if k.blocked { "yes" } else { "no" }.into(),
+                truncate(&k.head_last_error, 60),
+            ],
+        );
+    }
+    format!(
+        "{}total: {} pending in {} key(s), {} blocked\n{}",
+        t.render(),
+        r.total_pending,
+        r.total_keys,
+        r.total_blocked_keys,
+        next_page(&r.next_page_token)
+    )
+}
+
+pub(super) fn pending_json(r: &pb::ListPendingResponse, inbox: bool) -> String {
+    lines(&json!({
+        "keys": r.keys.iter().map(|k| {
+            let mut v = json!({
+                "topic": k.topic,
+                "key": k.key,
+                "pending": k.pending,
+                "oldest_created_at": ts(k.oldest_created_at.as_ref()),
+                "head_id": k.head_id,
+                "head_attempts": k.head_attempts,
+                "head_next_attempt_at": ts(k.head_next_attempt_at.as_ref()),
+                "head_last_error": k.head_last_error,
+                "blocked": k.blocked,
+            });
+            if inbox {
+                v["subscription"] = k.subscription.clone().into();
+            }
+            v
+        }).collect::<Vec<_>>(),
+        "total_pending": r.total_pending,
+        "total_keys": r.total_keys,
+        "total_blocked_keys": r.total_blocked_keys,
+        "next_page_token": r.next_page_token,
+    }))
+}
+
+pub(super) fn status_name(s: i32) -> &'static str {
+    match pb::EventStatus::try_from(s) {
+        Ok(pb::EventStatus::Pending) => "pending",
+        Ok(pb::EventStatus::Completed) => "completed",
+        Ok(pb::EventStatus::Failed) => "failed",
+        _ => "unknown",
+    }
+}
+
+pub(super) fn event_json(e: &pb::EventInfo, with_payload: bool, inbox: bool) -> Value {
+    use base64::Engine as _;
+    let mut v = json!({
+        "id": e.id,
+        "topic": e.topic,
+        "key": e.key,
+        "type": e.r#type,
+        "status": status_name(e.status),
+        "attempts": e.attempts,
+        "max_attempts": e.max_attempts,
+        "scheduled_at": ts(e.scheduled_at.as_ref()),
+        "created_at": ts(e.created_at.as_ref()),
+        "updated_at": ts(e.updated_at.as_ref()),
+        "published_at": ts(e.published_at.as_ref()),
+        "last_error": e.last_error,
+        "payload_size": e.payload_size,
+        "headers": e.headers,
+        "idempotency_key": e.idempotency_key,
+    });
+    if inbox {
+        v["subscription"] = e.subscription.clone().into();
+        v["message_id"] = e.message_id.clone().into();
+    }
+    if with_payload {
+        v["payload_base64"] = base64::engine::general_purpose::STANDARD
+            .encode(&e.payload)
+            .into();
+    }
+    v
+}
+
+pub(super) fn event_text(e: &pb::EventInfo, with_payload: bool, inbox: bool) -> String {
+    let mut headers: Vec<_> = e.headers.iter().collect();
+    headers.sort();
+    let mut out = String::new();
+    let mut field = |k: &str, v: String| out.push_str(&format!("{k:<16}{v}\n"));
+    field("id", e.id.to_string());
+    if inbox {
+        field("subscription", e.subscription.clone());
+        field("message_id", e.message_id.clone());
+    }
+    field("topic", e.topic.clone());
+    field("key", e.key.clone());
+    field("type", e.r#type.clone());
+    field("status", status_name(e.status).into());
+    field("attempts", format!("{}/{}", e.attempts, e.max_attempts));
+    field(
+        "scheduled_at",
+        ts(e.scheduled_at.as_ref()).unwrap_or_default(),
+    );
+    field(
+        "created_at",
+        format!(
+            "{} ({} ago)",
+            ts(e.created_at.as_ref()).unwrap_or_default(),
+            age_since(e.created_at.as_ref())
+        ),
+    );
+    field("updated_at", ts(e.updated_at.as_ref()).unwrap_or_default());
+    field(
+        "published_at",
+        ts(e.published_at.as_ref()).unwrap_or_else(|| "-".into()),
+    );
+    field("last_error", e.last_error.clone());
+    field("idempotency_key", e.idempotency_key.clone());
+    field("payload_size", format!("{} bytes", e.payload_size));
+    for (k, v) in headers {
+        field("header", format!("{k}: {v}"));
+    }
+    if with_payload {
+        field("payload", String::from_utf8_lossy(&e.payload).into_owned());
+    }
+    out
+}
+
+pub(super) fn events_table(r: &pb::ListEventsResponse, inbox: bool) -> String {
+    let mut header = vec!["ID"];
+    if inbox {
+        header.extend(["SUBSCRIPTION", "MESSAGE ID"]);
+    }
+    header.extend(["TOPIC", "KEY", "TYPE", "ATTEMPTS", "UPDATED", "LAST ERROR"]);
+    let mut t = Table::new(&header);
+    for e in &r.events {
+        let mut row = vec![e.id.to_string()];
+        if inbox {
+            row.extend([e.subscription.clone(), e.message_id.clone()]);
+        }
+        row.extend([
+            e.topic.clone(),
+            e.key.clone(),
+            e.r#type.clone(),
+            format!("{}/{}", e.attempts, e.max_attempts),
+            format!("{} ago", age_since(e.updated_at.as_ref())),
+            truncate(&e.last_error, 60),
+        ]);
+        t.row(row);
+    }
+    t.render() + &next_page(&r.next_page_token)
+}
+
+pub(super) fn stats_json(r: &pb::GetStatsResponse, inbox: bool) -> String {
+    lines(&json!({
+        "pending": r.pending,
+        "completed": r.completed,
+        "failed": r.failed,
+        "oldest_pending_age_seconds": r.oldest_pending_age.as_ref()
+            .map(|d| d.seconds as f64 + f64::from(d.nanos) / 1e9),
+        "blocked_keys": r.blocked_keys,
+        "topics": r.topics.iter().map(|t| {
+            let mut v = json!({
+                "topic": t.topic, "pending": t.pending, "completed": t.completed,
+                "failed": t.failed,
+            });
+            if inbox {
+                v["subscription"] = t.subscription.clone().into();
+            }
+            v
+        }).collect::<Vec<_>>(),
+    }))
+}
+
+pub(super) fn stats_table(r: &pb::GetStatsResponse, inbox: bool) -> String {
+    let oldest = r
+        .oldest_pending_age
+        .as_ref()
+        .map(|d| {
+            age(Duration::new(
+                d.seconds.max(0) as u64,
+                d.nanos.max(0) as u32,
+            ))
+        })
+        .unwrap_or_else(|| "-".into());
+    let mut t = Table::with_sub(inbox, &["TOPIC", "PENDING", "COMPLETED", "FAILED"]);
+    for s in &r.topics {
+        t.row_with_sub(
+            inbox,
+            &s.subscription,
+            vec![
+                s.topic.clone(),
+                s.pending.to_string(),
+                s.completed.to_string(),
+                s.failed.to_string(),
+            ],
+        );
+    }
+    t.row_with_sub(
+        inbox,
+        "(all)",
+        vec![
+            "(all)".into(),
+            r.pending.to_string(),
+            r.completed.to_string(),
+            r.failed.to_string(),
+        ],
+    );
+    format!(
+        "{}oldest pending: {oldest}\nblocked keys: {}\n",
+        t.render(),
+        r.blocked_keys
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_read_like_an_operator_writes_them() {
+        assert_eq!(age(Duration::from_millis(850)), "850ms");
+        assert_eq!(age(Duration::from_secs(45)), "45s");
+        assert_eq!(age(Duration::from_secs(192)), "3m12s");
+        assert_eq!(age(Duration::from_secs(2 * 3600 + 5 * 60)), "2h05m");
+        assert_eq!(age(Duration::from_secs(3 * 86_400 + 4 * 3600)), "3d4h");
+    }
+
+    #[test]
+    fn errors_are_truncated_to_one_line() {
+        assert_eq!(truncate("short", 10), "short");
+        assert_eq!(truncate("a\nb", 10), "a b");
+        assert_eq!(truncate("0123456789abc", 5), "0123…");
+    }
+}

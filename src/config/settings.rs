@@ -1,0 +1,361 @@
+//! The settings as given: every field optional, from the command line and the
+//! environment (clap) or from the TOML file (serde), merged field by field.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use clap::Args;
+use serde::Deserialize;
+
+/// Settings as given on the command line or in the environment. Every field is optional
+/// so that the file and the defaults can fill the gaps.
+#[derive(Debug, Clone, Default, Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// TOML configuration file (lowest precedence after defaults).
+    #[arg(long, env = "MAILROOM_CONFIG", global = true)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// gRPC listen address [default: 127.0.0.1:50051].
+    #[arg(long, env = "MAILROOM_LISTEN", global = true)]
+    pub listen: Option<String>,
+    /// Database URL: `sqlite://FILE` (embedded) or `postgres://…` [default: sqlite://mailroom.db].
+    #[arg(
+        long,
+        env = "MAILROOM_DATABASE_URL",
+        global = true,
+        hide_env_values = true
+    )]
+    pub database_url: Option<String>,
+    /// Database connection pool size (PostgreSQL) [default: 16].
+    #[arg(long, env = "MAILROOM_DATABASE_MAX_CONNECTIONS", global = true)]
+    pub database_max_connections: Option<u32>,
+    /// Run migrations at start-up [default: true].
+    #[arg(long, env = "MAILROOM_MIGRATE", global = true)]
+    pub migrate: Option<bool>,
+    /// Log format: `human` or `json` [default: human]. Levels come from RUST_LOG.
+    #[arg(long, env = "MAILROOM_LOG_FORMAT", global = true)]
+    pub log_format: Option<String>,
+    /// Kafka bootstrap servers `host:port[,…]`. Set: the relay publishes to Kafka.
+    /// Unset: the local sink.
+    #[arg(long, env = "MAILROOM_KAFKA_BROKERS", global = true)]
+    pub kafka_brokers: Option<String>,
+    /// Extra librdkafka properties, `key=value[,key=value…]` (security.protocol,
+    /// sasl.*, ssl.*, linger.ms, …). Idempotence and acks=all are always kept.
+    #[arg(long, env = "MAILROOM_KAFKA_PROPERTIES", global = true, value_parser = parse_properties, hide_env_values = true)]
+    pub kafka_properties: Option<BTreeMap<String, String>>,
+    /// Kafka delivery timeout in ms; a delivery not acknowledged by then is a transient
+    /// failure [default: 15000].
+    #[arg(long, env = "MAILROOM_KAFKA_MESSAGE_TIMEOUT_MS", global = true)]
+    pub kafka_message_timeout_ms: Option<u64>,
+    /// Local sink target: `stdout` or a file path for JSON lines [default: stdout].
+    #[arg(long, env = "MAILROOM_LOCAL_SINK", global = true)]
+    pub local_sink: Option<String>,
+    /// CloudEvents `ce_source` attribute; must differ between deployments that can feed
+    /// one consumer [default: mailroom/<installation id>, a UUID generated once per
+    /// database].
+    #[arg(long, env = "MAILROOM_SOURCE", global = true)]
+    pub source: Option<String>,
+    /// Relay tasks in this process [default: 2].
+    #[arg(long, env = "MAILROOM_RELAYS", global = true)]
+    pub relays: Option<usize>,
+    /// Events per relay cycle [default: 1000].
+    #[arg(long, env = "MAILROOM_RELAY_BATCH_SIZE", global = true)]
+    pub relay_batch_size: Option<u32>,
+    /// Keys leased per relay cycle [default: 250].
+    #[arg(long, env = "MAILROOM_RELAY_MAX_KEYS", global = true)]
+    pub relay_max_keys: Option<u32>,
+    /// Bytes (payload and headers) read per relay cycle, keyed and unkeyed each; at least
+    /// one event [default: 67108864].
+    #[arg(long, env = "MAILROOM_RELAY_MAX_BYTES", global = true)]
+    pub relay_max_bytes: Option<u64>,
+    /// Longest run of one key per cycle [default: 500].
+    #[arg(long, env = "MAILROOM_RELAY_MAX_RUN", global = true)]
+    pub relay_max_run: Option<u32>,
+    /// Claim lease in ms; must exceed the Kafka message timeout [default: 60000].
+    #[arg(long, env = "MAILROOM_RELAY_LEASE_MS", global = true)]
+    pub relay_lease_ms: Option<u64>,
+    /// Fallback poll interval in ms [default: 250].
+    #[arg(long, env = "MAILROOM_RELAY_POLL_MS", global = true)]
+    pub relay_poll_ms: Option<u64>,
+    /// Wake other processes through PostgreSQL LISTEN/NOTIFY; false = poll only (for
+    /// poolers without LISTEN) [default: true].
+    #[arg(long, env = "MAILROOM_LISTEN_NOTIFY", global = true)]
+    pub listen_notify: Option<bool>,
+    /// Backoff base in ms for counted failures; 0 = next cycle [default: 10000].
+    #[arg(long, env = "MAILROOM_RETRY_BASE_MS", global = true)]
+    pub retry_base_ms: Option<u64>,
+    /// Backoff cap in ms [default: 3600000].
+    #[arg(long, env = "MAILROOM_RETRY_CAP_MS", global = true)]
+    pub retry_cap_ms: Option<u64>,
+    /// Default attempt budget per event [default: 6].
+    #[arg(long, env = "MAILROOM_MAX_ATTEMPTS", global = true)]
+    pub max_attempts: Option<u32>,
+    /// Largest payload in bytes [default: 1048576].
+    #[arg(long, env = "MAILROOM_MAX_PAYLOAD_BYTES", global = true)]
+    pub max_payload_bytes: Option<usize>,
+    /// Most events in one EnqueueBatch [default: 1000].
+    #[arg(long, env = "MAILROOM_MAX_BATCH", global = true)]
+    pub max_batch: Option<usize>,
+    /// Largest EnqueueBatch request in bytes, as encoded on the wire [default: 67108864].
+    #[arg(long, env = "MAILROOM_MAX_BATCH_BYTES", global = true)]
+    pub max_batch_bytes: Option<usize>,
+    /// Most headers per event [default: 64].
+    #[arg(long, env = "MAILROOM_MAX_HEADERS", global = true)]
+    pub max_headers: Option<usize>,
+    /// Most header bytes per event [default: 16384].
+    #[arg(long, env = "MAILROOM_MAX_HEADER_BYTES", global = true)]
+    pub max_header_bytes: Option<usize>,
+    /// Enqueue requests waiting for a writer before RESOURCE_EXHAUSTED [default: 10000].
+    #[arg(long, env = "MAILROOM_INTAKE_QUEUE", global = true)]
+    pub intake_queue: Option<usize>,
+    /// Bytes of enqueue requests waiting for a writer before RESOURCE_EXHAUSTED
+    /// [default: 268435456].
+    #[arg(long, env = "MAILROOM_INTAKE_QUEUE_BYTES", global = true)]
+    pub intake_queue_bytes: Option<usize>,
+    /// Concurrent enqueue transactions [default: 4 on PostgreSQL, 1 on SQLite].
+    #[arg(long, env = "MAILROOM_INTAKE_WRITERS", global = true)]
+    pub intake_writers: Option<usize>,
+    /// Grace period for in-flight work on SIGTERM, in ms [default: 30000].
+    #[arg(long, env = "MAILROOM_SHUTDOWN_GRACE_MS", global = true)]
+    pub shutdown_grace_ms: Option<u64>,
+    /// Readiness: NOT_SERVING once the broker has been unreachable for this long, in ms
+    /// [default: unset, the broker does not affect readiness].
+    #[arg(long, env = "MAILROOM_READY_MAX_BROKER_DOWN_MS", global = true)]
+    pub ready_max_broker_down_ms: Option<u64>,
+    /// Readiness: NOT_SERVING while the oldest pending outbox event is older than this, in
+    /// ms [default: unset]. Checked every 5 s with the admin stats query.
+    #[arg(long, env = "MAILROOM_READY_MAX_LAG_MS", global = true)]
+    pub ready_max_lag_ms: Option<u64>,
+    /// OTLP/gRPC endpoint for trace export, e.g. `http://127.0.0.1:4317` [default: unset,
+    /// no export].
+    #[arg(long, env = "MAILROOM_OTLP_ENDPOINT", global = true)]
+    pub otlp_endpoint: Option<String>,
+    /// Database health check interval in ms [default: 1000].
+    #[arg(long, env = "MAILROOM_HEALTH_INTERVAL_MS", global = true)]
+    pub health_interval_ms: Option<u64>,
+    /// Testing only: fraction of deliveries failed on purpose as counted failures
+    /// [default: 0].
+    #[arg(long, env = "MAILROOM_FAULT_COUNTED_RATE", global = true, hide = true)]
+    pub fault_counted_rate: Option<f64>,
+    /// Testing only: fraction of deliveries failed on purpose as transient failures
+    /// [default: 0].
+    #[arg(
+        long,
+        env = "MAILROOM_FAULT_TRANSIENT_RATE",
+        global = true,
+        hide = true
+    )]
+    pub fault_transient_rate: Option<f64>,
+    /// Bearer token the AdminService requires (`authorization: Bearer <token>`). Unset:
+    /// no token, and the admin RPCs are open to whoever reaches the listen address.
+    #[arg(
+        long,
+        env = "MAILROOM_ADMIN_TOKEN",
+        global = true,
+        hide_env_values = true
+    )]
+    pub admin_token: Option<String>,
+    /// Serve without any token on a non-loopback address. Without it, such a setup
+    /// refuses to start; with it, a warning is logged at start-up [default: false].
+    #[arg(
+        long,
+        env = "MAILROOM_ALLOW_UNAUTHENTICATED",
+        global = true,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub allow_unauthenticated: Option<bool>,
+    /// Inbox subscriptions (`[[subscriptions]]` tables; file only).
+    #[arg(skip)]
+    pub subscriptions: Option<Vec<SubscriptionSettings>>,
+    /// Token file (TOML, `[[token]]` entries with name, token, scopes, optional topics):
+    /// set, every RPC except health and reflection needs a token of the right scope.
+    #[arg(long, env = "MAILROOM_TOKENS_FILE", global = true)]
+    pub tokens_file: Option<PathBuf>,
+    /// Prometheus metrics address (HTTP, path /metrics); unset or empty: no metrics
+    /// endpoint [default: off].
+    #[arg(long, env = "MAILROOM_METRICS_LISTEN", global = true)]
+    pub metrics_listen: Option<String>,
+    /// Operator console address (HTTP, browser UI behind the admin tokens); unset or
+    /// empty: no console [default: off].
+    #[arg(long, env = "MAILROOM_CONSOLE_LISTEN", global = true)]
+    pub console_listen: Option<String>,
+    /// The console shows but never acts (no requeue, no cancel) [default: false].
+    #[arg(long, env = "MAILROOM_CONSOLE_READ_ONLY", global = true)]
+    pub console_read_only: Option<bool>,
+    /// How often the backlog gauges (pending, blocked keys, oldest age) are refreshed
+    /// from the database, in ms [default: 15000].
+    #[arg(long, env = "MAILROOM_METRICS_STATS_INTERVAL_MS", global = true)]
+    pub metrics_stats_interval_ms: Option<u64>,
+    /// TLS certificate chain (PEM) for the gRPC port; needs tls_key [default: plaintext].
+    #[arg(long, env = "MAILROOM_TLS_CERT", global = true)]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM) for the gRPC port.
+    #[arg(long, env = "MAILROOM_TLS_KEY", global = true)]
+    pub tls_key: Option<PathBuf>,
+    /// CA certificates (PEM) for client certificates: set, clients must present a
+    /// certificate it signed (mTLS).
+    #[arg(long, env = "MAILROOM_TLS_CLIENT_CA", global = true)]
+    pub tls_client_ca: Option<PathBuf>,
+    /// RPCs served at once (health excluded); beyond it RESOURCE_EXHAUSTED at once;
+    /// 0 = no limit [default: 1024].
+    #[arg(long, env = "MAILROOM_MAX_CONCURRENT_RPCS", global = true)]
+    pub max_concurrent_rpcs: Option<usize>,
+    /// Server-side time limit of an RPC in ms, answered UNAVAILABLE; 0 = none
+    /// [default: 30000].
+    #[arg(long, env = "MAILROOM_RPC_TIMEOUT_MS", global = true)]
+    pub rpc_timeout_ms: Option<u64>,
+    /// How long a request waits for a database connection before UNAVAILABLE, in ms
+    /// (PostgreSQL) [default: 3000].
+    #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
+    pub database_acquire_timeout_ms: Option<u64>,
+    /// PostgreSQL statement timeout, in ms, of every query class that has no setting
+    /// of its own (below); migrations are exempt; 0 = none.
+    #[arg(long, env = "MAILROOM_DATABASE_STATEMENT_TIMEOUT_MS", global = true)]
+    pub database_statement_timeout_ms: Option<u64>,
+    /// Statement timeout of enqueues and inbox receives (the writes a caller waits on),
+    /// in ms; 0 = none [default: 10000].
+    #[arg(long, env = "MAILROOM_DATABASE_ENQUEUE_TIMEOUT_MS", global = true)]
+    pub database_enqueue_timeout_ms: Option<u64>,
+    /// Statement timeout of the relays and dispatchers (claims, settles, lease renewals)
+    /// and of retention, in ms; 0 = none [default: 30000].
+    #[arg(long, env = "MAILROOM_DATABASE_RELAY_TIMEOUT_MS", global = true)]
+    pub database_relay_timeout_ms: Option<u64>,
+    /// Statement timeout of admin RPCs, the console and stats, in ms; 0 = none
+    /// [default: 30000].
+    #[arg(long, env = "MAILROOM_DATABASE_ADMIN_TIMEOUT_MS", global = true)]
+    pub database_admin_timeout_ms: Option<u64>,
+    /// Completed events are deleted this many hours after publication; 0 = keep
+    /// forever [default: 168].
+    #[arg(long, env = "MAILROOM_RETENTION_COMPLETED_HOURS", global = true)]
+    pub retention_completed_hours: Option<u64>,
+    /// Failed events are deleted this many hours after they failed; 0 = keep until
+    /// requeued [default: 0].
+    #[arg(long, env = "MAILROOM_RETENTION_FAILED_HOURS", global = true)]
+    pub retention_failed_hours: Option<u64>,
+    /// How often the retention task runs, in ms; 0 = never [default: 60000].
+    #[arg(long, env = "MAILROOM_RETENTION_INTERVAL_MS", global = true)]
+    pub retention_interval_ms: Option<u64>,
+    /// Rows one retention DELETE removes at most [default: 1000].
+    #[arg(long, env = "MAILROOM_RETENTION_BATCH", global = true)]
+    pub retention_batch: Option<u32>,
+}
+
+/// One `[[subscriptions]]` table of the configuration file.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SubscriptionSettings {
+    /// Name, `[a-zA-Z0-9._-]`, unique.
+    pub name: String,
+    /// Kafka topics to consume (none: the subscription takes `InboxService.Receive` only).
+    #[serde(default)]
+    pub topics: Vec<String>,
+    /// Kafka consumer group [default: mailroom-NAME].
+    pub group: Option<String>,
+    /// The subscriber's `HandlerService` endpoint, e.g. `http://127.0.0.1:7000`.
+    pub handler: String,
+    /// Timeout of one Handle call in ms [default: 10000].
+    pub handler_timeout_ms: Option<u64>,
+    /// Keys handled concurrently [default: 8].
+    pub concurrency: Option<usize>,
+    /// Attempt budget per message [default: the outbox's].
+    pub max_attempts: Option<u32>,
+    /// Backoff base in ms [default: the outbox's].
+    pub retry_base_ms: Option<u64>,
+    /// Backoff cap in ms [default: the outbox's].
+    pub retry_cap_ms: Option<u64>,
+    /// CA certificates (PEM) to verify an `https://` handler [default: the webpki roots].
+    pub handler_ca: Option<PathBuf>,
+    /// Client certificate (PEM) presented to the handler (mTLS); needs handler_key.
+    pub handler_cert: Option<PathBuf>,
+    /// Private key (PEM) of handler_cert.
+    pub handler_key: Option<PathBuf>,
+    /// Bearer token sent to the handler as `authorization: Bearer <token>`.
+    pub handler_token: Option<String>,
+    /// File holding the handler's bearer token (first line), instead of handler_token.
+    pub handler_token_file: Option<PathBuf>,
+    /// Latest `retry.not_before` a handler may ask for, in ms from now; later times are
+    /// cut to it [default: 86400000, one day].
+    pub handler_max_defer_ms: Option<u64>,
+}
+
+impl Settings {
+    /// Fills unset fields from `lower`.
+    pub(super) fn or(self, lower: Settings) -> Settings {
+        macro_rules! pick {
+            ($($f:ident),*) => { Settings { config: self.config.or(lower.config), $($f: self.$f.or(lower.$f)),* } };
+        }
+        pick!(
+            listen,
+            database_url,
+            database_max_connections,
+            migrate,
+            log_format,
+            kafka_brokers,
+            kafka_properties,
+            kafka_message_timeout_ms,
+            local_sink,
+            source,
+            relays,
+            relay_batch_size,
+            relay_max_keys,
+            relay_max_bytes,
+            relay_max_run,
+            relay_lease_ms,
+            relay_poll_ms,
+            listen_notify,
+            retry_base_ms,
+            retry_cap_ms,
+            max_attempts,
+            max_payload_bytes,
+            max_batch,
+            max_batch_bytes,
+            max_headers,
+            max_header_bytes,
+            intake_queue,
+            intake_queue_bytes,
+            intake_writers,
+            shutdown_grace_ms,
+            health_interval_ms,
+            ready_max_broker_down_ms,
+            ready_max_lag_ms,
+            otlp_endpoint,
+            fault_counted_rate,
+            fault_transient_rate,
+            admin_token,
+            allow_unauthenticated,
+            subscriptions,
+            tokens_file,
+            metrics_listen,
+            console_listen,
+            console_read_only,
+            metrics_stats_interval_ms,
+            tls_cert,
+            tls_key,
+            tls_client_ca,
+            max_concurrent_rpcs,
+            rpc_timeout_ms,
+            database_acquire_timeout_ms,
+            database_statement_timeout_ms,
+            database_enqueue_timeout_ms,
+            database_relay_timeout_ms,
+            database_admin_timeout_ms,
+            retention_completed_hours,
+            retention_failed_hours,
+            retention_interval_ms,
+            retention_batch
+        )
+    }
+}
+
+pub(super) fn parse_properties(s: &str) -> Result<BTreeMap<String, String>, String> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+                .ok_or_else(|| format!("{p:?} is not key=value"))
+        })
+        .collect()
+}

@@ -1,0 +1,221 @@
+//! Defaults, precedence and every refusal naming its setting.
+
+use std::collections::BTreeMap;
+
+use super::settings::parse_properties;
+use super::*;
+
+#[test]
+fn defaults_are_the_embedded_service() {
+    let c = Config::default();
+    assert_eq!(c.listen.to_string(), "127.0.0.1:50051");
+    assert_eq!(c.database_url, "sqlite://mailroom.db");
+    assert_eq!(c.sink, SinkConfig::Local { path: None });
+    assert_eq!(c.limits.max_batch, 1000);
+    assert_eq!(c.limits.max_payload_bytes, 1024 * 1024);
+}
+
+#[test]
+fn flags_beat_the_file() {
+    let flags = Settings {
+        listen: Some("127.0.0.1:1".into()),
+        ..Default::default()
+    };
+    let file: Settings = toml::from_str("listen = \"127.0.0.1:2\"\nrelays = 3\n").unwrap();
+    let c = Config::resolve(flags.or(file)).unwrap();
+    assert_eq!(c.listen.port(), 1);
+    assert_eq!(c.relays, 3);
+}
+
+#[test]
+fn bad_settings_name_themselves() {
+    let e = Config::resolve(Settings {
+        listen: Some("nowhere".into()),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("MAILROOM_LISTEN"), "{e}");
+    let e = Config::resolve(Settings {
+        database_url: Some("mysql://x".into()),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("MAILROOM_DATABASE_URL"), "{e}");
+    assert!(toml::from_str::<Settings>("no_such_setting = 1").is_err());
+}
+
+#[test]
+fn the_console_is_closed_by_default_off_loopback() {
+    let s = Settings {
+        console_listen: Some("0.0.0.0:8080".into()),
+        ..Settings::default()
+    };
+    let e = Config::resolve(s).unwrap_err().to_string();
+    assert!(e.contains("MAILROOM_CONSOLE_LISTEN"), "{e}");
+    let s = Settings {
+        console_listen: Some("127.0.0.1:8080".into()),
+        ..Settings::default()
+    };
+    assert!(Config::resolve(s).is_ok());
+    let s = Settings {
+        console_listen: Some("0.0.0.0:8080".into()),
+        admin_token: Some("a-long-enough-admin-token".into()),
+        ..Settings::default()
+    };
+    assert!(Config::resolve(s).is_ok());
+}
+
+#[test]
+fn a_producer_record_limit_below_the_payload_limit_is_refused() {
+    let s = Settings {
+        kafka_brokers: Some("k:9092".into()),
+        kafka_properties: Some(BTreeMap::from([(
+            "message.max.bytes".to_string(),
+            "1000000".to_string(),
+        )])),
+        ..Settings::default()
+    };
+    let e = Config::resolve(s).unwrap_err().to_string();
+    assert!(e.contains("message.max.bytes=1000000"), "{e}");
+    let s = Settings {
+        kafka_brokers: Some("k:9092".into()),
+        kafka_properties: Some(BTreeMap::from([(
+            "message.max.bytes".to_string(),
+            "1000000".to_string(),
+        )])),
+        max_payload_bytes: Some(900_000),
+        ..Settings::default()
+    };
+    assert!(Config::resolve(s).is_ok());
+}
+
+#[test]
+fn byte_budgets_have_defaults_and_bounds() {
+    let c = Config::resolve(Settings::default()).unwrap();
+    assert_eq!(c.max_batch_bytes, 64 * 1024 * 1024);
+    assert_eq!(c.relay.max_bytes, 64 * 1024 * 1024);
+    assert_eq!(c.intake.queue_bytes, 256 * 1024 * 1024);
+    assert!(enqueue_request_bytes(&c.limits) < 2 * 1024 * 1024);
+    let e = Config::resolve(Settings {
+        max_batch_bytes: Some(1000),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("MAILROOM_MAX_BATCH_BYTES"), "{e}");
+    let e = Config::resolve(Settings {
+        intake_queue_bytes: Some(1024 * 1024),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("MAILROOM_INTAKE_QUEUE_BYTES"), "{e}");
+    let e = Config::resolve(Settings {
+        relay_max_bytes: Some(0),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("MAILROOM_RELAY_MAX_BYTES"), "{e}");
+}
+
+#[test]
+fn kafka_properties_parse() {
+    let p = parse_properties("security.protocol=SASL_SSL, sasl.mechanism=PLAIN").unwrap();
+    assert_eq!(p["security.protocol"], "SASL_SSL");
+    assert!(parse_properties("oops").is_err());
+}
+
+#[test]
+fn passwords_are_redacted() {
+    assert_eq!(
+        redact_url("postgres://u:secret@h:5432/db"),
+        "postgres://u:***@h:5432/db"
+    );
+    assert_eq!(redact_url("sqlite://x.db"), "sqlite://x.db");
+    // Every form a password can take in a URL.
+    assert_eq!(
+        redact_url("postgres://u:p%40ss@h/db?password=hunter2&sslmode=verify-full"),
+        "postgres://u:***@h/db?password=***&sslmode=verify-full"
+    );
+    assert_eq!(
+        redact_url("postgresql://h/db?user=u&PASSWORD=x&sslpassword=y&sslkey=/k.pem"),
+        "postgresql://h/db?user=u&PASSWORD=***&sslpassword=***&sslkey=***"
+    );
+    assert_eq!(redact_url("postgres://u:a@b@h/db"), "postgres://u:***@h/db");
+}
+
+#[test]
+fn a_malformed_config_file_is_reported_without_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("mailroom.toml");
+    for text in [
+        "database_url = \"postgres://u:hunter2-secret@h/db\"\nrelays = \"two\"\n",
+        "database_url = \"postgres://u:hunter2-secret@h/db\n",
+        "database_url = postgres://u:hunter2-secret@h/db\n",
+        "admin_token = 1234hunter2-secret\n",
+    ] {
+        std::fs::write(&p, text).unwrap();
+        let e = Config::load(Settings {
+            config: Some(p.clone()),
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(!e.contains("hunter2"), "{e}");
+        assert!(e.contains("line "), "{e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+    }
+    std::fs::write(&p, "no_such_setting = 1\n").unwrap();
+    let e = Config::load(Settings {
+        config: Some(p.clone()),
+        ..Default::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("no_such_setting"), "{e}");
+}
+
+#[test]
+fn closed_by_default_on_the_network() {
+    // Non-loopback, no token: one line naming the setting and the way out.
+    let e = Config::resolve(Settings {
+        listen: Some("0.0.0.0:50051".into()),
+        ..Default::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("MAILROOM_LISTEN"), "{e}");
+    assert!(e.contains("--allow-unauthenticated"), "{e}");
+    assert_eq!(e.lines().count(), 1);
+    // The legacy admin token alone leaves Enqueue open: still refused.
+    assert!(
+        Config::resolve(Settings {
+            listen: Some("0.0.0.0:50051".into()),
+            admin_token: Some("a-long-enough-admin-token".into()),
+            ..Default::default()
+        })
+        .is_err()
+    );
+    let c = Config::resolve(Settings {
+        listen: Some("0.0.0.0:50051".into()),
+        allow_unauthenticated: Some(true),
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(c.open_on_network);
+    let c = Config::resolve(Settings {
+        listen: Some("127.0.0.1:50051".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(!c.open_on_network);
+    let e = Config::resolve(Settings {
+        admin_token: Some("short".into()),
+        ..Default::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("MAILROOM_ADMIN_TOKEN") && e.contains("shorter"),
+        "{e}"
+    );
+    assert!(!e.contains("short\""), "{e}");
+}

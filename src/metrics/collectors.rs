@@ -1,0 +1,239 @@
+//! The collectors read at scrape time: the relays' counters and latency histograms, and
+//! the inbox's per subscription. They read the snapshots the engines share; nothing here
+//! changes them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+
+use crate::inbox::InboxHandles;
+use crate::inbox::consumer::IntakeStats;
+use crate::relay::{Latency, RelayStats};
+
+/// The relays' counters and histograms, read at scrape time.
+#[derive(Debug)]
+pub(super) struct RelayCollector {
+    pub(super) relays: Vec<Arc<RelayStats>>,
+}
+
+impl Collector for RelayCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let sum = |f: fn(&RelayStats) -> &AtomicU64| -> u64 {
+            self.relays
+                .iter()
+                .map(|r| f(r).load(Ordering::Relaxed))
+                .sum()
+        };
+        let counter = |e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64| {
+            e.encode_descriptor(name, help, None, MetricType::Counter)?
+                .encode_counter::<NoLabelSet, _, u64>(&v, None)
+        };
+        counter(
+            &mut encoder,
+            "mailroom_outbox_published",
+            "Events the relays published (acknowledged by the destination).",
+            sum(|r| &r.delivered),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_outbox_failed",
+            "Events that used up their attempts (or were rejected) and became failed.",
+            sum(|r| &r.failed),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_cycles",
+            "Relay cycles (claims) run.",
+            sum(|r| &r.cycles),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_stale_updates",
+            "Settle updates dropped because another relay had taken the key or event over.",
+            sum(|r| &r.stale),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_delivered_after_failure",
+            "Events the destination acknowledged after an earlier event of their key failed \
+             in the same run (possible reordering; each is flagged in its last_error). \
+             Expected to stay 0.",
+            sum(|r| &r.delivered_after_failure),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_held_back_lines",
+            "Lines (a key's run, or an unkeyed event) not sent because their topic looked \
+             down and was not due for a probe.",
+            sum(|r| &r.held_back),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_lease_renewals",
+            "Lease renewals of lines whose delivery outlasted a third of the lease.",
+            sum(|r| &r.renewals),
+        )?;
+        counter(
+            &mut encoder,
+            "mailroom_relay_leases_lost",
+            "Keys or events whose lease another relay took while their delivery was in flight.",
+            sum(|r| &r.renewals_lost),
+        )?;
+        {
+            let mut e = encoder.encode_descriptor(
+                "mailroom_outbox_retried",
+                "Failed delivery attempts that will be retried, by class: counted spends an \
+                 attempt and backs off; transient (destination unreachable) spends none.",
+                None,
+                MetricType::Counter,
+            )?;
+            let counted = sum(|r| &r.retried);
+            let transient = sum(|r| &r.transient_events);
+            e.encode_family(&[("class", "counted")])?
+                .encode_counter::<NoLabelSet, _, u64>(&counted, None)?;
+            e.encode_family(&[("class", "transient")])?
+                .encode_counter::<NoLabelSet, _, u64>(&transient, None)?;
+        }
+        encode_latencies(
+            &mut encoder,
+            "mailroom_relay_cycle_seconds",
+            "Duration of relay cycles that published something: claim, delivery, settle.",
+            &self
+                .relays
+                .iter()
+                .map(|r| &r.cycle_latency)
+                .collect::<Vec<_>>(),
+        )?;
+        encode_latencies(
+            &mut encoder,
+            "mailroom_relay_publish_seconds",
+            "Duration of one cycle's delivery to the destination (all its runs).",
+            &self
+                .relays
+                .iter()
+                .map(|r| &r.publish_latency)
+                .collect::<Vec<_>>(),
+        )?;
+        Ok(())
+    }
+}
+
+/// The inbox's counters per subscription, read at scrape time. The subscription label is
+/// bounded by the configuration.
+pub(super) struct InboxCollector {
+    pub(super) inbox: InboxHandles,
+}
+
+impl std::fmt::Debug for InboxCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InboxCollector")
+    }
+}
+
+/// One of a subscription's intake counters.
+type IntakeCounter = fn(&IntakeStats) -> &AtomicU64;
+
+impl Collector for InboxCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut subs: Vec<&String> = self.inbox.dispatch_stats.keys().collect();
+        subs.sort();
+        let intake: [(&str, &str, IntakeCounter); 4] = [
+            (
+                "mailroom_inbox_received",
+                "Records the inbox consumers read from Kafka.",
+                |i| &i.received,
+            ),
+            (
+                "mailroom_inbox_intake_failed",
+                "Records stored as failed at intake: over the inbox limits, or refused by the database and stored stripped.",
+                |i| &i.failed,
+            ),
+            (
+                "mailroom_inbox_intake_unstorable",
+                "Records the database refused in every form: skipped and logged with their topic, partition and offset.",
+                |i| &i.unstorable,
+            ),
+            (
+                "mailroom_inbox_duplicates",
+                "Records dropped as duplicates (already in the inbox).",
+                |i| &i.duplicates,
+            ),
+        ];
+        for (name, help, field) in intake {
+            let mut e = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for s in &subs {
+                if let Some(i) = self.inbox.intake_stats.get(*s) {
+                    e.encode_family(&[("subscription", s.as_str())])?
+                        .encode_counter::<NoLabelSet, _, u64>(&load(field(i)), None)?;
+                }
+            }
+        }
+        {
+            let mut e = encoder.encode_descriptor(
+                "mailroom_inbox_handled",
+                "Handler outcomes: completed, retried (counted or deferred), failed \
+                 (rejected or out of attempts), transient (handler unreachable).",
+                None,
+                MetricType::Counter,
+            )?;
+            for s in &subs {
+                let r = &self.inbox.dispatch_stats[*s];
+                for (outcome, v) in [
+                    ("completed", load(&r.delivered)),
+                    ("retried", load(&r.retried)),
+                    ("failed", load(&r.failed)),
+                    ("transient", load(&r.transient_events)),
+                ] {
+                    e.encode_family(&[("subscription", s.as_str()), ("outcome", outcome)])?
+                        .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
+                }
+            }
+        }
+        let mut e = encoder.encode_descriptor(
+            "mailroom_inbox_handle_seconds",
+            "Duration of one HandlerService.Handle call.",
+            None,
+            MetricType::Histogram,
+        )?;
+        for s in &subs {
+            if let Some(l) = self.inbox.handler_latency.get(*s) {
+                l.histogram()
+                    .encode(e.encode_family(&[("subscription", s.as_str())])?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Encodes the distinct histograms among `hs` as one metric: the shared one as is, or,
+/// when relays were built without sharing (tests), one series per histogram under a
+/// `relay` label.
+fn encode_latencies(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    hs: &[&Latency],
+) -> Result<(), std::fmt::Error> {
+    let mut distinct: Vec<&Latency> = Vec::new();
+    for h in hs {
+        if !distinct.iter().any(|d| d.same(h)) {
+            distinct.push(h);
+        }
+    }
+    let mut e = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
+    match distinct.as_slice() {
+        [] => Latency::default().histogram().encode(e),
+        [one] => one.histogram().encode(e),
+        many => {
+            for (i, h) in many.iter().enumerate() {
+                h.histogram()
+                    .encode(e.encode_family(&[("relay", i.to_string())])?)?;
+            }
+            Ok(())
+        }
+    }
+}
