@@ -25,122 +25,19 @@ use std::time::Duration;
 use futures::FutureExt;
 use futures::stream::{FuturesUnordered, StreamExt};
 use rdkafka::ClientConfig;
-use rdkafka::error::{KafkaError, RDKafkaErrorCode as C};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 
+mod classify;
+mod cloudevents;
+
+pub use classify::{ErrorClass, classify};
+pub use cloudevents::{DEFAULT_CONTENT_TYPE, cloud_event_headers};
+
 use super::{Delivery, Failure, LineDone, Sink};
 use crate::domain::StoredEvent;
-
-/// How the relay treats a Kafka error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorClass {
-    /// The broker (or the client, deterministically) refused this record: spend an attempt.
-    Counted,
-    /// The environment failed: spend nothing, stop the line, probe its topic again later.
-    Transient,
-    /// Transient, and the producer itself can no longer deliver: replace it.
-    ProducerBroken,
-}
-
-/// The classification table. An error counts against the event only when it is about
-/// the record itself (too large, invalid, refused by a policy); errors about the
-/// network, the cluster, the credentials or the client's configuration are transient:
-/// every record would get them, and an outage of credentials or of the cluster's state
-/// must not burn every event's attempts. Unknown codes count, so nothing loops forever
-/// at no cost (docs/relay.md keeps this table in prose).
-pub fn classify(code: C) -> ErrorClass {
-    match code {
-        // No broker, no connection, no answer in time, local queue full, leadership moving.
-        C::AllBrokersDown
-        | C::BrokerTransportFailure
-        | C::Resolve
-        | C::MessageTimedOut
-        | C::RequestTimedOut
-        | C::OperationTimedOut
-        | C::TimedOutQueue
-        | C::QueueFull
-        | C::NetworkException
-        | C::LeaderNotAvailable
-        | C::NotLeaderForPartition
-        | C::BrokerNotAvailable
-        | C::ReplicaNotAvailable
-        | C::NotEnoughReplicas
-        | C::NotEnoughReplicasAfterAppend
-        | C::KafkaStorageError
-        | C::ThrottlingQuotaExceeded
-        | C::FencedLeaderEpoch
-        | C::UnknownLeaderEpoch
-        | C::PreferredLeaderNotAvailable
-        | C::EligibleLeadersNotAvailable
-        | C::CoordinatorLoadInProgress
-        | C::CoordinatorNotAvailable
-        | C::NotCoordinator
-        | C::NotController
-        | C::Retry
-        | C::Interrupted
-        | C::PurgeQueue
-        | C::PurgeInflight
-        | C::BrokerDestroy
-        | C::DestroyBroker
-        | C::WaitCache
-        | C::RebootstrapRequired
-        | C::NodeUpdate
-        | C::UnknownBroker
-        | C::CriticalSystemResource
-        // The cluster lost or has not yet got the topic's metadata (a broker that lost
-        // its state, a topic being created): about the cluster, not the record.
-        | C::UnknownTopicOrPartition
-        | C::UnknownTopic
-        | C::UnknownPartition
-        | C::UnknownTopicId
-        // Credentials, authorization and TLS: an operator's fix, shared by every record.
-        | C::Authentication
-        | C::SSL
-        | C::SaslAuthenticationFailed
-        | C::UnsupportedSASLMechanism
-        | C::IllegalSASLState
-        | C::UnacceptableCredential
-        | C::PrincipalDeserializationFailure
-        | C::SecurityDisabled
-        | C::TopicAuthorizationFailed
-        | C::ClusterAuthorizationFailed
-        | C::TransactionalIdAuthorizationFailed
-        | C::DelegationTokenAuthorizationFailed
-        | C::DelegationTokenExpired
-        // The client and the cluster disagree on what they support or how they are set
-        // up (an upgrade, a listener change, a compression type the cluster refuses).
-        | C::UnsupportedVersion
-        | C::UnsupportedFeature
-        | C::UnsupportedForMessageFormat
-        | C::UnsupportedCompressionType
-        | C::InvalidRequiredAcks
-        | C::ListenerNotFound
-        | C::NotConfigured
-        | C::InvalidConfig => ErrorClass::Transient,
-        // The producer's identity or sequence is lost: only a new producer recovers.
-        C::Fatal
-        | C::Fenced
-        | C::ProducerFenced
-        | C::InvalidProducerEpoch
-        | C::UnknownProducerId
-        | C::OutOfOrderSequenceNumber
-        | C::InvalidProducerIdMapping
-        | C::GaplessGuarantee
-        | C::InvalidTransactionalState => ErrorClass::ProducerBroken,
-        // Everything else (too large, invalid record, bad timestamp, policy violation,
-        // invalid topic name, serialization, ...) is the record's fault.
-        _ => ErrorClass::Counted,
-    }
-}
-
-fn class_of(e: &KafkaError) -> ErrorClass {
-    match e.rdkafka_error_code() {
-        Some(code) => classify(code),
-        // Errors without a code (client creation, canceled delivery) are the client's.
-        None => ErrorClass::Transient,
-    }
-}
+use classify::{class_of, failure};
 
 /// After this many deliveries in a row that ended transient with nothing acknowledged,
 /// the producer is replaced even without a telling error code: tansu, and real brokers
@@ -331,17 +228,6 @@ type ProducedLine = (
     Vec<tracing::Span>,
 );
 
-fn failure(e: &KafkaError, class: ErrorClass) -> Failure {
-    let error = format!("kafka: {e}");
-    match class {
-        ErrorClass::Counted => Failure::Counted {
-            error,
-            retry_at: None,
-        },
-        ErrorClass::Transient | ErrorClass::ProducerBroken => Failure::Transient { error },
-    }
-}
-
 /// What one line's acknowledgements said, beyond its deliveries.
 #[derive(Default)]
 struct LineNotes {
@@ -477,182 +363,9 @@ impl Sink for KafkaSink {
     }
 }
 
-/// The CloudEvents attributes mailroom sets itself (binary content mode).
-const CE_OWN: [&str; 5] = ["ce_specversion", "ce_id", "ce_type", "ce_source", "ce_time"];
-/// The content type when an event names none.
-pub const DEFAULT_CONTENT_TYPE: &str = "application/octet-stream";
-
-/// A record's headers, following the CloudEvents Kafka protocol binding (binary content
-/// mode) exactly:
-/// - `ce_specversion` = `1.0`, `ce_id` = `<event id>-<created_at in µs since the epoch>`
-///   (unique within a database even after a restore from a backup: the restored
-///   database issues the lost ids again, at later times), `ce_type` (the event's type,
-///   `mailroom.event` when it has none), `ce_source` (`app::ce_source`: tells
-///   deployments apart), `ce_time` (RFC 3339);
-/// - `content-type` (the binding's name for `datacontenttype`): the event's own
-///   `content-type` header (any case, or a `ce_datacontenttype` one), else
-///   `application/octet-stream`;
-/// - the event's other headers as they are, except those naming an attribute mailroom
-///   sets (an event cannot forge its `ce_id` or `ce_source`). Other `ce_*` headers pass
-///   through as extension attributes.
-pub fn cloud_event_headers(e: &StoredEvent, source: &str) -> Vec<(String, String)> {
-    let mut content_type = None;
-    let mut out = Vec::with_capacity(e.headers.len() + 6);
-    for (k, v) in &e.headers {
-        let lower = k.to_ascii_lowercase();
-        if lower == "content-type" || lower == "ce_datacontenttype" {
-            content_type.get_or_insert_with(|| v.clone());
-        } else if !CE_OWN.contains(&lower.as_str()) {
-            out.push((k.clone(), v.clone()));
-        }
-    }
-    let ty = e.event_type.as_deref().unwrap_or("mailroom.event");
-    out.extend([
-        ("ce_specversion".to_string(), "1.0".to_string()),
-        (
-            "ce_id".to_string(),
-            format!("{}-{}", e.id, e.created_at.timestamp_micros()),
-        ),
-        ("ce_type".to_string(), ty.to_string()),
-        ("ce_source".to_string(), source.to_string()),
-        ("ce_time".to_string(), e.created_at.to_rfc3339()),
-        (
-            "content-type".to_string(),
-            content_type.unwrap_or_else(|| DEFAULT_CONTENT_TYPE.to_string()),
-        ),
-    ]);
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn stored(headers: &[(&str, &str)]) -> StoredEvent {
-        let t = chrono::DateTime::from_timestamp(1_764_600_000, 123_456_000).unwrap();
-        StoredEvent {
-            id: 42,
-            topic: "orders".into(),
-            key: Some("k".into()),
-            payload: b"{}".to_vec(),
-            headers: headers
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            event_type: Some("order.created".into()),
-            idempotency_key: None,
-            status: crate::domain::Status::Pending,
-            attempts: 0,
-            max_attempts: 6,
-            scheduled_at: t,
-            created_at: t,
-            updated_at: t,
-            published_at: None,
-            last_error: None,
-        }
-    }
-
-    #[test]
-    fn headers_follow_the_cloudevents_kafka_binding() {
-        let get = |h: &[(String, String)], k: &str| -> Vec<String> {
-            h.iter()
-                .filter(|(n, _)| n == k)
-                .map(|(_, v)| v.clone())
-                .collect()
-        };
-        let h = cloud_event_headers(&stored(&[("source", "checkout")]), "mailroom/x");
-        assert_eq!(get(&h, "ce_specversion"), ["1.0"]);
-        assert_eq!(get(&h, "ce_id"), ["42-1764600000123456"]);
-        assert_eq!(get(&h, "ce_type"), ["order.created"]);
-        assert_eq!(get(&h, "ce_source"), ["mailroom/x"]);
-        assert_eq!(get(&h, "ce_time"), ["2025-12-01T14:40:00.123456+00:00"]);
-        assert_eq!(get(&h, "content-type"), [DEFAULT_CONTENT_TYPE]);
-        assert_eq!(get(&h, "source"), ["checkout"]);
-        // The event's content type, whatever its spelling; no forged ce_id/ce_source;
-        // other ce_ extensions pass through.
-        let h = cloud_event_headers(
-            &stored(&[
-                ("Content-Type", "application/json"),
-                ("ce_id", "forged"),
-                ("ce_source", "forged"),
-                ("ce_subject", "order-42"),
-            ]),
-            "mailroom/x",
-        );
-        assert_eq!(get(&h, "content-type"), ["application/json"]);
-        assert!(get(&h, "Content-Type").is_empty());
-        assert_eq!(get(&h, "ce_id"), ["42-1764600000123456"]);
-        assert_eq!(get(&h, "ce_source"), ["mailroom/x"]);
-        assert_eq!(get(&h, "ce_subject"), ["order-42"]);
-        let h = cloud_event_headers(&stored(&[("ce_datacontenttype", "text/plain")]), "s");
-        assert_eq!(get(&h, "content-type"), ["text/plain"]);
-        assert!(get(&h, "ce_datacontenttype").is_empty());
-    }
-
-    #[test]
-    fn outage_errors_are_transient() {
-        for c in [
-            C::AllBrokersDown,
-            C::BrokerTransportFailure,
-            C::MessageTimedOut,
-            C::RequestTimedOut,
-            C::QueueFull,
-            C::NotLeaderForPartition,
-        ] {
-            assert_eq!(classify(c), ErrorClass::Transient, "{c:?}");
-        }
-    }
-
-    #[test]
-    fn record_errors_count() {
-        for c in [
-            C::MessageSizeTooLarge,
-            C::InvalidMessage,
-            C::InvalidRecord,
-            C::InvalidTimestamp,
-            C::InvalidTopic,
-            C::ValueSerialization,
-            C::PolicyViolation,
-            C::MessageBatchTooLarge,
-        ] {
-            assert_eq!(classify(c), ErrorClass::Counted, "{c:?}");
-        }
-    }
-
-    /// Failures about the credentials, the cluster's state or the client's set-up are
-    /// shared by every record: they must not spend attempts (issue 11, item 7).
-    #[test]
-    fn environment_errors_spend_no_attempt() {
-        for c in [
-            C::Authentication,
-            C::SSL,
-            C::SaslAuthenticationFailed,
-            C::UnsupportedSASLMechanism,
-            C::TopicAuthorizationFailed,
-            C::ClusterAuthorizationFailed,
-            C::UnknownTopicOrPartition,
-            C::UnknownTopic,
-            C::UnknownPartition,
-            C::UnsupportedVersion,
-            C::UnsupportedCompressionType,
-            C::InvalidRequiredAcks,
-        ] {
-            assert_eq!(classify(c), ErrorClass::Transient, "{c:?}");
-        }
-    }
-
-    #[test]
-    fn lost_producer_state_replaces_the_producer() {
-        for c in [
-            C::Fatal,
-            C::ProducerFenced,
-            C::UnknownProducerId,
-            C::InvalidProducerEpoch,
-            C::OutOfOrderSequenceNumber,
-        ] {
-            assert_eq!(classify(c), ErrorClass::ProducerBroken, "{c:?}");
-        }
-    }
 
     #[test]
     fn config_keeps_idempotence_whatever_the_operator_sets() {

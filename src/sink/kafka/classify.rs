@@ -1,0 +1,198 @@
+//! librdkafka's error codes sorted into what a relay does about them: spend an attempt
+//! (counted), wait without spending one (transient), or replace the producer. The table
+//! is in docs/relay.md.
+
+use rdkafka::error::{KafkaError, RDKafkaErrorCode as C};
+
+use crate::sink::Failure;
+
+/// How the relay treats a Kafka error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The broker (or the client, deterministically) refused this record: spend an attempt.
+    Counted,
+    /// The environment failed: spend nothing, stop the line, probe its topic again later.
+    Transient,
+    /// Transient, and the producer itself can no longer deliver: replace it.
+    ProducerBroken,
+}
+
+/// The classification table. An error counts against the event only when it is about
+/// the record itself (too large, invalid, refused by a policy); errors about the
+/// network, the cluster, the credentials or the client's configuration are transient:
+/// every record would get them, and an outage of credentials or of the cluster's state
+/// must not burn every event's attempts. Unknown codes count, so nothing loops forever
+/// at no cost (docs/relay.md keeps this table in prose).
+pub fn classify(code: C) -> ErrorClass {
+    match code {
+        // No broker, no connection, no answer in time, local queue full, leadership moving.
+        C::AllBrokersDown
+        | C::BrokerTransportFailure
+        | C::Resolve
+        | C::MessageTimedOut
+        | C::RequestTimedOut
+        | C::OperationTimedOut
+        | C::TimedOutQueue
+        | C::QueueFull
+        | C::NetworkException
+        | C::LeaderNotAvailable
+        | C::NotLeaderForPartition
+        | C::BrokerNotAvailable
+        | C::ReplicaNotAvailable
+        | C::NotEnoughReplicas
+        | C::NotEnoughReplicasAfterAppend
+        | C::KafkaStorageError
+        | C::ThrottlingQuotaExceeded
+        | C::FencedLeaderEpoch
+        | C::UnknownLeaderEpoch
+        | C::PreferredLeaderNotAvailable
+        | C::EligibleLeadersNotAvailable
+        | C::CoordinatorLoadInProgress
+        | C::CoordinatorNotAvailable
+        | C::NotCoordinator
+        | C::NotController
+        | C::Retry
+        | C::Interrupted
+        | C::PurgeQueue
+        | C::PurgeInflight
+        | C::BrokerDestroy
+        | C::DestroyBroker
+        | C::WaitCache
+        | C::RebootstrapRequired
+        | C::NodeUpdate
+        | C::UnknownBroker
+        | C::CriticalSystemResource
+        // The cluster lost or has not yet got the topic's metadata (a broker that lost
+        // its state, a topic being created): about the cluster, not the record.
+        | C::UnknownTopicOrPartition
+        | C::UnknownTopic
+        | C::UnknownPartition
+        | C::UnknownTopicId
+        // Credentials, authorization and TLS: an operator's fix, shared by every record.
+        | C::Authentication
+        | C::SSL
+        | C::SaslAuthenticationFailed
+        | C::UnsupportedSASLMechanism
+        | C::IllegalSASLState
+        | C::UnacceptableCredential
+        | C::PrincipalDeserializationFailure
+        | C::SecurityDisabled
+        | C::TopicAuthorizationFailed
+        | C::ClusterAuthorizationFailed
+        | C::TransactionalIdAuthorizationFailed
+        | C::DelegationTokenAuthorizationFailed
+        | C::DelegationTokenExpired
+        // The client and the cluster disagree on what they support or how they are set
+        // up (an upgrade, a listener change, a compression type the cluster refuses).
+        | C::UnsupportedVersion
+        | C::UnsupportedFeature
+        | C::UnsupportedForMessageFormat
+        | C::UnsupportedCompressionType
+        | C::InvalidRequiredAcks
+        | C::ListenerNotFound
+        | C::NotConfigured
+        | C::InvalidConfig => ErrorClass::Transient,
+        // The producer's identity or sequence is lost: only a new producer recovers.
+        C::Fatal
+        | C::Fenced
+        | C::ProducerFenced
+        | C::InvalidProducerEpoch
+        | C::UnknownProducerId
+        | C::OutOfOrderSequenceNumber
+        | C::InvalidProducerIdMapping
+        | C::GaplessGuarantee
+        | C::InvalidTransactionalState => ErrorClass::ProducerBroken,
+        // Everything else (too large, invalid record, bad timestamp, policy violation,
+        // invalid topic name, serialization, ...) is the record's fault.
+        _ => ErrorClass::Counted,
+    }
+}
+
+pub(super) fn class_of(e: &KafkaError) -> ErrorClass {
+    match e.rdkafka_error_code() {
+        Some(code) => classify(code),
+        // Errors without a code (client creation, canceled delivery) are the client's.
+        None => ErrorClass::Transient,
+    }
+}
+
+pub(super) fn failure(e: &KafkaError, class: ErrorClass) -> Failure {
+    let error = format!("kafka: {e}");
+    match class {
+        ErrorClass::Counted => Failure::Counted {
+            error,
+            retry_at: None,
+        },
+        ErrorClass::Transient | ErrorClass::ProducerBroken => Failure::Transient { error },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outage_errors_are_transient() {
+        for c in [
+            C::AllBrokersDown,
+            C::BrokerTransportFailure,
+            C::MessageTimedOut,
+            C::RequestTimedOut,
+            C::QueueFull,
+            C::NotLeaderForPartition,
+        ] {
+            assert_eq!(classify(c), ErrorClass::Transient, "{c:?}");
+        }
+    }
+
+    #[test]
+    fn record_errors_count() {
+        for c in [
+            C::MessageSizeTooLarge,
+            C::InvalidMessage,
+            C::InvalidRecord,
+            C::InvalidTimestamp,
+            C::InvalidTopic,
+            C::ValueSerialization,
+            C::PolicyViolation,
+            C::MessageBatchTooLarge,
+        ] {
+            assert_eq!(classify(c), ErrorClass::Counted, "{c:?}");
+        }
+    }
+
+    /// Failures about the credentials, the cluster's state or the client's set-up are
+    /// shared by every record: they must not spend attempts (issue 11, item 7).
+    #[test]
+    fn environment_errors_spend_no_attempt() {
+        for c in [
+            C::Authentication,
+            C::SSL,
+            C::SaslAuthenticationFailed,
+            C::UnsupportedSASLMechanism,
+            C::TopicAuthorizationFailed,
+            C::ClusterAuthorizationFailed,
+            C::UnknownTopicOrPartition,
+            C::UnknownTopic,
+            C::UnknownPartition,
+            C::UnsupportedVersion,
+            C::UnsupportedCompressionType,
+            C::InvalidRequiredAcks,
+        ] {
+            assert_eq!(classify(c), ErrorClass::Transient, "{c:?}");
+        }
+    }
+
+    #[test]
+    fn lost_producer_state_replaces_the_producer() {
+        for c in [
+            C::Fatal,
+            C::ProducerFenced,
+            C::UnknownProducerId,
+            C::InvalidProducerEpoch,
+            C::OutOfOrderSequenceNumber,
+        ] {
+            assert_eq!(classify(c), ErrorClass::ProducerBroken, "{c:?}");
+        }
+    }
+}
