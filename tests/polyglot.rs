@@ -92,3 +92,305 @@ async fn the_python_producer_example_runs() {
     assert_eq!(seen["invalid"]["fields"][0], "event.topic");
     s.app.stop().await.unwrap();
 }
+
+/// The buf binary `scripts/test.sh` uses: `BUF`, else `.work/buf`'s, else `buf` on PATH.
+/// Missing, the test fails: `scripts/test.sh` installs it.
+fn buf() -> String {
+    if let Ok(b) = std::env::var("BUF") {
+        return b;
+    }
+    let local = format!(
+        "{}/.work/buf/node_modules/.bin/buf",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    if std::path::Path::new(&local).exists() {
+        return local;
+    }
+    let on_path = std::process::Command::new("buf").arg("--version").output();
+    assert!(
+        on_path.is_ok_and(|o| o.status.success()),
+        "buf is required: scripts/test.sh installs it into .work/buf (or set BUF)"
+    );
+    "buf".into()
+}
+
+/// Runs a command to completion and returns (success, stdout + stderr).
+fn run(cmd: &mut std::process::Command) -> (bool, String) {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// `scripts/gen-stubs.sh` runs `buf generate` with `buf.gen.yaml`'s local plugins: every
+/// language's files appear where the proto options put them, the Python stubs import and
+/// round-trip an event, and the TypeScript ones type-check (`tsc --strict`) and load in
+/// Node. Go and Java are checked for their files and packages (no compiler is installed).
+#[test]
+fn the_stubs_generate_for_python_go_java_and_typescript() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let tmp = tempfile::tempdir().unwrap();
+    let (ok, log) = run(std::process::Command::new("bash")
+        .arg(format!("{root}/scripts/gen-stubs.sh"))
+        .arg(tmp.path())
+        .env("BUF", buf()));
+    assert!(ok, "scripts/gen-stubs.sh failed:\n{log}");
+    let gen_dir = tmp.path().join("gen");
+
+    let mut expected = Vec::new();
+    for (file, outer, service) in [
+        ("outbox", "OutboxProto", "OutboxService"),
+        ("admin", "AdminProto", "AdminService"),
+        ("inbox", "InboxProto", "InboxService"),
+        ("handler", "HandlerProto", "HandlerService"),
+    ] {
+        expected.extend([
+            format!("python/mailroom/v1/{file}_pb2.py"),
+            format!("python/mailroom/v1/{file}_pb2.pyi"),
+            format!("python/mailroom/v1/{file}_pb2_grpc.py"),
+            format!("go/mailroom/v1/{file}.pb.go"),
+            format!("go/mailroom/v1/{file}_grpc.pb.go"),
+            format!("java/dev/mailroom/v1/{outer}.java"),
+            format!("java/dev/mailroom/v1/{service}Grpc.java"),
+            format!("ts/mailroom/v1/{file}.ts"),
+        ]);
+    }
+    let missing: Vec<_> = expected
+        .iter()
+        .filter(|f| !gen_dir.join(f).is_file())
+        .collect();
+    assert!(missing.is_empty(), "not generated: {missing:?}\n{log}");
+    let read = |f: &str| std::fs::read_to_string(gen_dir.join(f)).unwrap();
+    assert!(read("go/mailroom/v1/outbox.pb.go").contains("\npackage mailroomv1\n"));
+    assert!(read("go/mailroom/v1/outbox_grpc.pb.go").contains("func NewOutboxServiceClient("));
+    assert!(
+        read("java/dev/mailroom/v1/OutboxServiceGrpc.java").contains("package dev.mailroom.v1;")
+    );
+    // java_multiple_files: one file per message.
+    assert!(gen_dir.join("java/dev/mailroom/v1/Event.java").is_file());
+
+    let (ok, out) = run(std::process::Command::new("python3")
+        .arg("-c")
+        .arg(
+            r#"
+import sys
+sys.path.insert(0, sys.argv[1])
+from mailroom.v1 import outbox_pb2, outbox_pb2_grpc, admin_pb2_grpc, inbox_pb2_grpc, handler_pb2_grpc
+e = outbox_pb2.Event(topic="py.stubs", key="k", payload=b"\x00\xff", headers={"a": "b"})
+back = outbox_pb2.Event.FromString(e.SerializeToString())
+assert back == e, back
+for cls in (outbox_pb2_grpc.OutboxServiceStub, admin_pb2_grpc.AdminServiceStub,
+            inbox_pb2_grpc.InboxServiceStub, handler_pb2_grpc.HandlerServiceServicer):
+    assert callable(cls)
+print("python stubs ok", outbox_pb2.DESCRIPTOR.package)
+"#,
+        )
+        .arg(gen_dir.join("python")));
+    assert!(ok, "the generated Python stubs do not load:\n{out}");
+    assert!(out.contains("python stubs ok mailroom.v1"), "{out}");
+
+    // ts-proto's output imports @bufbuild/protobuf and @grpc/grpc-js: gen-stubs.sh
+    // installed both (with tsc) in .work/stubs.
+    let modules = format!("{root}/.work/stubs/node_modules");
+    let ts = gen_dir.join("ts");
+    std::os::unix::fs::symlink(&modules, ts.join("node_modules")).unwrap();
+    let mut tsc = std::process::Command::new(format!("{modules}/.bin/tsc"));
+    tsc.args([
+        "--strict",
+        "--target",
+        "es2020",
+        "--module",
+        "commonjs",
+        "--moduleResolution",
+        "node",
+        "--esModuleInterop",
+        "--skipLibCheck",
+        "--outDir",
+    ])
+    .arg(ts.join("dist"));
+    for file in ["outbox", "admin", "inbox", "handler"] {
+        tsc.arg(ts.join(format!("mailroom/v1/{file}.ts")));
+    }
+    let (ok, out) = run(&mut tsc);
+    assert!(ok, "the generated TypeScript does not compile:\n{out}");
+    let (ok, out) = run(std::process::Command::new("node")
+        .arg("-e")
+        .arg(
+            r#"
+const { Event, OutboxServiceClient } = require(process.argv[1]);
+const e = Event.fromPartial({ topic: "ts.stubs", key: "k", payload: Buffer.from([0, 255]), headers: { a: "b" } });
+const back = Event.decode(Event.encode(e).finish());
+if (back.topic !== "ts.stubs" || back.headers.a !== "b" || back.payload[1] !== 255) throw new Error(JSON.stringify(back));
+if (typeof OutboxServiceClient !== "function") throw new Error("no OutboxServiceClient");
+console.log("ts stubs ok");
+"#,
+        )
+        .arg(ts.join("dist/mailroom/v1/outbox.js")));
+    assert!(ok, "the compiled TypeScript stubs do not load:\n{out}");
+    assert!(out.contains("ts stubs ok"), "{out}");
+}
+
+/// The newest release image in `proto/releases/` (`vMAJOR.MINOR.PATCH.binpb`), the one
+/// `scripts/test.sh` checks against.
+fn last_release() -> String {
+    let dir = format!("{}/proto/releases", env!("CARGO_MANIFEST_DIR"));
+    let version = |name: &str| -> Option<Vec<u64>> {
+        let v = name.strip_prefix('v')?.strip_suffix(".binpb")?;
+        v.split('.').map(|n| n.parse().ok()).collect()
+    };
+    let newest = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.unwrap().file_name().into_string().ok())
+        .filter_map(|name| Some((version(&name)?, name)))
+        .max()
+        .unwrap_or_else(|| panic!("no release image in {dir}"));
+    format!("{dir}/{}", newest.1)
+}
+
+/// CI's `buf breaking` against the committed image of the last release
+/// (`proto/releases/v0.1.0.binpb`) passes on the unchanged protos and fails, naming the
+/// change, on a renumbered field and a deleted RPC.
+#[test]
+fn buf_breaking_against_the_release_names_a_breaking_change() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let against = last_release();
+    let breaking = |dir: &std::path::Path| {
+        run(std::process::Command::new(buf())
+            .args(["breaking", "--against", &against])
+            .current_dir(dir))
+    };
+    let (ok, out) = breaking(std::path::Path::new(root));
+    assert!(ok, "the repository's protos break the release:\n{out}");
+
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(format!("{root}/buf.yaml"), tmp.path().join("buf.yaml")).unwrap();
+    let v1 = tmp.path().join("proto/mailroom/v1");
+    std::fs::create_dir_all(&v1).unwrap();
+    for file in ["outbox", "admin", "inbox", "handler"] {
+        std::fs::copy(
+            format!("{root}/proto/mailroom/v1/{file}.proto"),
+            v1.join(format!("{file}.proto")),
+        )
+        .unwrap();
+    }
+    let (ok, out) = breaking(tmp.path());
+    assert!(ok, "an unchanged copy breaks the release:\n{out}");
+
+    let outbox = v1.join("outbox.proto");
+    let text = std::fs::read_to_string(&outbox).unwrap();
+    let changed = text
+        .replacen("  string key = 2;\n", "  string key = 9;\n", 1)
+        .replacen(
+            "  rpc EnqueueBatch(EnqueueBatchRequest) returns (EnqueueBatchResponse);\n",
+            "",
+            1,
+        );
+    assert!(changed.contains("string key = 9;") && !changed.contains("rpc EnqueueBatch("));
+    std::fs::write(&outbox, changed).unwrap();
+    let (ok, out) = breaking(tmp.path());
+    assert!(
+        !ok,
+        "a renumbered field and a deleted RPC passed buf breaking:\n{out}"
+    );
+    assert!(
+        out.contains(r#"field "2" with name "key" on message "Event" was deleted"#),
+        "{out}"
+    );
+    assert!(
+        out.contains(r#"RPC "EnqueueBatch" on service "OutboxService" was deleted"#),
+        "{out}"
+    );
+}
+
+/// The `node_modules` of `examples/node` (its committed lock file), kept in
+/// `.work/node-example`; `npm ci` runs only when they are missing or the lock changed.
+fn node_example_modules() -> String {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dir = format!("{root}/.work/node-example");
+    let lock = format!("{root}/examples/node/package-lock.json");
+    let installed = std::fs::read(format!("{dir}/package-lock.json")).ok();
+    let fresh = installed == std::fs::read(&lock).ok()
+        && std::path::Path::new(&format!("{dir}/node_modules/@grpc/grpc-js")).exists();
+    if !fresh {
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(
+            format!("{root}/examples/node/package.json"),
+            format!("{dir}/package.json"),
+        )
+        .unwrap();
+        std::fs::copy(&lock, format!("{dir}/package-lock.json")).unwrap();
+        let (ok, out) = run(std::process::Command::new("npm")
+            .args(["ci", "--no-audit", "--no-fund", "--prefer-offline"])
+            .current_dir(&dir));
+        assert!(
+            ok,
+            "npm ci for examples/node failed (npm is required):\n{out}"
+        );
+    }
+    format!("{dir}/node_modules")
+}
+
+/// `examples/node/producer.js` runs as documented: @grpc/grpc-js with the protos loaded
+/// at run time enqueues (a retry is a duplicate) and decodes the `ErrorInfo` reason and
+/// `BadRequest` fields of a refused event from `grpc-status-details-bin`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_producer_example_runs() {
+    let modules = node_example_modules();
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    let s = Service::start(c).await;
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = tokio::process::Command::new("node")
+        .arg(format!("{root}/examples/node/producer.js"))
+        .arg(s.app.addr.to_string())
+        .arg(format!("{root}/proto"))
+        .env("NODE_PATH", &modules)
+        .output()
+        .await
+        .expect("node is required");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "node producer example failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    let id: i64 = seen["id"]
+        .as_str()
+        .expect("id as a string")
+        .parse()
+        .unwrap();
+    assert_eq!(seen["duplicate_id"], seen["id"]);
+    let stored = s
+        .app
+        .store
+        .get_event(BoxKind::Outbox, id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.topic, "examples.orders");
+    assert_eq!(stored.key.as_deref(), Some("order-42"));
+    assert_eq!(stored.payload, br#"{"total":10}"#);
+    assert_eq!(stored.headers["content-type"], "application/json");
+    assert_eq!(stored.event_type.as_deref(), Some("order.created"));
+    // The retry with the same idempotency key stored nothing new.
+    assert_eq!(
+        s.app
+            .store
+            .count_events(BoxKind::Outbox, None)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(seen["invalid"]["code"], "INVALID_ARGUMENT");
+    assert_eq!(seen["invalid"]["reason"], "INVALID_ARGUMENT");
+    assert_eq!(seen["invalid"]["domain"], "mailroom.v1");
+    assert_eq!(seen["invalid"]["fields"][0], "event.topic");
+    s.app.stop().await.unwrap();
+}
