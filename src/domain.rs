@@ -341,7 +341,7 @@ mod tests {
     #[test]
     fn fingerprint_matches_the_sql_api() {
         // `SELECT mailroom_fingerprint('orders', '42', '\\x000102', '{"a":"b"}', NULL, NULL, 6)`
-        // on a database migrated with 0007 (tests/sql_api.rs checks more cases live).
+        // on a database migrated with 0007 (tests/it/sql_api.rs checks more cases live).
         assert_eq!(event().fingerprint(), 3233139743323162467);
         // Rows stored before 0007 carry the legacy fingerprint; both are accepted.
         assert!(event().same_content(event().legacy_fingerprint()));

@@ -6,7 +6,7 @@ Usage: sql_api_client.py APP_URL
 APP_URL connects as an application role holding `mailroom_producer`, with SELECT and
 INSERT on a table `orders (id bigint primary key, total integer)`. Prints one JSON line:
 what was committed (per key, payloads in commit order), rolled back and crashed, and the
-SQLSTATEs seen. tests/sql_api.rs drives it and checks Kafka against it.
+SQLSTATEs seen. tests/it/sql_api.rs drives it and checks Kafka against it.
 """
 
 import json

@@ -5,21 +5,17 @@
 //! Short by default (CI); `MAILROOM_SOAK=1` multiplies durations and counts by 10
 //! (`MAILROOM_SOAK=N`: by N). Each test prints its figures (`eprintln!`, shown with
 //! `--nocapture`) and its random seed (`MAILROOM_FAULT_SEED` replays it).
-//! Scenario 7 (hostile input) is `tests/hostile.rs`; scenario 6 (overload) is
-//! `tests/production.rs::overload_sheds_fast_and_loses_nothing`.
-
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
+//! Scenario 7 (hostile input) is `tests/it/hostile.rs`; scenario 6 (overload) is
+//! `tests/it/production.rs::overload_sheds_fast_and_loses_nothing`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::faults::*;
-use common::proxy::Proxy;
-use common::*;
+use crate::support::faults::*;
+use crate::support::proxy::Proxy;
+use crate::support::*;
 use mailroom::pb;
 use mailroom::pb::handler_service_server::{HandlerService, HandlerServiceServer};
 use tokio_stream::wrappers::TcpListenerStream;
@@ -584,12 +580,13 @@ async fn answered_before_sent_means_published_before_across_processes() {
     let mut published = Vec::new();
     let mut gaps = 0.0;
     for p in metrics_ports {
-        let text = common::probe::scrape(format!("127.0.0.1:{p}").parse().unwrap()).await;
-        published.push(common::probe::sample(
+        let text = crate::support::probe::scrape(format!("127.0.0.1:{p}").parse().unwrap()).await;
+        published.push(crate::support::probe::sample(
             &text,
             "mailroom_outbox_published_total",
         ));
-        gaps += common::probe::sample(&text, "mailroom_relay_delivered_after_failure_total");
+        gaps +=
+            crate::support::probe::sample(&text, "mailroom_relay_delivered_after_failure_total");
     }
     eprintln!(
         "answered before sent: {} acknowledged over {} keys by 6 writers through 2 processes, \

@@ -1,13 +1,9 @@
 //! Byte budgets (issue 11, item 8): the gRPC decoding limit is per method, and an
 //! oversized request is refused before it is buffered, with a status naming the limit.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::support::*;
 use mailroom::pb;
 use mailroom::pb::outbox_service_client::OutboxServiceClient;
 

@@ -7,16 +7,12 @@
 //!
 //! Cases: 256 per pure property, 64 per gRPC run; `MAILROOM_SOAK` multiplies both.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
+use crate::support::faults::soak;
+use crate::support::*;
 use base64::Engine as _;
-use common::faults::soak;
-use common::*;
 use mailroom::api::convert::{Limits, check_topic, enqueue_batch_request, new_event};
 use mailroom::domain::BoxKind;
 use mailroom::error::Error;

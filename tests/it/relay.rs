@@ -2,17 +2,13 @@
 //! under transient and counted failures, backoff, attempt budgets, outages, several
 //! relays, runs per key, claim cost, a stand test and a crash.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::probe::*;
-use common::*;
+use crate::support::probe::*;
+use crate::support::*;
 use mailroom::domain::{BoxKind, EventId, Queue, Status, StoredEvent};
 use mailroom::pb;
 use mailroom::relay::backoff::RetryPolicy;

@@ -4,15 +4,11 @@
 //! RequeueFailed, CancelEvents with `box = BOX_INBOX`, the wake-up of keys a dispatcher
 //! held, and `mailroom admin --inbox`.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::support::*;
 use mailroom::admin::{AdminKey, RequeueRequest, Selection};
 use mailroom::config::Config;
 use mailroom::domain::{BoxKind, InboundMessage, Status};

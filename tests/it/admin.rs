@@ -2,14 +2,10 @@
 //! RequeueFailed, CancelEvents, GetEvent, ListEvents, ListAudit, GetStats, the bearer
 //! token, and the `mailroom admin` CLI end to end.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::*;
+use crate::support::*;
 use mailroom::domain::BoxKind;
 use mailroom::pb;
 use mailroom::pb::admin_service_client::AdminServiceClient;
@@ -350,7 +346,7 @@ async fn list_pending_groups_orders_filters_and_pages() {
             .await
             .unwrap_err();
         assert_eq!(field_of(&err), "page_size");
-        // The inbox is another box (tests/admin_inbox.rs): here it is empty.
+        // The inbox is another box (tests/it/admin_inbox.rs): here it is empty.
         let inbox = list_pending(
             &mut a,
             pb::ListPendingRequest {

@@ -6,10 +6,6 @@
 //!
 //! `MAILROOM_CONSOLE_SCREENSHOTS=DIR` saves a PNG of each page there (docs/img).
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -17,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::*;
+use crate::support::*;
 use fantoccini::{Client, ClientBuilder, Locator};
 use mailroom::config::{Config, Settings};
 use mailroom::domain::{BoxKind, Status, StoredEvent};

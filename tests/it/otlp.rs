@@ -3,15 +3,11 @@
 //! after OpenTelemetry's RPC conventions, configured by the standard `OTEL_*` variables,
 //! and not silenced by `RUST_LOG`.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::support::*;
 use mailroom::pb;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -209,7 +205,7 @@ async fn enqueue_spans_join_the_producers_trace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_are_exported_over_tls_with_a_client_certificate() {
     use tonic::transport::{Certificate, Identity, ServerTlsConfig};
-    let pki = common::pki::pki();
+    let pki = crate::support::pki::pki();
     let read = |p: &std::path::Path| std::fs::read(p).unwrap();
     let tls = ServerTlsConfig::new()
         .identity(Identity::from_pem(

@@ -1,17 +1,13 @@
 //! The production surface (issue 7): tokens and scopes, overload, transport limits,
 //! secrets in logs, metrics, retention and TLS, against real PostgreSQL and SQLite.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::probe::*;
-use common::*;
+use crate::support::probe::*;
+use crate::support::*;
 use mailroom::domain::{BoxKind, Status};
 use mailroom::pb;
 use mailroom::pb::admin_service_client::AdminServiceClient;

@@ -1,4 +1,4 @@
-//! Helpers of the fault suite (`tests/faults.rs`, `tests/hostile.rs`): the soak factor,
+//! Helpers of the fault suite (`tests/it/faults.rs`, `tests/it/hostile.rs`): the soak factor,
 //! mailroom processes that can be SIGKILLed and restarted, a broker that advertises a
 //! proxy, writers that enqueue continuously and retry, and the end-of-run verdict
 //! (acknowledged ⊆ delivered, first deliveries in order per key, duplicates).
@@ -70,9 +70,6 @@ impl Rng {
     pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
         lo + self.next() % (hi - lo).max(1)
     }
-    pub fn chance(&mut self, p: f64) -> bool {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
-    }
 }
 
 /// The mailroom binary as a separate process, SIGKILLed and restarted at will on the
@@ -124,14 +121,6 @@ impl Mailroom {
 
     pub fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.port)
-    }
-
-    pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    pub fn running(&self) -> bool {
-        self.child.is_some()
     }
 
     /// Starts the process (not waiting for it).

@@ -4,8 +4,6 @@
 //! `mailroom --help` lists them), the ConfigMap's values pass the binary's own
 //! validation, and the Dockerfile builds and runs the binary it names.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;

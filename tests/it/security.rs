@@ -8,18 +8,14 @@
 //!   free port that refuses connections without TLS.
 //! - TLS and mTLS towards an inbox handler and from `mailroom admin`.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::pki::{Pki, pki};
-use common::*;
+use crate::support::pki::{Pki, pki};
+use crate::support::*;
 use mailroom::api::auth::{Scope, TokenEntry};
 use mailroom::config::{Config, Settings};
 use mailroom::inbox::SubscriptionConfig;
@@ -171,7 +167,7 @@ async fn invented_paths_do_not_grow_metric_labels() {
             .await;
         assert_eq!(r.unwrap_err().code(), tonic::Code::Unauthenticated);
     }
-    let text = common::probe::scrape(s.app.metrics_addr.unwrap()).await;
+    let text = crate::support::probe::scrape(s.app.metrics_addr.unwrap()).await;
     assert!(
         !text.contains("evil"),
         "invented paths became labels:\n{text}"
@@ -494,7 +490,7 @@ async fn kafka_over_tls_with_zstd_reaches_the_inbox() {
     let proxy_port = proxy.local_addr().unwrap().port();
     let broker_port = free_port();
     let _broker =
-        common::Broker::start_advertising(broker_port, &format!("localhost:{proxy_port}"));
+        crate::support::Broker::start_advertising(broker_port, &format!("localhost:{proxy_port}"));
     tls_proxy(proxy, format!("127.0.0.1:{broker_port}"), &pki);
     let brokers = format!("localhost:{proxy_port}");
     let props = BTreeMap::from([

@@ -1,15 +1,11 @@
 //! The foundation's contract, against real PostgreSQL and SQLite: round trips, batch
 //! atomicity, idempotency, concurrency, validation, health and shutdown.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::HashSet;
 use std::time::Duration;
 
-use common::probe::*;
-use common::*;
+use crate::support::probe::*;
+use crate::support::*;
 use mailroom::domain::{BoxKind, Status};
 use mailroom::pb;
 use tonic::Code;

@@ -1,13 +1,9 @@
 //! The conventions generic gRPC tools assume (issue 14): server reflection in both
 //! versions, standard error details, and an operator client whose `--help` is its own.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::support::*;
 use mailroom::api::status::{DOMAIN, reason};
 use mailroom::pb;
 use tonic::Code;

@@ -1,11 +1,7 @@
 //! The polyglot contract: a Python `grpcio` client, with stubs generated from `proto/` at
 //! test time, enqueues events and runs the standard health check.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
-use common::*;
+use crate::support::*;
 use mailroom::domain::BoxKind;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

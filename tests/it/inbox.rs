@@ -1,16 +1,12 @@
 //! The inbox against real PostgreSQL, a real broker and real gRPC handlers (Rust and
 //! Python): end to end from the outbox, redelivery, every handler outcome, `Receive`.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::probe::*;
-use common::*;
+use crate::support::probe::*;
+use crate::support::*;
 use mailroom::config::Config;
 use mailroom::domain::{BoxKind, Status};
 use mailroom::inbox::SubscriptionConfig;

@@ -1,13 +1,9 @@
 //! One conformance suite for both store engines (PostgreSQL and SQLite): claiming by key,
 //! leases, settling, stale claims and wake-ups for events that arrive during a claim.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::support::*;
 use mailroom::app::open_store;
 use mailroom::domain::{BoxKind, NewEvent, Queue, Status};
 use mailroom::store::{Admission, ClaimLimits, EventUpdate, KeyRelease, Readiness, Store};

@@ -5,15 +5,11 @@
 //! idempotency, pending counts and wake-ups are those of gRPC Enqueue; the producer role
 //! can do nothing else.
 
-#![allow(clippy::unwrap_used)] // a panic is how a test fails
-
-mod common;
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::support::*;
 use mailroom::domain::{BoxKind, NewEvent, Status};
 use mailroom::pb;
 use sqlx::postgres::{PgPool, PgPoolOptions};

@@ -1,7 +1,6 @@
 //! Test harness: real PostgreSQL databases, real tansu brokers, a cuttable TCP proxy,
 //! and mailroom started in-process on 127.0.0.1:0. Missing infrastructure fails the
 //! test (it is never skipped): run the suite through `scripts/test.sh`.
-#![allow(dead_code, clippy::unwrap_used)]
 
 pub mod faults;
 pub mod pki;
@@ -314,8 +313,6 @@ pub struct Record {
     pub key: String,
     pub payload: Vec<u8>,
     pub headers: HashMap<String, String>,
-    pub partition: i32,
-    pub offset: i64,
 }
 
 /// Reads a topic from the beginning until `expected` distinct records (by `ce_id`, so
@@ -357,8 +354,6 @@ pub fn consume(brokers: &str, topic: &str, expected: usize, timeout: Duration) -
                     .unwrap_or_default(),
                 payload: m.payload().unwrap_or_default().to_vec(),
                 headers,
-                partition: m.partition(),
-                offset: m.offset(),
             });
         }
     }

@@ -1,0 +1,27 @@
+//! mailroom's integration tests, one binary: each module is one capability, driven
+//! through the real wire against real PostgreSQL databases and real tansu brokers
+//! (`scripts/test.sh` starts them); `support` is the harness they share. Missing
+//! infrastructure fails a test, it never skips it.
+
+// A panic is how a test fails.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+mod admin;
+mod admin_inbox;
+mod byte_budgets;
+mod console;
+mod conventions;
+mod deploy;
+mod enqueue;
+mod faults;
+mod hostile;
+mod inbox;
+mod otlp;
+mod polyglot;
+mod production;
+mod relay;
+mod security;
+mod sql_api;
+mod store;
