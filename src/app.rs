@@ -173,11 +173,15 @@ async fn base_sink(config: &Config, source: String) -> anyhow::Result<Arc<dyn Si
 
 /// A running mailroom.
 pub struct App {
+    /// The gRPC address (port 0 resolved).
     pub addr: SocketAddr,
+    /// The store every part shares.
     pub store: Arc<dyn Store>,
+    /// Each outbox relay's counters.
     pub relay_stats: Vec<Arc<RelayStats>>,
     /// The inbox's dispatchers and consumers, by subscription.
     pub inbox: crate::inbox::InboxHandles,
+    /// The Prometheus registry.
     pub metrics: Metrics,
     /// Where `/metrics` is served, when `metrics_listen` is set.
     pub metrics_addr: Option<SocketAddr>,

@@ -28,12 +28,14 @@ pub const SERVICES: &[&str] = &[
 /// whatever the database does (restarting a process does not bring a database back).
 pub const LIVENESS: &str = "liveness";
 
+/// The `grpc.health.v1` statuses of every service.
 #[derive(Clone)]
 pub struct Health {
     reporter: HealthReporter,
 }
 
 impl Health {
+    /// Health over tonic-health's reporter.
     pub fn new(reporter: HealthReporter) -> Self {
         Health { reporter }
     }
@@ -45,6 +47,7 @@ impl Health {
             .await;
     }
 
+    /// Sets every service's status (the empty name included).
     pub async fn set_all(&self, status: ServingStatus) {
         for s in SERVICES {
             self.reporter.set_service_status(*s, status).await;
@@ -102,7 +105,8 @@ impl Health {
                 } else {
                     tracing::warn!(
                         database_ok = db_ok,
-                        destination_down_ms = broker_down_for.map(|d| d.as_millis() as u64),
+                        destination_down_ms = broker_down_for
+                            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
                         lag_ok,
                         "not ready: NOT_SERVING"
                     );

@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::Metrics;
 use crate::store::{Store, StoreResult};
 
+/// What retention deletes, and how often.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RetentionConfig {
     /// Age (since publication) past which completed events are deleted; `None`: never.
@@ -46,8 +47,11 @@ impl Default for RetentionConfig {
 /// What one round deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RoundReport {
+    /// Completed events deleted.
     pub completed: u64,
+    /// Failed events deleted.
     pub failed: u64,
+    /// Idle key rows deleted.
     pub keys: u64,
 }
 

@@ -51,6 +51,7 @@ impl Caller {
 }
 
 impl AdminApi {
+    /// The service over the admin middle layer.
     pub fn new(admin: Admin) -> Self {
         AdminApi {
             admin,
@@ -172,6 +173,7 @@ fn filter_is_empty(f: &EventFilter) -> bool {
     *f == EventFilter::default()
 }
 
+/// Validates a `ListPending` request.
 pub fn pending_query(b: BoxKind, r: pb::ListPendingRequest) -> Result<PendingQuery, Error> {
     let order = match pb::PendingOrder::try_from(r.order) {
         Ok(pb::PendingOrder::Unspecified | pb::PendingOrder::MostPending) => {
@@ -227,6 +229,7 @@ fn request_id(v: String) -> Result<Option<String>, Error> {
     Ok(Some(v))
 }
 
+/// Validates a `RequeueFailed` request; `actor` is the authenticated caller.
 pub fn requeue_request(
     b: BoxKind,
     r: pb::RequeueFailedRequest,
@@ -280,6 +283,7 @@ pub fn requeue_request(
     })
 }
 
+/// Validates a `CancelEvents` request; `actor` is the authenticated caller.
 pub fn cancel_request(r: pb::CancelEventsRequest, actor: String) -> Result<CancelRequest, Error> {
     let request_id = request_id(r.request_id.clone())?;
     let mut v = Vec::new();
@@ -356,6 +360,7 @@ fn pb_status(s: EventStatus) -> pb::EventStatus {
     }
 }
 
+/// An event as the wire shows it.
 pub fn event_info(d: EventDetail) -> pb::EventInfo {
     let e = d.event;
     let subscription = d.subscription.unwrap_or_default();

@@ -96,7 +96,8 @@ impl pb::inbox_service_server::InboxService for InboxApi {
                     group: s.group.clone(),
                     handler: s.handler.clone(),
                     handler_timeout: Some(to_duration(s.handler_timeout)),
-                    concurrency: s.concurrency as u32,
+                    // Config caps concurrency at 1024.
+                    concurrency: u32::try_from(s.concurrency).unwrap_or(u32::MAX),
                     max_attempts: s.retry.max_attempts,
                     retry_base: Some(to_duration(s.retry.base)),
                     retry_cap: Some(to_duration(s.retry.cap)),

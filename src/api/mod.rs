@@ -25,6 +25,7 @@ pub struct RpcLogLayer {
 }
 
 impl RpcLogLayer {
+    /// The layer, counting into `metrics`.
     pub fn new(metrics: Metrics) -> Self {
         RpcLogLayer { metrics }
     }
@@ -40,6 +41,7 @@ impl<S> Layer<S> for RpcLogLayer {
     }
 }
 
+/// The service `RpcLogLayer` wraps around the routes.
 #[derive(Clone)]
 pub struct RpcLog<S> {
     inner: S,

@@ -11,6 +11,7 @@ use crate::intake::Intake;
 use crate::metrics::Metrics;
 use crate::pb;
 
+/// `OutboxService`: validates, then hands events to the group commit.
 pub struct OutboxApi {
     intake: Intake,
     limits: Limits,
@@ -18,6 +19,7 @@ pub struct OutboxApi {
 }
 
 impl OutboxApi {
+    /// The service over `intake`, validating against `limits`.
     pub fn new(intake: Intake, limits: Limits) -> Self {
         OutboxApi {
             intake,
@@ -112,6 +114,7 @@ pub struct OutboxLimits {
 }
 
 impl OutboxLimits {
+    /// The service with its per-method request size limits.
     pub fn new(api: OutboxApi, single_limit: usize, batch_limit: usize) -> Self {
         use pb::outbox_service_server::OutboxServiceServer;
         let api = std::sync::Arc::new(api);

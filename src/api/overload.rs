@@ -19,6 +19,7 @@ use tokio::sync::Semaphore;
 use tonic::codegen::http;
 use tower::{Layer, Service};
 
+/// Limits that keep the server answering under load.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct OverloadConfig {
     /// RPCs in flight at once; 0 = no limit.
@@ -36,6 +37,7 @@ impl Default for OverloadConfig {
     }
 }
 
+/// Refuses RPCs past the concurrency limit and cuts them at the deadline.
 #[derive(Clone)]
 pub struct OverloadLayer {
     permits: Option<Arc<Semaphore>>,
@@ -43,6 +45,7 @@ pub struct OverloadLayer {
 }
 
 impl OverloadLayer {
+    /// The layer for `c`.
     pub fn new(c: OverloadConfig) -> Self {
         OverloadLayer {
             permits: (c.max_concurrent_rpcs > 0)
@@ -63,6 +66,7 @@ impl<S> Layer<S> for OverloadLayer {
     }
 }
 
+/// The service `OverloadLayer` wraps around the routes.
 #[derive(Clone)]
 pub struct Overload<S> {
     inner: S,

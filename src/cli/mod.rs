@@ -16,6 +16,7 @@ pub use render::{age, truncate};
 use crate::pb;
 use crate::pb::time::to_timestamp;
 
+/// `mailroom admin`'s own options, parsed apart from the server's.
 #[derive(Debug, Args)]
 pub struct AdminArgs {
     /// Address of the running mailroom.
@@ -46,11 +47,16 @@ pub struct AdminArgs {
     /// requeue by filter, and stats.
     #[arg(long, global = true)]
     pub subscription: Option<String>,
+    /// The command to run.
     #[command(subcommand)]
     pub command: AdminCommand,
 }
 
+/// Which box a command acts on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+// No variant docs: clap would print them as value help and switch `--help` to its
+// long form.
+#[allow(missing_docs)]
 pub enum BoxArg {
     Outbox,
     Inbox,
@@ -71,6 +77,7 @@ impl AdminArgs {
     }
 }
 
+/// The event filter of `failed` and `requeue`.
 #[derive(Debug, Args, Default)]
 pub struct FilterArgs {
     /// Only this topic.
@@ -107,6 +114,7 @@ impl FilterArgs {
     }
 }
 
+/// The admin commands.
 #[derive(Debug, Subcommand)]
 pub enum AdminCommand {
     /// The backlog grouped by (topic, key); by (subscription, topic, key) for the inbox.
@@ -132,6 +140,7 @@ pub enum AdminCommand {
     },
     /// Failed events, newest first.
     Failed {
+        /// Which failed events.
         #[command(flatten)]
         filter: FilterArgs,
         /// Events per page.
@@ -143,6 +152,7 @@ pub enum AdminCommand {
     },
     /// One event with everything known about it.
     Get {
+        /// The event's id.
         id: i64,
         /// Include the payload (base64 in JSON, text when printable otherwise).
         #[arg(long)]
@@ -152,6 +162,7 @@ pub enum AdminCommand {
     Requeue {
         /// Event ids; when given, no filter flags.
         ids: Vec<i64>,
+        /// Which failed events.
         #[command(flatten)]
         filter: FilterArgs,
         /// At most this many events [server default: 1000].

@@ -23,23 +23,36 @@ pub use settings::{Settings, SubscriptionSettings};
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// gRPC listen address.
     pub listen: SocketAddr,
+    /// `sqlite://FILE` (embedded) or `postgres://…`.
     pub database_url: String,
+    /// PostgreSQL connections of the enqueue pool; the others are sized from it.
     pub database_max_connections: u32,
+    /// Run the migrations at start-up.
     pub migrate: bool,
+    /// How logs are written.
     pub log_format: LogFormat,
+    /// Where relays publish.
     pub sink: SinkConfig,
     /// `MAILROOM_SOURCE`; `None` means `mailroom/<installation id>` (see `app::ce_source`).
     pub source: Option<String>,
+    /// Relay tasks in this process.
     pub relays: usize,
+    /// The relays' claim sizes, leases, polling and retry policy.
     pub relay: RelayConfig,
+    /// Wake relays of other processes with PostgreSQL LISTEN/NOTIFY.
     pub listen_notify: bool,
+    /// What one event may carry, and the largest batch.
     pub limits: Limits,
     /// Largest `EnqueueBatch` request on the wire (`Enqueue` is limited to one event:
     /// `enqueue_request_bytes`).
     pub max_batch_bytes: usize,
+    /// The group commit in front of the database.
     pub intake: IntakeConfig,
+    /// How long a SIGTERM drain may take before in-flight work is cut.
     pub shutdown_grace: Duration,
+    /// How often readiness checks the database.
     pub health_interval: Duration,
     /// Readiness drops once the broker has been unreachable this long.
     pub ready_max_broker_down: Option<Duration>,
@@ -58,16 +71,23 @@ pub struct Config {
     pub subscriptions: Vec<SubscriptionConfig>,
     /// Tokens from `tokens_file` (the admin token is added to them by the app).
     pub tokens: Vec<crate::api::auth::TokenEntry>,
+    /// Prometheus `/metrics` address, when served.
     pub metrics_listen: Option<SocketAddr>,
     /// The operator console's address, when it is served.
     pub console_listen: Option<SocketAddr>,
+    /// The console shows but never acts, whatever the token.
     pub console_read_only: bool,
+    /// How often the backlog gauges are refreshed.
     pub metrics_stats_interval: Duration,
+    /// TLS of the gRPC port; `None`: plaintext.
     pub tls: Option<ServerTls>,
+    /// Concurrency limit and deadline of every RPC.
     pub overload: crate::api::overload::OverloadConfig,
+    /// How long a query waits for a pooled connection.
     pub database_acquire_timeout: Duration,
     /// PostgreSQL `statement_timeout` per query class.
     pub database_timeouts: DatabaseTimeouts,
+    /// What retention deletes, and how often.
     pub retention: crate::retention::RetentionConfig,
 }
 
@@ -187,7 +207,9 @@ pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> St
 #[derive(Debug, thiserror::Error)]
 #[error("invalid setting {setting}: {reason}")]
 pub struct ConfigError {
+    /// The setting, as flag/file name and environment variable.
     pub setting: &'static str,
+    /// Why its value was refused.
     pub reason: String,
 }
 

@@ -40,7 +40,9 @@ pub const METADATA_REFRESH_MS: u32 = 3000;
 /// Intake counters.
 #[derive(Debug, Default)]
 pub struct IntakeStats {
+    /// Records read from Kafka.
     pub received: AtomicU64,
+    /// Records dropped as duplicates.
     pub duplicates: AtomicU64,
     /// Records stored as `failed` at intake: over the limits, or refused by the database
     /// and stored stripped.
@@ -154,6 +156,7 @@ pub fn inbound(m: &OwnedMessage, max_attempts: u32, limits: &Limits) -> InboundM
     }
 }
 
+/// The consumer's librdkafka settings: manual offset commits, from the earliest offset.
 pub fn consumer_config(
     brokers: &str,
     group: &str,
@@ -181,8 +184,11 @@ pub fn consumer_config(
 /// Where a record sits in the log.
 #[derive(Debug, Clone)]
 pub struct Place {
+    /// The topic.
     pub topic: String,
+    /// The partition.
     pub partition: i32,
+    /// The offset.
     pub offset: i64,
 }
 

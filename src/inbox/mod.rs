@@ -30,12 +30,19 @@ use crate::tls::ClientTls;
 /// A validated subscription.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SubscriptionConfig {
+    /// Name, `[a-zA-Z0-9._-]`, unique.
     pub name: String,
+    /// Kafka topics consumed (none: `Receive` only).
     pub topics: Vec<String>,
+    /// Kafka consumer group.
     pub group: String,
+    /// The subscriber's `HandlerService` URL.
     pub handler: String,
+    /// Deadline of one `Handle` call.
     pub handler_timeout: Duration,
+    /// Keys handled at once.
     pub concurrency: usize,
+    /// Attempts and backoff of a message.
     pub retry: RetryPolicy,
     /// TLS towards the handler (files read when the inbox starts).
     pub handler_tls: ClientTls,
@@ -50,13 +57,16 @@ pub struct SubscriptionConfig {
 pub struct InboxHandles {
     /// Wakes a subscription's dispatcher.
     pub wakers: Arc<HashMap<String, Arc<Notify>>>,
+    /// Each subscription's dispatcher counters.
     pub dispatch_stats: Arc<HashMap<String, Arc<RelayStats>>>,
+    /// Each subscription's Kafka intake counters.
     pub intake_stats: Arc<HashMap<String, Arc<consumer::IntakeStats>>>,
     /// Duration of each Handle call, per subscription.
     pub handler_latency: Arc<HashMap<String, Arc<crate::relay::Latency>>>,
 }
 
 impl InboxHandles {
+    /// Wakes `subscription`'s dispatcher (new work is stored).
     pub fn wake(&self, subscription: &str) {
         if let Some(w) = self.wakers.get(subscription) {
             w.notify_one();

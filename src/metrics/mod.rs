@@ -89,6 +89,7 @@ impl Metrics {
         Metrics::with_inbox(relays, InboxHandles::default())
     }
 
+    /// Metrics over the relays' stats and the inbox's handles.
     pub fn with_inbox(relays: Vec<Arc<RelayStats>>, inbox: InboxHandles) -> Metrics {
         let mut registry = Registry::default();
         let enqueued = Family::<TopicLabel, Counter>::default();
@@ -209,6 +210,7 @@ impl Metrics {
         TopicLabel { topic }
     }
 
+    /// Counts an enqueue call's stored events and duplicates for `topic`.
     pub fn enqueued(&self, topic: &str, inserted: u64, duplicates: u64) {
         let t = self.topic(topic);
         if inserted > 0 {
@@ -219,14 +221,17 @@ impl Metrics {
         }
     }
 
+    /// Counts events an operator requeued.
     pub fn requeued(&self, n: u64) {
         self.inner.requeued.inc_by(n);
     }
 
+    /// Counts events an operator cancelled.
     pub fn cancelled(&self, n: u64) {
         self.inner.cancelled.inc_by(n);
     }
 
+    /// Counts events retention deleted with `status`.
     pub fn retention_deleted(&self, status: &str, n: u64) {
         self.inner
             .retention_deleted
@@ -236,6 +241,7 @@ impl Metrics {
             .inc_by(n);
     }
 
+    /// Counts idle key rows retention deleted.
     pub fn keys_pruned(&self, n: u64) {
         self.inner.keys_pruned.inc_by(n);
     }

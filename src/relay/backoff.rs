@@ -42,7 +42,8 @@ impl RetryPolicy {
             return Duration::ZERO;
         }
         let half = d / 2;
-        let span = (d - half).as_micros() as u64;
+        // Saturates: a span past u64::MAX µs (half a million years) is not a backoff.
+        let span = u64::try_from((d - half).as_micros()).unwrap_or(u64::MAX);
         half + Duration::from_micros(rng.random_range(0..=span))
     }
 }
@@ -57,6 +58,7 @@ pub struct ProbeBackoff {
 }
 
 impl ProbeBackoff {
+    /// A probe backoff from `min`, doubling up to `max`.
     pub fn new(min: Duration, max: Duration) -> Self {
         ProbeBackoff {
             min,
@@ -65,6 +67,7 @@ impl ProbeBackoff {
         }
     }
 
+    /// A failed probe: the pause before the next one.
     pub fn failed(&mut self, rng: &mut impl rand::Rng) -> Duration {
         let p = RetryPolicy {
             base: self.min,
@@ -76,6 +79,7 @@ impl ProbeBackoff {
         d
     }
 
+    /// A successful probe: the next failure starts from `min` again.
     pub fn succeeded(&mut self) {
         self.failures = 0;
     }

@@ -17,7 +17,10 @@ pub enum Gate {
     /// domain's other lines until the probe answers.
     Probe,
     /// Believed down: do not publish; look again at `until`.
-    Closed { until: Instant },
+    Closed {
+        /// When to look again.
+        until: Instant,
+    },
 }
 
 #[derive(Debug)]
@@ -37,6 +40,7 @@ pub struct Domains {
 }
 
 impl Domains {
+    /// Gates whose pauses run from `min` to `max`.
     pub fn new(min: Duration, max: Duration) -> Self {
         Domains {
             map: HashMap::new(),

@@ -54,7 +54,9 @@ pub struct RelayConfig {
     pub poll_interval: Duration,
     /// A topic's pause after a transient failure, from `probe_min` to `probe_max`.
     pub probe_min: Duration,
+    /// The longest such pause.
     pub probe_max: Duration,
+    /// Attempts and backoff of an event.
     pub retry: RetryPolicy,
     /// Renew the leases of lines still in flight every third of the lease.
     pub renew_leases: bool,
@@ -103,6 +105,7 @@ struct Shared {
 }
 
 impl Relay {
+    /// A relay over `store` publishing `queue` through `sink`.
     pub fn new(
         store: Arc<dyn Store>,
         sink: Arc<dyn Sink>,
@@ -138,6 +141,7 @@ impl Relay {
         self.wake.clone()
     }
 
+    /// The relay's counters.
     pub fn stats(&self) -> Arc<RelayStats> {
         self.shared.stats.clone()
     }
@@ -187,7 +191,7 @@ impl Relay {
                     }
                     Err(e) => {
                         pause = db_backoff.failed(&mut rand::rng());
-                        tracing::warn!(error = %e, pause_ms = pause.as_millis() as u64, "relay claim failed");
+                        tracing::warn!(error = %e, pause_ms = millis(pause), "relay claim failed");
                     }
                 }
             }
@@ -198,7 +202,7 @@ impl Relay {
                         Ok(Ok(_)) => want = true,
                         Ok(Err(e)) => {
                             pause = db_backoff.failed(&mut rand::rng());
-                            tracing::warn!(error = %e, pause_ms = pause.as_millis() as u64, "relay cycle failed");
+                            tracing::warn!(error = %e, pause_ms = millis(pause), "relay cycle failed");
                         }
                         Err(e) => tracing::error!(error = %e, "relay cycle panicked"),
                     }
@@ -456,7 +460,7 @@ impl Shared {
                     if let Some(pause) = domains.record(o.domain, true, now, &mut rng) {
                         tracing::info!(
                             topic = o.domain,
-                            pause_ms = pause.as_millis() as u64,
+                            pause_ms = millis(pause),
                             "destination unavailable for this topic; probing it again later"
                         );
                     }
@@ -564,4 +568,9 @@ impl Shared {
             );
         }
     }
+}
+
+/// A duration in whole milliseconds for a log field, saturating.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

@@ -29,16 +29,21 @@ pub enum Stop {
     Blocked(DateTime<Utc>),
     /// The cycle's budget ran out while due events remained.
     Budget,
-    /// The window was walked to its end; `full` means more rows may follow it.
-    End { full: bool },
+    /// The window was walked to its end.
+    End {
+        /// A limit cut the window: more rows may follow it.
+        full: bool,
+    },
 }
 
 /// What one cycle does with one key's line.
 #[derive(Debug, Clone)]
 pub struct LinePlan<'a> {
+    /// The key's line; `None` for an unkeyed event.
     pub line: Option<&'a LineKey>,
     /// Consecutive due events to publish, in order.
     pub run: Vec<&'a StoredEvent>,
+    /// Why the run stops where it does.
     pub stop: Stop,
     /// Earliest schedule of the never-tried delayed events that were skipped.
     pub delayed_min: Option<DateTime<Utc>>,
@@ -104,12 +109,17 @@ pub const GAP_NOTE: &str = "published after an earlier event of its key failed i
 /// What settling one line produced.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LineOutcome {
+    /// The rows to write.
     pub updates: Vec<EventUpdate>,
     /// For a keyed line: when the key may next have work.
     pub ready: Readiness,
+    /// Events delivered.
     pub delivered: usize,
+    /// Events to retry (an attempt spent).
     pub retried: usize,
+    /// Events made failed.
     pub failed: usize,
+    /// The destination was unreachable.
     pub transient: bool,
     /// Events the sink delivered after an earlier event of the same run had failed
     /// (possible only when a broker rejects one record of an in-flight run).

@@ -43,12 +43,19 @@ impl Latency {
 /// Counters, shared with whoever wants to watch the relay (tests, metrics, admin).
 #[derive(Debug, Default)]
 pub struct RelayStats {
+    /// Cycles run (claims made).
     pub cycles: AtomicU64,
+    /// Events the destination acknowledged.
     pub delivered: AtomicU64,
+    /// Failed attempts that will be retried (an attempt spent).
     pub retried: AtomicU64,
+    /// Events that became failed.
     pub failed: AtomicU64,
+    /// Cycles whose deliveries failed transiently (destination unreachable).
     pub transient: AtomicU64,
+    /// Settle updates dropped because another relay had taken the key or event over.
     pub stale: AtomicU64,
+    /// Events acknowledged after an earlier event of their run failed (flagged).
     pub delivered_after_failure: AtomicU64,
     /// Events handed to the sink that came back with a transient failure (no attempt spent).
     pub transient_events: AtomicU64,
@@ -61,6 +68,7 @@ pub struct RelayStats {
     pub unreachable_since_ms: std::sync::atomic::AtomicI64,
     /// Lease renewals of lines still in flight, and the keys or events they found taken.
     pub renewals: AtomicU64,
+    /// Keys or events whose lease another relay took while in flight.
     pub renewals_lost: AtomicU64,
     /// Lines held back because their topic is down and not due for a probe.
     pub held_back: AtomicU64,
@@ -79,12 +87,19 @@ impl RelayStats {
 /// What one cycle did.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CycleReport {
+    /// Keys leased.
     pub keys: usize,
+    /// Events handed to the sink.
     pub attempted: usize,
+    /// Events acknowledged and settled completed.
     pub delivered: usize,
+    /// Events settled for a retry (an attempt spent).
     pub retried: usize,
+    /// Events settled failed.
     pub failed: usize,
+    /// The destination was unreachable.
     pub transient: bool,
+    /// Settle updates another relay's lease made moot.
     pub stale: usize,
     /// Events published after an earlier event of their run failed (flagged).
     pub delivered_after_failure: usize,

@@ -8,6 +8,7 @@ use rand::{RngExt, SeedableRng};
 use super::{Delivery, Failure, Sink};
 use crate::domain::StoredEvent;
 
+/// Fault injection (testing only): fails a share of deliveries, counted or transient, over a real sink.
 pub struct FaultySink<S> {
     inner: S,
     counted_rate: f64,
@@ -16,6 +17,7 @@ pub struct FaultySink<S> {
 }
 
 impl<S: Sink> FaultySink<S> {
+    /// Over `inner`, failing the given shares, reproducibly from `seed`.
     pub fn new(inner: S, counted_rate: f64, transient_rate: f64, seed: u64) -> Self {
         FaultySink {
             inner,

@@ -10,17 +10,20 @@ use tokio::sync::Mutex;
 use super::{Delivery, Failure, Sink};
 use crate::domain::StoredEvent;
 
+/// JSON lines, one per event, to stdout or a file: the embedded default.
 pub struct LocalSink {
     out: Mutex<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
 }
 
 impl LocalSink {
+    /// JSON lines on stdout.
     pub fn stdout() -> Self {
         LocalSink {
             out: Mutex::new(Box::new(tokio::io::stdout())),
         }
     }
 
+    /// JSON lines appended to `path`.
     pub async fn file(path: PathBuf) -> std::io::Result<Self> {
         let f = tokio::fs::OpenOptions::new()
             .create(true)

@@ -35,22 +35,33 @@ pub enum Failure {
     /// The destination answered and refused this event: spends one attempt, then the
     /// event waits out its backoff (or `retry_at` when the destination named a time).
     Counted {
+        /// What the destination said.
         error: String,
+        /// When to retry, if the destination named a time.
         retry_at: Option<DateTime<Utc>>,
     },
     /// The destination asked for a later retry that spends no attempt.
     Deferred {
+        /// What the destination said.
         error: String,
+        /// Not before this time.
         retry_at: DateTime<Utc>,
     },
     /// Refused for good (an inbox handler's reject): `failed` at once.
-    Rejected { error: String },
+    Rejected {
+        /// What the handler said.
+        error: String,
+    },
     /// The environment's fault (destination unreachable, timeout, queue full): spends no
     /// attempt and leaves the schedule alone; the cycle stops publishing.
-    Transient { error: String },
+    Transient {
+        /// What went wrong.
+        error: String,
+    },
 }
 
 impl Failure {
+    /// What went wrong, as stored in the event's `last_error`.
     pub fn error(&self) -> &str {
         match self {
             Failure::Counted { error, .. }
@@ -59,6 +70,7 @@ impl Failure {
             | Failure::Transient { error } => error,
         }
     }
+    /// Whether the failure spends no attempt.
     pub fn is_transient(&self) -> bool {
         matches!(self, Failure::Transient { .. })
     }
@@ -67,7 +79,9 @@ impl Failure {
 /// The result of one event's delivery.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Delivery {
+    /// Acknowledged by the destination.
     Delivered,
+    /// Not acknowledged: what it costs the event.
     Failed(Failure),
     /// Not sent: an earlier event of its line failed, or the cycle stopped.
     NotAttempted,
@@ -84,6 +98,7 @@ pub type LineDone<'a> = &'a mut (dyn FnMut(usize, Vec<Delivery>) + Send);
 /// per event, shaped like `lines`.
 #[async_trait::async_trait]
 pub trait Sink: Send + Sync + 'static {
+    /// Delivers each line in order and reports one `Delivery` per event of each line, in the same shape.
     async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>>;
 
     /// Like `deliver`, but reports each line through `done` as soon as it is finished,

@@ -48,6 +48,7 @@ const STUCK_DELIVERIES: u32 = 3;
 /// headers and Kafka's record framing.
 pub const RECORD_OVERHEAD_BYTES: usize = 16 * 1024;
 
+/// The Kafka destination.
 pub struct KafkaSink {
     config: ClientConfig,
     producer: RwLock<Arc<FutureProducer>>,
@@ -117,6 +118,7 @@ pub fn fit_record_size(c: &mut ClientConfig, needed: usize) -> Result<(), String
 }
 
 impl KafkaSink {
+    /// A sink over a producer made from `config`, naming itself `source` in `ce_source`; a delivery not acknowledged within `deadline` is transient.
     pub fn new(
         config: ClientConfig,
         source: String,
