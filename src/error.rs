@@ -40,6 +40,14 @@ pub enum Error {
     DeadlineExceeded(String),
     #[error("unauthenticated")]
     Unauthenticated,
+    /// The caller's token may not do this: it lacks `required_scope` (e.g. an
+    /// `admin_read` token asking for an action), or the topic or subscription is outside
+    /// its lists.
+    #[error("permission denied: {message}")]
+    PermissionDenied {
+        message: String,
+        required_scope: Option<&'static str>,
+    },
     #[error("internal error")]
     Internal(String),
 }

@@ -1,7 +1,9 @@
 //! Logs, and optional OTLP trace export. Logs go to stderr (human or JSON). With an OTLP
 //! endpoint configured, spans are also exported over OTLP/gRPC; spans that start from a
-//! W3C `traceparent` (an `Enqueue` call that carried one, an inbox handler call for an
-//! event that has one) join the producer's trace. Off by default.
+//! W3C `traceparent` (an `Enqueue` call that carried one, a Kafka publish or an inbox
+//! handler call for a message that has one) join the producer's trace, and the spans of
+//! mailroom's own calls (a Kafka producer span, an inbox handler's client span) become
+//! the receiver's parent through [`inject`]. Off by default.
 
 use std::collections::HashMap;
 

@@ -1,7 +1,9 @@
 //! Bearer tokens with scopes, checked in one place: `AuthLayer`, a tower layer in front
 //! of every gRPC service. It authenticates the `authorization: Bearer <token>` header,
 //! checks that the token's scopes cover the service called, and hands the caller on to
-//! the handlers as a `Principal` in the request extensions. The one check that needs
+//! the handlers as a `Principal` in the request extensions. The scope is the method's
+//! ([`required_scope`]): the AdminService's reads need `admin_read`, which the `admin`
+//! scope includes, and its actions `admin`. The one check that needs
 //! the decoded request, a producer token's topic list, is `Principal::check_topic`,
 //! called by the OutboxService before anything is stored.
 //!
@@ -11,7 +13,9 @@
 //! - A token file: every service except health and reflection needs a token.
 //!
 //! Wrong or missing token: `UNAUTHENTICATED`; a valid token without the scope, or a
-//! topic outside its list: `PERMISSION_DENIED`. Tokens are compared in constant time
+//! topic outside its list: `PERMISSION_DENIED` (both with a `google.rpc.ErrorInfo`,
+//! reasons `UNAUTHENTICATED` and `PERMISSION_DENIED`; a missing scope is named in its
+//! `required_scope` metadata). Tokens are compared in constant time
 //! and never logged (`TokenEntry`'s `Debug` hides them).
 
 use std::path::Path;
@@ -24,21 +28,43 @@ use tonic::codegen::http;
 use tower::{Layer, Service};
 
 use crate::admin::secrets_equal;
+use crate::error::Error;
 
 /// The name the legacy `admin_token` goes by (audit entries say "(token)").
 pub const LEGACY_ADMIN_TOKEN: &str = "admin-token";
 
 /// What a token may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum Scope {
     /// `OutboxService`: Enqueue and EnqueueBatch (optionally only to listed topics).
     Enqueue,
-    /// `AdminService`: the operator RPCs.
+    /// `AdminService`: every operator RPC, the reads and the actions (requeue, cancel);
+    /// the console with its actions. Includes `admin_read`.
     Admin,
+    /// `AdminService`: the reads only ([`ADMIN_READS`]); the console without actions.
+    AdminRead,
     /// `InboxService`: Receive and ListSubscriptions (no topic lists: the inbox does not
     /// check them).
     Inbox,
+}
+
+impl Scope {
+    /// The name the token file spells it with.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::Enqueue => "enqueue",
+            Scope::Admin => "admin",
+            Scope::AdminRead => "admin_read",
+            Scope::Inbox => "inbox",
+        }
+    }
+
+    /// Whether this scope allows a call that needs `needed`: itself, and `admin`
+    /// includes `admin_read`.
+    pub fn covers(self, needed: Scope) -> bool {
+        self == needed || (self == Scope::Admin && needed == Scope::AdminRead)
+    }
 }
 
 /// One configured token.
@@ -84,6 +110,11 @@ struct TokenFile {
 /// token = "…"
 /// scopes = ["enqueue"]
 /// topics = ["orders", "payments"]   # optional
+///
+/// [[token]]
+/// name = "on-call-viewer"
+/// token = "…"
+/// scopes = ["admin_read"]           # the admin reads and the console, no actions
 /// ```
 ///
 /// Errors name the file and the problem, never a token.
@@ -148,6 +179,8 @@ pub struct Principal {
     pub name: Option<String>,
     topics: Option<Arc<[String]>>,
     subscriptions: Option<Arc<[String]>>,
+    /// The token's scopes (none for an anonymous caller).
+    scopes: Arc<[Scope]>,
 }
 
 impl Principal {
@@ -156,7 +189,14 @@ impl Principal {
             name: None,
             topics: None,
             subscriptions: None,
+            scopes: Arc::new([]),
         }
+    }
+
+    /// Whether the token authenticated has a scope that covers `scope` (never for an
+    /// anonymous caller: ask `Auth::check` whether a scope is open).
+    pub fn has(&self, scope: Scope) -> bool {
+        self.scopes.iter().any(|s| s.covers(scope))
     }
 
     /// `PERMISSION_DENIED` unless this caller may use the inbox `subscription`.
@@ -164,9 +204,11 @@ impl Principal {
         if self.may_use_subscription(subscription) {
             Ok(())
         } else {
-            Err(Status::permission_denied(
-                "this token may not use that subscription",
-            ))
+            Err(Error::PermissionDenied {
+                message: "this token may not use that subscription".into(),
+                required_scope: None,
+            }
+            .into())
         }
     }
 
@@ -185,9 +227,11 @@ impl Principal {
     /// `PERMISSION_DENIED` unless this caller may enqueue to `topic`.
     pub fn check_topic(&self, topic: &str) -> Result<(), Status> {
         match &self.topics {
-            Some(list) if !list.iter().any(|t| t == topic) => Err(Status::permission_denied(
-                format!("this token may not enqueue to topic {topic:?}"),
-            )),
+            Some(list) if !list.iter().any(|t| t == topic) => Err(Error::PermissionDenied {
+                message: format!("this token may not enqueue to topic {topic:?}"),
+                required_scope: None,
+            }
+            .into()),
             _ => Ok(()),
         }
     }
@@ -200,17 +244,32 @@ impl Principal {
     }
 }
 
-/// The scope an RPC path needs; `None`: open to all (health checks, reflection).
-/// Services not listed here need the admin scope, so a new service is closed until it
-/// is given its own scope.
+/// The AdminService methods that change nothing: the `admin_read` scope may call
+/// them. Every other AdminService method (RequeueFailed, CancelEvents, and any method
+/// added later until it is listed here) needs the `admin` scope.
+pub const ADMIN_READS: &[&str] = &[
+    "ListPending",
+    "GetEvent",
+    "ListEvents",
+    "ListAudit",
+    "GetStats",
+];
+
+/// The scope an RPC path (`/package.Service/Method`) needs; `None`: open to all (health
+/// checks, reflection). Services not listed here need the admin scope, so a new service
+/// is closed until it is given its own scope.
 pub fn required_scope(path: &str) -> Option<Scope> {
-    let service = path.trim_start_matches('/').split('/').next().unwrap_or("");
+    let (service, method) = path
+        .trim_start_matches('/')
+        .split_once('/')
+        .unwrap_or((path.trim_start_matches('/'), ""));
     match service {
         "grpc.health.v1.Health"
         | "grpc.reflection.v1.ServerReflection"
         | "grpc.reflection.v1alpha.ServerReflection" => None,
         "mailroom.v1.OutboxService" => Some(Scope::Enqueue),
         "mailroom.v1.InboxService" => Some(Scope::Inbox),
+        "mailroom.v1.AdminService" if ADMIN_READS.contains(&method) => Some(Scope::AdminRead),
         _ => Some(Scope::Admin),
     }
 }
@@ -260,13 +319,13 @@ impl Auth {
         let Some(scope) = scope else {
             return Ok(Principal::anonymous());
         };
-        if self.open.contains(&scope) {
+        if self.open.iter().any(|o| o.covers(scope)) {
             return Ok(Principal::anonymous());
         }
         let given = authorization
             .and_then(|v| v.to_str().ok())
             .and_then(bearer)
-            .ok_or_else(|| Status::unauthenticated("missing or invalid token"))?;
+            .ok_or_else(|| Status::from(Error::Unauthenticated))?;
         // Compare against every token (no early exit) so timing says nothing about which.
         let mut found: Option<&TokenEntry> = None;
         for t in &self.tokens {
@@ -274,17 +333,25 @@ impl Auth {
                 found = Some(t);
             }
         }
-        let t = found.ok_or_else(|| Status::unauthenticated("missing or invalid token"))?;
-        if !t.scopes.contains(&scope) {
-            tracing::info!(token = %t.name, ?scope, "token lacks the scope");
-            return Err(Status::permission_denied(format!(
-                "this token does not have the {scope:?} scope"
-            )));
+        let t = found.ok_or_else(|| Status::from(Error::Unauthenticated))?;
+        if !t.scopes.iter().any(|s| s.covers(scope)) {
+            tracing::info!(token = %t.name, scope = scope.name(), "token lacks the scope");
+            let message = if scope == Scope::Admin && t.scopes.contains(&Scope::AdminRead) {
+                "this token may only read (admin_read): this call needs the admin scope".to_string()
+            } else {
+                format!("this token does not have the {} scope", scope.name())
+            };
+            return Err(Error::PermissionDenied {
+                message,
+                required_scope: Some(scope.name()),
+            }
+            .into());
         }
         Ok(Principal {
             name: Some(t.name.clone()),
             topics: t.topics.clone().map(Into::into),
             subscriptions: t.subscriptions.clone().map(Into::into),
+            scopes: t.scopes.clone().into(),
         })
     }
 }
@@ -439,15 +506,78 @@ mod tests {
             required_scope("/mailroom.v1.OutboxService/Enqueue"),
             Some(Scope::Enqueue)
         );
+        for read in ADMIN_READS {
+            assert_eq!(
+                required_scope(&format!("/mailroom.v1.AdminService/{read}")),
+                Some(Scope::AdminRead)
+            );
+        }
+        // The actions, and a method not listed (a new one), need the admin scope.
+        for write in ["RequeueFailed", "CancelEvents", "PurgeEverything", ""] {
+            assert_eq!(
+                required_scope(&format!("/mailroom.v1.AdminService/{write}")),
+                Some(Scope::Admin),
+                "{write}"
+            );
+        }
         assert_eq!(
-            required_scope("/mailroom.v1.AdminService/GetStats"),
+            required_scope("/mailroom.v1.AdminService"),
             Some(Scope::Admin)
+        );
+        assert_eq!(
+            required_scope("/x.Y/GetStats"),
+            Some(Scope::Admin),
+            "another service's read names open nothing"
         );
         assert_eq!(
             required_scope("/mailroom.v1.InboxService/Receive"),
             Some(Scope::Inbox)
         );
         assert_eq!(required_scope("/x.Y/Z"), Some(Scope::Admin));
+    }
+
+    #[test]
+    fn admin_read_tokens_read_and_admin_tokens_do_both() {
+        use tonic_types::StatusExt as _;
+        let auth = Auth::new(
+            vec![
+                entry("viewer", "viewer-token-000001", &[Scope::AdminRead], None),
+                entry("ops", "ops-token-00000001", &[Scope::Admin], None),
+            ],
+            true,
+            None,
+        );
+        let read = Some(Scope::AdminRead);
+        let write = Some(Scope::Admin);
+        let v = header("Bearer viewer-token-000001");
+        let o = header("Bearer ops-token-00000001");
+        let p = auth.check(read, Some(&v)).unwrap();
+        assert!(p.has(Scope::AdminRead) && !p.has(Scope::Admin));
+        let e = auth.check(write, Some(&v)).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(e.message().contains("only read"), "{e:?}");
+        let info = e.get_details_error_info().expect("ErrorInfo");
+        assert_eq!(info.reason, "PERMISSION_DENIED");
+        assert_eq!(info.metadata["required_scope"], "admin");
+        let p = auth.check(read, Some(&o)).unwrap();
+        assert!(p.has(Scope::Admin) && p.has(Scope::AdminRead));
+        assert!(auth.check(write, Some(&o)).is_ok());
+        // The legacy admin token and an open admin scope include the reads.
+        let legacy = Auth::new(vec![], false, Some("legacy-admin-token-1"));
+        assert!(
+            legacy
+                .check(read, Some(&header("Bearer legacy-admin-token-1")))
+                .is_ok()
+        );
+        assert!(legacy.check(read, None).is_err());
+        assert!(Auth::new(vec![], false, None).check(read, None).is_ok());
+        // An admin_read token reaches nothing else.
+        for other in [Scope::Enqueue, Scope::Inbox] {
+            assert_eq!(
+                auth.check(Some(other), Some(&v)).unwrap_err().code(),
+                tonic::Code::PermissionDenied
+            );
+        }
     }
 
     #[test]
@@ -461,6 +591,12 @@ mod tests {
         .unwrap();
         let t = load_tokens(&p).unwrap();
         assert_eq!(t[0].scopes, vec![Scope::Enqueue]);
+        std::fs::write(
+            &p,
+            "[[token]]\nname = \"v\"\ntoken = \"0123456789abcdef\"\nscopes = [\"admin_read\"]\n",
+        )
+        .unwrap();
+        assert_eq!(load_tokens(&p).unwrap()[0].scopes, vec![Scope::AdminRead]);
         assert!(!format!("{t:?}").contains("0123456789abcdef"));
         std::fs::write(
             &p,

@@ -40,6 +40,10 @@ pub mod reason {
     /// class; nothing was changed.
     pub const STATEMENT_TIMEOUT: &str = "STATEMENT_TIMEOUT";
     pub const UNAUTHENTICATED: &str = "UNAUTHENTICATED";
+    /// The token is valid but may not make this call: a scope it lacks (named in the
+    /// `required_scope` metadata, e.g. `admin` for an `admin_read` token's requeue), or a
+    /// topic or subscription outside its lists.
+    pub const PERMISSION_DENIED: &str = "PERMISSION_DENIED";
     pub const INTERNAL: &str = "INTERNAL";
 }
 
@@ -180,6 +184,18 @@ fn status_of(e: Error) -> Status {
                 none(),
                 None,
             ),
+            Error::PermissionDenied {
+                message,
+                required_scope,
+            } => status(
+                Code::PermissionDenied,
+                message,
+                reason::PERMISSION_DENIED,
+                required_scope
+                    .map(|s| HashMap::from([("required_scope".to_string(), s.to_string())]))
+                    .unwrap_or_default(),
+                None,
+            ),
             Error::Internal(m) => {
                 tracing::error!(error = %m, "internal error");
                 status(
@@ -244,6 +260,21 @@ mod tests {
                 None,
             ),
             (
+                Error::Unauthenticated,
+                Code::Unauthenticated,
+                reason::UNAUTHENTICATED,
+                None,
+            ),
+            (
+                Error::PermissionDenied {
+                    message: "read-only".into(),
+                    required_scope: Some("admin"),
+                },
+                Code::PermissionDenied,
+                reason::PERMISSION_DENIED,
+                None,
+            ),
+            (
                 Error::Internal("boom".into()),
                 Code::Internal,
                 reason::INTERNAL,
@@ -260,6 +291,14 @@ mod tests {
         assert_eq!(
             s.get_details_bad_request().unwrap().field_violations.len(),
             1
+        );
+        let s = Status::from(Error::PermissionDenied {
+            message: "read-only".into(),
+            required_scope: Some("admin"),
+        });
+        assert_eq!(
+            s.get_details_error_info().unwrap().metadata["required_scope"],
+            "admin"
         );
         let s = Status::from(Error::AlreadyExists { key: "k1".into() });
         assert_eq!(

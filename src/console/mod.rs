@@ -1,10 +1,12 @@
 //! The operator console: server-rendered HTML over the same operator queries as the
 //! AdminService (`crate::admin`), served on its own opt-in address (`console_listen`).
 //!
-//! - Access: the admin scope's tokens, as an `Authorization: Bearer` header or through
-//!   the login form, which keeps the token in server memory behind a random session
-//!   cookie (`HttpOnly`, `SameSite=Strict`). With no token configured the console is
-//!   open, like the AdminService. `console_read_only` hides and refuses every action.
+//! - Access: the admin scope's tokens (`admin`, or `admin_read` to look without acting),
+//!   as an `Authorization: Bearer` header or through the login form, which keeps the
+//!   token in server memory behind a random session cookie (`HttpOnly`,
+//!   `SameSite=Strict`). With no token configured the console is open, like the
+//!   AdminService. `console_read_only`, or a token with `admin_read` and not `admin`,
+//!   hides and refuses every action.
 //! - Writes (requeue, cancel) are POST forms: a dry run first, then a confirmation; a
 //!   session's forms carry its CSRF token, and a cross-origin POST is refused. Each
 //!   action goes through `Admin` and lands in the audit log with the token's name.
@@ -90,6 +92,7 @@ impl Target {
 pub struct Access {
     /// The token's name, for the audit log; `None` when the console is open.
     pub name: Option<String>,
+    /// Neither `console_read_only` nor a read-only (`admin_read`) token.
     pub can_write: bool,
     /// The session's CSRF token (forms must echo it); `None` for bearer-header callers.
     pub csrf: Option<String>,
@@ -258,23 +261,24 @@ impl Console {
     }
 
     /// The caller's access, from a bearer header or a session cookie; `None`: log in.
+    /// Any token that may read gets in; it may act only with the admin scope.
     fn access(&self, headers: &HeaderMap) -> Option<Access> {
         let auth = &self.inner.auth;
-        let can_write = !self.inner.read_only;
+        let writable = !self.inner.read_only;
         // An open admin scope needs no token.
-        if auth.check(Some(Scope::Admin), None).is_ok() {
+        if auth.check(Some(Scope::AdminRead), None).is_ok() {
             return Some(Access {
                 name: None,
-                can_write,
+                can_write: writable && auth.check(Some(Scope::Admin), None).is_ok(),
                 csrf: None,
                 via_session: false,
             });
         }
         if let Some(h) = headers.get(header::AUTHORIZATION) {
-            let p = auth.check(Some(Scope::Admin), Some(h)).ok()?;
+            let p = auth.check(Some(Scope::AdminRead), Some(h)).ok()?;
             return Some(Access {
+                can_write: writable && p.has(Scope::Admin),
                 name: p.name,
-                can_write,
                 csrf: None,
                 via_session: false,
             });
@@ -288,10 +292,10 @@ impl Console {
         };
         // The token is checked again on every request: a revoked token ends the session.
         let value = axum::http::HeaderValue::from_str(&format!("Bearer {token}")).ok()?;
-        let p = auth.check(Some(Scope::Admin), Some(&value)).ok()?;
+        let p = auth.check(Some(Scope::AdminRead), Some(&value)).ok()?;
         Some(Access {
+            can_write: writable && p.has(Scope::Admin),
             name: p.name,
-            can_write,
             csrf: Some(csrf),
             via_session: true,
         })
@@ -362,6 +366,7 @@ fn error_page(nav: Option<&pages::Nav>, e: &Error) -> Response {
     let code = match e {
         Error::InvalidArgument(_) => StatusCode::BAD_REQUEST,
         Error::NotFound(_) => StatusCode::NOT_FOUND,
+        Error::PermissionDenied { .. } => StatusCode::FORBIDDEN,
         Error::Unavailable(_) | Error::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
@@ -399,11 +404,14 @@ async fn login(State(c): State<Console>, headers: HeaderMap, Form(f): Form<Param
     let token = param(&f, "token").unwrap_or("").to_string();
     let ok = axum::http::HeaderValue::from_str(&format!("Bearer {token}"))
         .ok()
-        .is_some_and(|v| c.inner.auth.check(Some(Scope::Admin), Some(&v)).is_ok());
+        .is_some_and(|v| c.inner.auth.check(Some(Scope::AdminRead), Some(&v)).is_ok());
     if !ok {
         return (
             StatusCode::UNAUTHORIZED,
-            pages::login(&next, Some("That token is not valid for the admin scope.")),
+            pages::login(
+                &next,
+                Some("That token is not valid for the admin (or admin_read) scope."),
+            ),
         )
             .into_response();
     }
@@ -714,11 +722,12 @@ async fn page_post(
             .into_response();
     }
     if !access.can_write {
-        return (
-            StatusCode::FORBIDDEN,
-            pages::error(Some(&nav), "this console is read-only"),
-        )
-            .into_response();
+        let why = if c.inner.read_only {
+            "this console is read-only"
+        } else {
+            "this token may only read (admin_read): actions need the admin scope"
+        };
+        return (StatusCode::FORBIDDEN, pages::error(Some(&nav), why)).into_response();
     }
     let Some((target, Page::Events)) = route(&c, &path) else {
         return (

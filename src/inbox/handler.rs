@@ -11,6 +11,13 @@
 //! | reject | failed at once, with the reason |
 //! | gRPC `UNAVAILABLE`, connection refused or reset | transient: nothing spent, the cycle stops |
 //! | timeout, any other gRPC status | counted |
+//!
+//! Each call has a client span of its own, [`HANDLE_SPAN`] (OpenTelemetry RPC
+//! conventions, with the message's `messaging.*` attributes), a child of the message's
+//! stored trace context (`traceparent` and `tracestate` headers); the call's
+//! `traceparent` metadata names that span as the subscriber's parent and its
+//! `tracestate` is the stored one. Without span export the stored headers travel on
+//! unchanged. The request's `headers` field is the message's headers as stored.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,12 +31,17 @@ use crate::pb::handler_service_client::HandlerServiceClient;
 use crate::relay::Latency;
 use crate::sink::{Delivery, Failure, Sink};
 
+/// The handler call's span name (OpenTelemetry RPC conventions: `package.Service/Method`).
+pub const HANDLE_SPAN: &str = "mailroom.v1.HandlerService/Handle";
+
 /// Wait before an uncounted retry that named no time.
 const DEFER_DEFAULT: Duration = Duration::from_secs(1);
 
 pub struct HandlerSink {
     client: HandlerServiceClient<Channel>,
     subscription: String,
+    /// The handler's host and port, for the client span (`server.address`, `server.port`).
+    server: (String, u16),
     timeout: Duration,
     /// `authorization: Bearer …` sent with every call, when configured.
     authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
@@ -73,9 +85,21 @@ impl HandlerSink {
                     .map_err(|_| anyhow::anyhow!("subscription {}: handler token", sub.name))?,
             ),
         };
+        let server = (
+            endpoint.uri().host().unwrap_or("").to_string(),
+            endpoint
+                .uri()
+                .port_u16()
+                .unwrap_or(if endpoint.uri().scheme_str() == Some("https") {
+                    443
+                } else {
+                    80
+                }),
+        );
         Ok(HandlerSink {
             client: HandlerServiceClient::new(endpoint.connect_lazy()),
             subscription: sub.name.clone(),
+            server,
             timeout: sub.handler_timeout,
             authorization,
             max_defer: sub.handler_max_defer,
@@ -90,14 +114,34 @@ impl HandlerSink {
     }
 
     async fn handle(&self, e: &StoredEvent) -> Delivery {
+        let message_id = e.idempotency_key.clone().unwrap_or_default();
+        let stored_tp = e.headers.get("traceparent").map(String::as_str);
+        let stored_ts = e.headers.get("tracestate").map(String::as_str);
+        // A client span per call (OpenTelemetry RPC conventions), a child of the message's
+        // own trace context; the subscriber gets it as its parent.
         let span = tracing::info_span!(
             "handle",
+            otel.name = HANDLE_SPAN,
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            rpc.system = "grpc",
+            rpc.service = "mailroom.v1.HandlerService",
+            rpc.method = "Handle",
+            rpc.grpc.status_code = tracing::field::Empty,
+            server.address = %self.server.0,
+            server.port = self.server.1,
+            messaging.operation.type = "process",
+            messaging.destination.name = %e.topic,
+            messaging.destination.subscription.name = %self.subscription,
+            messaging.message.id = %message_id,
+            mailroom.outcome = tracing::field::Empty,
             subscription = %self.subscription,
             inbox_id = e.id,
-            traceparent = e.headers.get("traceparent").map(String::as_str).unwrap_or("")
+            traceparent = stored_tp.unwrap_or("")
         );
+        crate::telemetry::join_trace_state(&span, stored_tp, stored_ts);
         let req = pb::HandleRequest {
-            message_id: e.idempotency_key.clone().unwrap_or_default(),
+            message_id,
             inbox_id: e.id,
             subscription: self.subscription.clone(),
             topic: e.topic.clone(),
@@ -113,17 +157,26 @@ impl HandlerSink {
         if let Some(a) = &self.authorization {
             req.metadata_mut().insert("authorization", a.clone());
         }
-        // Propagate the producer's trace context to the subscriber.
-        if let Some(tp) = e.headers.get("traceparent").and_then(|v| v.parse().ok()) {
-            req.metadata_mut().insert("traceparent", tp);
+        // The trace context: the client span's when spans are exported, else the stored
+        // one unchanged; the stored `tracestate` either way.
+        let trace = crate::telemetry::inject(&span).unwrap_or_else(|| {
+            [("traceparent", stored_tp), ("tracestate", stored_ts)]
+                .into_iter()
+                .filter_map(|(k, v)| Some((k.to_string(), v?.to_string())))
+                .collect()
+        });
+        for k in ["traceparent", "tracestate"] {
+            if let Some(v) = trace.get(k).and_then(|v| v.parse().ok()) {
+                req.metadata_mut().insert(k, v);
+            }
         }
         let mut client = self.client.clone();
-        crate::telemetry::join_trace(&span, e.headers.get("traceparent").map(String::as_str));
-        let call = tracing::Instrument::instrument(client.handle(req), span);
+        let call = tracing::Instrument::instrument(client.handle(req), span.clone());
         let started = std::time::Instant::now();
         let answer = tokio::time::timeout(self.timeout, call).await;
         let elapsed = started.elapsed();
         self.latency.observe(elapsed);
+        record_answer(&span, &answer);
         let timed_out = || {
             Delivery::Failed(Failure::Counted {
                 error: format!("handler timed out after {} ms", self.timeout.as_millis()),
@@ -173,6 +226,37 @@ impl HandlerSink {
             }
         }
         out
+    }
+}
+
+/// Records the call's end on its client span: the gRPC code (a timeout is
+/// `DEADLINE_EXCEEDED`), an error status for any code but OK (the client side of
+/// OpenTelemetry's RPC conventions), and the handler's answer.
+fn record_answer(
+    span: &tracing::Span,
+    answer: &Result<
+        Result<tonic::Response<pb::HandleResponse>, tonic::Status>,
+        tokio::time::error::Elapsed,
+    >,
+) {
+    use pb::handle_response::Outcome;
+    let code = match answer {
+        Err(_) => tonic::Code::DeadlineExceeded,
+        Ok(Err(s)) => s.code(),
+        Ok(Ok(r)) => {
+            let outcome = match &r.get_ref().outcome {
+                None | Some(Outcome::Success(_)) => "success",
+                Some(Outcome::Reject(_)) => "reject",
+                Some(Outcome::Retry(r)) if r.count_attempt => "retry",
+                Some(Outcome::Retry(_)) => "defer",
+            };
+            span.record("mailroom.outcome", outcome);
+            tonic::Code::Ok
+        }
+    };
+    span.record("rpc.grpc.status_code", code as i64);
+    if code != tonic::Code::Ok {
+        span.record("otel.status_code", "ERROR");
     }
 }
 

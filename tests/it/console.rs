@@ -365,7 +365,8 @@ async fn the_console_in_a_real_browser() {
     .await;
     let session = r
         .lines()
-        .find_map(|l| l.strip_prefix("set-cookie: "))
+        .find(|l| l.to_ascii_lowercase().starts_with("set-cookie: "))
+        .map(|l| &l["set-cookie: ".len()..])
         .and_then(|c| c.split(';').next())
         .unwrap_or_else(|| panic!("no session cookie: {r}"))
         .to_string();
@@ -645,5 +646,146 @@ async fn a_read_only_console_refuses_actions() {
         .unwrap()
         .unwrap();
     assert_eq!(e.status, Status::Pending);
+    s.app.stop().await.unwrap();
+}
+
+/// A token with the `admin_read` scope (token file) sees every page, by bearer header and
+/// through the login form, but no action form, and its POST is refused with nothing
+/// changed; an `admin` token of the same console still gets the forms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_read_token_sees_the_console_without_actions() {
+    use mailroom::api::auth::{Scope, TokenEntry};
+    const VIEWER: &str = "console-viewer-token-0123456789";
+    let url = fresh_pg().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(&url);
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.tokens = vec![
+        TokenEntry {
+            name: "viewer".into(),
+            token: VIEWER.into(),
+            scopes: vec![Scope::AdminRead],
+            topics: None,
+            subscriptions: None,
+        },
+        TokenEntry {
+            name: "ops".into(),
+            token: TOKEN.into(),
+            scopes: vec![Scope::Admin, Scope::Enqueue],
+            topics: None,
+            subscriptions: None,
+        },
+    ];
+    let sink = Arc::new(FlakySink {
+        inner: LocalSink::file(dir.path().join("published.jsonl"))
+            .await
+            .unwrap(),
+        failing: AtomicBool::new(true),
+    });
+    let s = Service::start_with_sink(c, sink).await;
+    let console = s.app.console_addr.unwrap();
+    let mut pay = event("payments", "pay-1", b"x");
+    pay.max_attempts = 1;
+    let mut req = Request::new(pb::EnqueueRequest { event: Some(pay) });
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    let id = s.client.clone().enqueue(req).await.unwrap().into_inner().id;
+    eventually_status(&s, id, Status::Failed, "the payment failed").await;
+
+    let get = |path: String, auth: String| async move {
+        http(
+            console,
+            &format!("GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"),
+        )
+        .await
+    };
+    let bearer = |t: &str| format!("Authorization: Bearer {t}\r\n");
+    for path in [
+        "/outbox/events?status=failed".to_string(),
+        format!("/outbox/events/{id}"),
+    ] {
+        let r = get(path.clone(), bearer(VIEWER)).await;
+        assert!(
+            r.starts_with("HTTP/1.1 200") && r.contains("token viewer") && r.contains("read-only"),
+            "{path}: {r}"
+        );
+        assert!(r.contains(&format!("{id}")), "{path}: {r}");
+        assert!(
+            !r.contains("value=\"requeue\"") && !r.contains("requeue-filter"),
+            "{path}: a requeue form for a read-only token: {r}"
+        );
+        let r = get(path.clone(), bearer(TOKEN)).await;
+        assert!(
+            r.starts_with("HTTP/1.1 200") && r.contains("value=\"requeue\""),
+            "{path}: the admin token's requeue form: {r}"
+        );
+    }
+    let r = get("/audit".into(), bearer(VIEWER)).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+
+    // The login form takes the read-only token; its session has no actions either.
+    let form = format!("token={VIEWER}&next=/outbox/events");
+    let r = http(
+        console,
+        &format!(
+            "POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        ),
+    )
+    .await;
+    let session = r
+        .lines()
+        .find(|l| l.to_ascii_lowercase().starts_with("set-cookie: "))
+        .map(|l| &l["set-cookie: ".len()..])
+        .and_then(|c| c.split(';').next())
+        .unwrap_or_else(|| panic!("no session cookie: {r}"))
+        .to_string();
+    let r = get(
+        "/outbox/events?status=failed".into(),
+        format!("Cookie: {session}\r\n"),
+    )
+    .await;
+    assert!(
+        r.starts_with("HTTP/1.1 200") && r.contains("token viewer") && r.contains("read-only"),
+        "{r}"
+    );
+    assert!(!r.contains("value=\"requeue\""), "{r}");
+
+    let form = format!("action=requeue&id={id}&confirm=yes");
+    let r = http(
+        console,
+        &format!(
+            "POST /outbox/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {VIEWER}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        ),
+    )
+    .await;
+    assert!(
+        r.starts_with("HTTP/1.1 403") && r.contains("admin_read"),
+        "{r}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let e = s
+        .app
+        .store
+        .get_event(BoxKind::Outbox, id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        e.status,
+        Status::Failed,
+        "the refused requeue changed nothing"
+    );
+    assert!(
+        s.app
+            .store
+            .list_audit(10, None)
+            .await
+            .unwrap()
+            .entries
+            .is_empty(),
+        "no audit entry"
+    );
     s.app.stop().await.unwrap();
 }

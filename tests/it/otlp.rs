@@ -1,7 +1,8 @@
 //! Optional OTLP trace export: the binary, pointed at a collector, exports the span of an
 //! `Enqueue` call inside the producer's trace (its W3C `traceparent`), named and tagged
 //! after OpenTelemetry's RPC conventions, configured by the standard `OTEL_*` variables,
-//! and not silenced by `RUST_LOG`.
+//! and not silenced by `RUST_LOG`; mailroom's own calls (a Kafka publish, an inbox
+//! handler call) get spans of their own that become the receiver's parent.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -367,4 +368,158 @@ async fn kafka_publishes_get_producer_spans() {
             "{k} in {send:?}"
         );
     }
+}
+
+/// What the subscriber's handler saw: the `traceparent` and `tracestate` metadata of each
+/// call.
+#[derive(Clone, Default)]
+struct TraceSeen(Arc<Mutex<Vec<(String, String)>>>);
+
+#[tonic::async_trait]
+impl pb::handler_service_server::HandlerService for TraceSeen {
+    async fn handle(
+        &self,
+        request: tonic::Request<pb::HandleRequest>,
+    ) -> Result<tonic::Response<pb::HandleResponse>, tonic::Status> {
+        let get = |k: &str| {
+            request
+                .metadata()
+                .get(k)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string()
+        };
+        self.0
+            .lock()
+            .unwrap()
+            .push((get("traceparent"), get("tracestate")));
+        Ok(tonic::Response::new(pb::HandleResponse::default()))
+    }
+}
+
+/// A client span per inbox handler call (OpenTelemetry RPC conventions), a child of the
+/// message's stored trace context; the handler gets that span as its parent and the
+/// stored `tracestate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_calls_get_client_spans() {
+    let (collector, collector_port) = start_collector(None).await;
+    let seen = TraceSeen::default();
+    let handler = serve_handler(seen.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = dir.path().join("mailroom.toml");
+    std::fs::write(
+        &toml,
+        format!("[[subscriptions]]\nname = \"billing\"\nhandler = \"{handler}\"\n"),
+    )
+    .unwrap();
+    let port = free_port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+        .env("MAILROOM_CONFIG", &toml)
+        .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
+        .env(
+            "MAILROOM_DATABASE_URL",
+            format!("sqlite://{}", dir.path().join("m.db").display()),
+        )
+        .env("MAILROOM_LOCAL_SINK", dir.path().join("out.jsonl"))
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{collector_port}"),
+        )
+        .env("RUST_LOG", "error")
+        .env_remove("MAILROOM_OTLP_ENDPOINT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "mailroom listening",
+        || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        },
+    )
+    .await;
+    let trace_id = "5b8efff798038103d269b633813fc60c";
+    let producer_span = "eee19b7ec3c1b174";
+    let mut inbox = pb::inbox_service_client::InboxServiceClient::new(
+        channel(format!("127.0.0.1:{port}").parse().unwrap()).await,
+    );
+    inbox
+        .receive(pb::ReceiveRequest {
+            subscription: "billing".into(),
+            message_id: "m-traced".into(),
+            topic: "invoices".into(),
+            payload: b"x".to_vec(),
+            headers: HashMap::from([
+                (
+                    "traceparent".to_string(),
+                    format!("00-{trace_id}-{producer_span}-01"),
+                ),
+                ("tracestate".to_string(), "vendor=abc,other=1".to_string()),
+            ]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let calls = seen.0.clone();
+    eventually(Duration::from_secs(20), "the handler called", || {
+        let calls = calls.clone();
+        async move { !calls.lock().unwrap().is_empty() }
+    })
+    .await;
+    let pid = child.id().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}");
+
+    let (traceparent, tracestate) = seen.0.lock().unwrap()[0].clone();
+    let tp: Vec<&str> = traceparent.split('-').collect();
+    assert_eq!(tp.len(), 4, "{traceparent:?}");
+    assert_eq!(tp[1], trace_id, "the call stays in the message's trace");
+    assert_ne!(tp[2], producer_span, "its parent is mailroom's client span");
+    assert_eq!(tracestate, "vendor=abc,other=1");
+    let spans = collector.spans.lock().unwrap().clone();
+    let call = spans
+        .iter()
+        .find(|s| s.name == "mailroom.v1.HandlerService/Handle")
+        .unwrap_or_else(|| panic!("no handler client span among {spans:#?}"));
+    // SpanKind::Client = 3.
+    assert_eq!(call.kind, 3, "{call:?}");
+    assert_eq!(call.trace_id, trace_id);
+    assert_eq!(
+        call.span_id, tp[2],
+        "the handler's parent is the client span"
+    );
+    for (k, v) in [
+        ("rpc.system", "grpc"),
+        ("rpc.service", "mailroom.v1.HandlerService"),
+        ("rpc.method", "Handle"),
+        ("rpc.grpc.status_code", "0"),
+        ("server.address", "127.0.0.1"),
+        ("messaging.destination.name", "invoices"),
+        ("messaging.destination.subscription.name", "billing"),
+        ("mailroom.outcome", "success"),
+    ] {
+        assert_eq!(
+            call.attributes.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {call:?}"
+        );
+    }
+    assert!(
+        call.attributes
+            .get("messaging.message.id")
+            .is_some_and(|id| !id.is_empty()),
+        "{call:?}"
+    );
 }

@@ -980,6 +980,227 @@ async fn admin_actions_record_the_principal_need_all_and_replay_request_ids() {
     }
 }
 
+// ---------------------------------------------------------------- §4 read-only admin tokens
+
+/// A sink that fails every record (counted) while `failing` is set, else delivers.
+#[derive(Default)]
+struct SwitchSink {
+    failing: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl mailroom::sink::Sink for SwitchSink {
+    async fn deliver(
+        &self,
+        lines: &[Vec<&mailroom::domain::StoredEvent>],
+    ) -> Vec<Vec<mailroom::sink::Delivery>> {
+        use mailroom::sink::{Delivery, Failure};
+        let failing = self.failing.load(std::sync::atomic::Ordering::SeqCst);
+        lines
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .map(|_| {
+                        if failing {
+                            Delivery::Failed(Failure::Counted {
+                                error: "broker down".into(),
+                                retry_at: None,
+                            })
+                        } else {
+                            Delivery::Delivered
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+/// The `admin_read` scope: the AdminService's reads answer, its actions (RequeueFailed,
+/// CancelEvents, even as a dry run) are `PERMISSION_DENIED` with reason
+/// `PERMISSION_DENIED` and `required_scope = admin`, and change nothing; `mailroom admin
+/// requeue` with such a token says why. An `admin` token of the same server still
+/// requeues.
+#[tokio::test]
+async fn admin_read_tokens_read_but_cannot_act() {
+    use mailroom::domain::{BoxKind, Status as EventStatus};
+    use mailroom::pb::admin_service_client::AdminServiceClient;
+    let (db, _dir) = fresh_sqlite();
+    let mut c = config(&db);
+    let viewer = "viewer-token-0123456789";
+    let ops = "ops-token-0123456789";
+    c.tokens = vec![
+        token("viewer", viewer, &[Scope::AdminRead]),
+        token("ops", ops, &[Scope::Admin, Scope::Enqueue]),
+    ];
+    let sink = Arc::new(SwitchSink::default());
+    sink.failing
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let s = Service::start_with_sink(c, sink.clone()).await;
+    let mut e = event("orders", "o-1", b"x");
+    e.max_attempts = 1;
+    let id = s
+        .client
+        .clone()
+        .enqueue(bearer(pb::EnqueueRequest { event: Some(e) }, ops))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let status_of = || {
+        let store = s.app.store.clone();
+        async move {
+            store
+                .get_event(BoxKind::Outbox, id)
+                .await
+                .unwrap()
+                .unwrap()
+                .status
+        }
+    };
+    eventually(Duration::from_secs(20), "the event failed", || async {
+        status_of().await == EventStatus::Failed
+    })
+    .await;
+
+    let mut admin = AdminServiceClient::new(channel(s.app.addr).await);
+    admin
+        .list_pending(bearer(pb::ListPendingRequest::default(), viewer))
+        .await
+        .expect("ListPending with admin_read");
+    let failed = admin
+        .list_events(bearer(
+            pb::ListEventsRequest {
+                status: pb::EventStatus::Failed as i32,
+                ..Default::default()
+            },
+            viewer,
+        ))
+        .await
+        .expect("ListEvents with admin_read")
+        .into_inner();
+    assert_eq!(failed.events.len(), 1);
+    admin
+        .get_event(bearer(
+            pb::GetEventRequest {
+                id,
+                ..Default::default()
+            },
+            viewer,
+        ))
+        .await
+        .expect("GetEvent with admin_read");
+    admin
+        .get_stats(bearer(pb::GetStatsRequest::default(), viewer))
+        .await
+        .expect("GetStats with admin_read");
+    admin
+        .list_audit(bearer(pb::ListAuditRequest::default(), viewer))
+        .await
+        .expect("ListAudit with admin_read");
+
+    let requeue = |dry_run: bool| pb::RequeueFailedRequest {
+        ids: vec![id],
+        dry_run,
+        operator: "viewer-person".into(),
+        ..Default::default()
+    };
+    let denied = |e: Status, what: &str| {
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{what}: {e:?}");
+        let info = e
+            .get_details_error_info()
+            .unwrap_or_else(|| panic!("{what}: no ErrorInfo in {e:?}"));
+        assert_eq!(info.reason, "PERMISSION_DENIED", "{what}");
+        assert_eq!(info.domain, "mailroom.v1", "{what}");
+        assert_eq!(info.metadata["required_scope"], "admin", "{what}");
+        assert!(e.message().contains("admin_read"), "{what}: {e:?}");
+    };
+    for dry_run in [false, true] {
+        let e = admin
+            .requeue_failed(bearer(requeue(dry_run), viewer))
+            .await
+            .unwrap_err();
+        denied(e, &format!("RequeueFailed dry_run={dry_run}"));
+    }
+    let e = admin
+        .cancel_events(bearer(
+            pb::CancelEventsRequest {
+                ids: vec![id],
+                reason: "no".into(),
+                ..Default::default()
+            },
+            viewer,
+        ))
+        .await
+        .unwrap_err();
+    denied(e, "CancelEvents");
+    // Nor does admin_read reach the other services.
+    let e = s
+        .client
+        .clone()
+        .enqueue(bearer(
+            pb::EnqueueRequest {
+                event: Some(event("orders", "o-2", b"x")),
+            },
+            viewer,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied);
+
+    // The CLI with the read-only token: a clear error, exit status 1.
+    let server = format!("http://{}", s.app.addr);
+    let out = tokio::task::spawn_blocking({
+        let id = id.to_string();
+        move || {
+            Command::new(env!("CARGO_BIN_EXE_mailroom"))
+                .args(["admin", "--server", &server, "requeue", &id, "--yes"])
+                .env_clear()
+                .env("MAILROOM_ADMIN_TOKEN", "viewer-token-0123456789")
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("PermissionDenied") && stderr.contains("may only read (admin_read)"),
+        "{stderr}"
+    );
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(status_of().await, EventStatus::Failed, "nothing requeued");
+    assert!(
+        s.app
+            .store
+            .list_audit(10, None)
+            .await
+            .unwrap()
+            .entries
+            .is_empty(),
+        "no audit entry for a refused action"
+    );
+
+    // The admin token still acts.
+    sink.failing
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let r = admin
+        .requeue_failed(bearer(requeue(false), ops))
+        .await
+        .expect("RequeueFailed with admin")
+        .into_inner();
+    assert_eq!(r.count, 1);
+    eventually(
+        Duration::from_secs(20),
+        "the requeued event completed",
+        || async { status_of().await == EventStatus::Completed },
+    )
+    .await;
+    s.app.stop().await.unwrap();
+}
+
 // ---------------------------------------------------------------- §3 statement timeout
 
 /// Each query class has its own pool with its own `statement_timeout`, so a query that
