@@ -174,13 +174,8 @@ impl std::fmt::Write for Escaping<'_, '_> {
     }
 }
 
-/// Makes `span` a child of the W3C `traceparent` given, when it is well formed (a no-op
-/// without an OTLP exporter).
-pub fn join_trace(span: &tracing::Span, traceparent: Option<&str>) {
-    join_trace_state(span, traceparent, None);
-}
-
-/// `join_trace` with the W3C `tracestate` that goes with the `traceparent`.
+/// Makes `span` a child of the W3C `traceparent` given, with its `tracestate`, when it is
+/// well formed (a no-op without an OTLP exporter).
 pub fn join_trace_state(span: &tracing::Span, traceparent: Option<&str>, tracestate: Option<&str>) {
     if let Some(tp) = traceparent {
         let mut carrier = HashMap::from([("traceparent".to_string(), tp.to_string())]);

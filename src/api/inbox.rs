@@ -31,6 +31,8 @@ impl pb::inbox_service_server::InboxService for InboxApi {
         request: Request<pb::ReceiveRequest>,
     ) -> Result<Response<pb::ReceiveResponse>, Status> {
         let principal = crate::api::auth::Principal::of(request.extensions());
+        let trace = convert::traceparent(request.metadata());
+        let state = convert::tracestate(request.metadata());
         let r = request.into_inner();
         // Before the lookup: a token limited to some subscriptions learns nothing about
         // the names of others.
@@ -72,6 +74,10 @@ impl pb::inbox_service_server::InboxService for InboxApi {
                 return Err(Error::InvalidArgument(v).into());
             }
         };
+        // Like Enqueue: the call's trace context travels with the message, unless the
+        // message's own headers carry one.
+        let mut event = event;
+        convert::attach_trace(&mut event, trace.as_deref(), state.as_deref());
         let received = self.inbox.receive(sub, &r.message_id, event).await?;
         Ok(Response::new(pb::ReceiveResponse {
             id: received.id,

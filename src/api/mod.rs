@@ -87,12 +87,8 @@ where
             rpc.code = tracing::field::Empty,
             latency_ms = tracing::field::Empty
         );
-        crate::telemetry::join_trace(
-            &span,
-            req.headers()
-                .get("traceparent")
-                .and_then(|v| v.to_str().ok()),
-        );
+        let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+        crate::telemetry::join_trace_state(&span, header("traceparent"), header("tracestate"));
         let fut = tracing::Instrument::instrument(self.inner.call(req), span.clone());
         let metrics = self.metrics.clone();
         Box::pin(async move {

@@ -463,10 +463,29 @@ async fn handler_calls_get_client_spans() {
         })
         .await
         .unwrap();
+    // A message without trace headers, from a caller that sends its trace context as
+    // call metadata (as it would for Enqueue): the message joins the caller's trace.
+    let meta_trace = "0af7651916cd43dd8448eb211c80319c";
+    let mut req = tonic::Request::new(pb::ReceiveRequest {
+        subscription: "billing".into(),
+        message_id: "m-metadata".into(),
+        topic: "invoices".into(),
+        payload: b"y".to_vec(),
+        ..Default::default()
+    });
+    req.metadata_mut().insert(
+        "traceparent",
+        format!("00-{meta_trace}-b7ad6b7169203331-01")
+            .parse()
+            .unwrap(),
+    );
+    req.metadata_mut()
+        .insert("tracestate", "caller=meta".parse().unwrap());
+    inbox.receive(req).await.unwrap();
     let calls = seen.0.clone();
-    eventually(Duration::from_secs(20), "the handler called", || {
+    eventually(Duration::from_secs(20), "the handler called twice", || {
         let calls = calls.clone();
-        async move { !calls.lock().unwrap().is_empty() }
+        async move { calls.lock().unwrap().len() >= 2 }
     })
     .await;
     let pid = child.id().to_string();
@@ -482,7 +501,20 @@ async fn handler_calls_get_client_spans() {
         .unwrap();
     assert!(status.success(), "{status}");
 
-    let (traceparent, tracestate) = seen.0.lock().unwrap()[0].clone();
+    let calls = seen.0.lock().unwrap().clone();
+    let in_trace = |t: &str| {
+        calls
+            .iter()
+            .find(|(tp, _)| tp.split('-').nth(1) == Some(t))
+            .cloned()
+            .unwrap_or_else(|| panic!("no handler call in trace {t}: {calls:?}"))
+    };
+    let (_, meta_state) = in_trace(meta_trace);
+    assert_eq!(
+        meta_state, "caller=meta",
+        "the call's tracestate travels too"
+    );
+    let (traceparent, tracestate) = in_trace(trace_id);
     let tp: Vec<&str> = traceparent.split('-').collect();
     assert_eq!(tp.len(), 4, "{traceparent:?}");
     assert_eq!(tp[1], trace_id, "the call stays in the message's trace");
@@ -521,5 +553,12 @@ async fn handler_calls_get_client_spans() {
             .get("messaging.message.id")
             .is_some_and(|id| !id.is_empty()),
         "{call:?}"
+    );
+    // The Receive RPC's server span joined the caller's trace from the metadata.
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.name == "mailroom.v1.InboxService/Receive" && s.trace_id == meta_trace),
+        "no Receive server span in the caller's trace among {spans:#?}"
     );
 }
