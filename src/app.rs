@@ -12,11 +12,10 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 
 use crate::admin::Admin;
-use crate::api::RpcLogLayer;
 use crate::api::admin::AdminApi;
-use crate::api::auth::{Auth, AuthLayer};
+use crate::api::auth::Auth;
+use crate::api::layers::{AuthLayer, OverloadLayer, RpcLogLayer};
 use crate::api::outbox::{OutboxApi, OutboxLimits};
-use crate::api::overload::OverloadLayer;
 use crate::config::{Config, redact_url};
 use crate::domain::Queue;
 use crate::health::Health;

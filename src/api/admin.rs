@@ -1,5 +1,5 @@
 //! `mailroom.v1.AdminService`: the operator surface. Each RPC (its token already checked
-//! by `api::auth::AuthLayer`) converts and validates its request into an operator query
+//! by `api::layers::AuthLayer`) converts and validates its request into an operator query
 //! (`crate::admin`), runs it and converts the result back. Validation lives here.
 
 use std::collections::HashMap;
@@ -24,7 +24,7 @@ const DEFAULT_PAGE: u32 = 100;
 const MAX_PAGE: u32 = 1000;
 
 /// The admin RPCs. Tokens and scopes are checked before a call reaches it
-/// (`api::auth::AuthLayer`); the caller arrives as a `Principal` for the audit log.
+/// (`api::layers::AuthLayer`); the caller arrives as a `Principal` for the audit log.
 pub struct AdminApi {
     admin: Admin,
     metrics: Option<Metrics>,

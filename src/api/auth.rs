@@ -1,4 +1,4 @@
-//! Bearer tokens with scopes, checked in one place: `AuthLayer`, a tower layer in front
+//! Bearer tokens with scopes, checked in one place: `api::layers::AuthLayer`, a tower layer in front
 //! of every gRPC service. It authenticates the `authorization: Bearer <token>` header,
 //! checks that the token's scopes cover the service called, and hands the caller on to
 //! the handlers as a `Principal` in the request extensions. The scope is the method's
@@ -20,12 +20,10 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use serde::Deserialize;
 use tonic::Status;
 use tonic::codegen::http;
-use tower::{Layer, Service};
 
 use crate::admin::secrets_equal;
 use crate::error::Error;
@@ -363,64 +361,6 @@ pub fn bearer(v: &str) -> Option<&str> {
         .eq_ignore_ascii_case("bearer")
         .then(|| rest.trim())
         .filter(|t| !t.is_empty())
-}
-
-/// Checks every RPC against the token table before any handler runs.
-#[derive(Clone)]
-pub struct AuthLayer {
-    auth: Arc<Auth>,
-}
-
-impl AuthLayer {
-    pub fn new(auth: Auth) -> Self {
-        AuthLayer {
-            auth: Arc::new(auth),
-        }
-    }
-}
-
-impl<S> Layer<S> for AuthLayer {
-    type Service = AuthService<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        AuthService {
-            inner,
-            auth: self.auth.clone(),
-        }
-    }
-}
-
-#[derive(Clone)]
-pub struct AuthService<S> {
-    inner: S,
-    auth: Arc<Auth>,
-}
-
-impl<S, B, RB> Service<http::Request<B>> for AuthService<S>
-where
-    S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
-    S::Future: Send + 'static,
-    RB: Default + Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
-    >;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
-        let scope = required_scope(req.uri().path());
-        match self.auth.check(scope, req.headers().get("authorization")) {
-            Ok(principal) => {
-                req.extensions_mut().insert(principal);
-                Box::pin(self.inner.call(req))
-            }
-            Err(status) => Box::pin(async move { Ok(status.into_http()) }),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! `mailroom.v1.OutboxService`: validate, hand to the group committer, answer. The
-//! caller's token was checked by `api::auth::AuthLayer`; a token limited to some topics
+//! caller's token was checked by `api::layers::AuthLayer`; a token limited to some topics
 //! is checked against each event's topic here, before anything is stored.
 
 use tonic::{Request, Response, Status};

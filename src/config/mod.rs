@@ -82,7 +82,7 @@ pub struct Config {
     /// TLS of the gRPC port; `None`: plaintext.
     pub tls: Option<ServerTls>,
     /// Concurrency limit and deadline of every RPC.
-    pub overload: crate::api::overload::OverloadConfig,
+    pub overload: crate::api::layers::OverloadConfig,
     /// How long a query waits for a pooled connection.
     pub database_acquire_timeout: Duration,
     /// PostgreSQL `statement_timeout` per query class.

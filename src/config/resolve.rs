@@ -10,7 +10,7 @@ use super::enqueue_request_bytes;
 use super::{Config, ConfigError, DatabaseTimeouts, Settings, SubscriptionSettings, bad};
 use crate::api::auth::{MIN_TOKEN_LEN, TokenEntry, load_tokens};
 use crate::api::convert::Limits;
-use crate::api::overload::OverloadConfig;
+use crate::api::layers::OverloadConfig;
 use crate::inbox::SubscriptionConfig;
 use crate::intake::IntakeConfig;
 use crate::relay::RelayConfig;

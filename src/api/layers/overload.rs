@@ -12,12 +12,13 @@
 //! Health checks bypass both, so that probes keep working while the server sheds load.
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
 use tonic::codegen::http;
-use tower::{Layer, Service};
+use tower::Service;
+
+use super::{Middleware, MiddlewareLayer, Outcome};
 
 /// Limits that keep the server answering under load.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -39,64 +40,39 @@ impl Default for OverloadConfig {
 
 /// Refuses RPCs past the concurrency limit and cuts them at the deadline.
 #[derive(Clone)]
-pub struct OverloadLayer {
+pub struct Overload {
     permits: Option<Arc<Semaphore>>,
     timeout: Option<Duration>,
 }
+
+/// The layer of `Overload`.
+pub type OverloadLayer = MiddlewareLayer<Overload>;
 
 impl OverloadLayer {
     /// The layer for `c`.
     pub fn new(c: OverloadConfig) -> Self {
-        OverloadLayer {
+        MiddlewareLayer(Overload {
             permits: (c.max_concurrent_rpcs > 0)
                 .then(|| Arc::new(Semaphore::new(c.max_concurrent_rpcs))),
             timeout: c.rpc_timeout,
-        }
+        })
     }
-}
-
-impl<S> Layer<S> for OverloadLayer {
-    type Service = Overload<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        Overload {
-            inner,
-            permits: self.permits.clone(),
-            timeout: self.timeout,
-        }
-    }
-}
-
-/// The service `OverloadLayer` wraps around the routes.
-#[derive(Clone)]
-pub struct Overload<S> {
-    inner: S,
-    permits: Option<Arc<Semaphore>>,
-    timeout: Option<Duration>,
 }
 
 fn exempt(path: &str) -> bool {
     path.starts_with("/grpc.health.v1.Health/")
 }
 
-impl<S, B, RB> Service<http::Request<B>> for Overload<S>
-where
-    S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
-    S::Future: Send + 'static,
-    RB: Default + Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
-    >;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+impl Middleware for Overload {
+    fn call<S, B, RB>(&self, inner: &mut S, req: http::Request<B>) -> Outcome<RB, S::Error>
+    where
+        S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
+        S::Future: Send + 'static,
+        S::Error: std::fmt::Display + Send + 'static,
+        RB: Default + Send + 'static,
+    {
         if exempt(req.uri().path()) {
-            return Box::pin(self.inner.call(req));
+            return Box::pin(inner.call(req));
         }
         let permit = match &self.permits {
             None => None,
@@ -104,31 +80,31 @@ where
                 Ok(permit) => Some(permit),
                 Err(_) => {
                     return Box::pin(async {
-                        Ok(super::status::status(
+                        Ok(crate::api::status::status(
                             tonic::Code::ResourceExhausted,
                             "server busy: too many requests in flight; retry with backoff",
-                            super::status::reason::SERVER_BUSY,
+                            crate::api::status::reason::SERVER_BUSY,
                             Default::default(),
-                            Some(super::status::RETRY_OVERLOADED),
+                            Some(crate::api::status::RETRY_OVERLOADED),
                         )
                         .into_http())
                     });
                 }
             },
         };
-        let fut = self.inner.call(req);
+        let fut = inner.call(req);
         let timeout = self.timeout;
         Box::pin(async move {
             let res = match timeout {
                 None => fut.await,
                 Some(t) => match tokio::time::timeout(t, fut).await {
                     Ok(r) => r,
-                    Err(_) => Ok(super::status::status(
+                    Err(_) => Ok(crate::api::status::status(
                         tonic::Code::Unavailable,
                         "request timed out in the server; retry with backoff",
-                        super::status::reason::SERVER_TIMEOUT,
+                        crate::api::status::reason::SERVER_TIMEOUT,
                         Default::default(),
-                        Some(super::status::RETRY_OVERLOADED),
+                        Some(crate::api::status::RETRY_OVERLOADED),
                     )
                     .into_http()),
                 },
