@@ -4,9 +4,8 @@
 use std::sync::Arc;
 
 use tonic::codegen::http;
-use tower::Service;
 
-use super::{Middleware, MiddlewareLayer, Outcome};
+use super::{Inner, Middleware, MiddlewareLayer, Outcome};
 use crate::api::auth::{Auth, required_scope};
 
 /// Checks the bearer token of every RPC against the scope its method needs.
@@ -30,9 +29,7 @@ impl AuthLayer {
 impl Middleware for Authenticate {
     fn call<S, B, RB>(&self, inner: &mut S, mut req: http::Request<B>) -> Outcome<RB, S::Error>
     where
-        S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
-        S::Future: Send + 'static,
-        S::Error: std::fmt::Display + Send + 'static,
+        S: Inner<B, RB>,
         RB: Default + Send + 'static,
     {
         let scope = required_scope(req.uri().path());

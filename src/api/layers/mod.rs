@@ -27,10 +27,29 @@ pub trait Middleware: Clone + Send + Sync + 'static {
     /// Handles `req`, calling `inner` when it passes it on.
     fn call<S, B, RB>(&self, inner: &mut S, req: http::Request<B>) -> Outcome<RB, S::Error>
     where
-        S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
-        S::Future: Send + 'static,
-        S::Error: std::fmt::Display + Send + 'static,
+        S: Inner<B, RB>,
         RB: Default + Send + 'static;
+}
+
+/// The service a middleware wraps: the routes, or the next layer.
+pub trait Inner<B, RB>:
+    Service<
+        http::Request<B>,
+        Response = http::Response<RB>,
+        Future: Send + 'static,
+        Error: std::fmt::Display + Send + 'static,
+    > + Send
+{
+}
+
+impl<S, B, RB> Inner<B, RB> for S where
+    S: Service<
+            http::Request<B>,
+            Response = http::Response<RB>,
+            Future: Send + 'static,
+            Error: std::fmt::Display + Send + 'static,
+        > + Send
+{
 }
 
 /// A `Middleware` as a tower layer.
@@ -58,9 +77,7 @@ pub struct WithMiddleware<S, M> {
 impl<S, M, B, RB> Service<http::Request<B>> for WithMiddleware<S, M>
 where
     M: Middleware,
-    S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
-    S::Future: Send + 'static,
-    S::Error: std::fmt::Display + Send + 'static,
+    S: Service<http::Request<B>, Response = http::Response<RB>> + Inner<B, RB>,
     RB: Default + Send + 'static,
 {
     type Response = http::Response<RB>;

@@ -16,9 +16,8 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 use tonic::codegen::http;
-use tower::Service;
 
-use super::{Middleware, MiddlewareLayer, Outcome};
+use super::{Inner, Middleware, MiddlewareLayer, Outcome};
 
 /// Limits that keep the server answering under load.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -66,9 +65,7 @@ fn exempt(path: &str) -> bool {
 impl Middleware for Overload {
     fn call<S, B, RB>(&self, inner: &mut S, req: http::Request<B>) -> Outcome<RB, S::Error>
     where
-        S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
-        S::Future: Send + 'static,
-        S::Error: std::fmt::Display + Send + 'static,
+        S: Inner<B, RB>,
         RB: Default + Send + 'static,
     {
         if exempt(req.uri().path()) {

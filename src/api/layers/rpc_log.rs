@@ -3,9 +3,8 @@
 use std::time::Instant;
 
 use tonic::codegen::http;
-use tower::Service;
 
-use super::{Middleware, MiddlewareLayer, Outcome};
+use super::{Inner, Middleware, MiddlewareLayer, Outcome};
 use crate::metrics::Metrics;
 
 /// Observes every RPC once it completes: logs method, gRPC code and latency, and counts
@@ -28,9 +27,7 @@ impl RpcLogLayer {
 impl Middleware for RpcLog {
     fn call<S, B, RB>(&self, inner: &mut S, req: http::Request<B>) -> Outcome<RB, S::Error>
     where
-        S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
-        S::Future: Send + 'static,
-        S::Error: std::fmt::Display + Send + 'static,
+        S: Inner<B, RB>,
         RB: Default + Send + 'static,
     {
         let method = req.uri().path().to_string();
