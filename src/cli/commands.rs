@@ -31,6 +31,11 @@ fn rpc_error(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", s.code(), s.message())
 }
 
+/// An RPC's answer, or its status as the command's error.
+fn answer<T>(r: Result<tonic::Response<T>, tonic::Status>) -> anyhow::Result<T> {
+    r.map(tonic::Response::into_inner).map_err(rpc_error)
+}
+
 fn operator(o: Option<String>) -> String {
     o.or_else(|| std::env::var("USER").ok()).unwrap_or_default()
 }
@@ -82,25 +87,24 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             limit,
             page_token,
         } => {
-            let r = c
-                .inner
-                .list_pending(c.req(pb::ListPendingRequest {
-                    r#box: bx,
-                    subscription: sub,
-                    topic: topic.unwrap_or_default(),
-                    key_prefix: key_prefix.unwrap_or_default(),
-                    only_blocked: blocked,
-                    order: if oldest {
-                        pb::PendingOrder::Oldest
-                    } else {
-                        pb::PendingOrder::MostPending
-                    } as i32,
-                    page_size: limit,
-                    page_token: page_token.unwrap_or_default(),
-                }))
-                .await
-                .map_err(rpc_error)?
-                .into_inner();
+            let r = answer(
+                c.inner
+                    .list_pending(c.req(pb::ListPendingRequest {
+                        r#box: bx,
+                        subscription: sub,
+                        topic: topic.unwrap_or_default(),
+                        key_prefix: key_prefix.unwrap_or_default(),
+                        only_blocked: blocked,
+                        order: if oldest {
+                            pb::PendingOrder::Oldest
+                        } else {
+                            pb::PendingOrder::MostPending
+                        } as i32,
+                        page_size: limit,
+                        page_token: page_token.unwrap_or_default(),
+                    }))
+                    .await,
+            )?;
             Ok(if json_out {
                 pending_json(&r, inbox)
             } else {
@@ -112,31 +116,29 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             limit,
             page_token,
         } => {
-            let r = c
-                .inner
-                .list_events(c.req(pb::ListEventsRequest {
-                    r#box: bx,
-                    status: pb::EventStatus::Failed as i32,
-                    filter: Some(filter.to_pb(&sub)),
-                    page_size: limit,
-                    page_token: page_token.unwrap_or_default(),
-                }))
-                .await
-                .map_err(rpc_error)?
-                .into_inner();
+            let r = answer(
+                c.inner
+                    .list_events(c.req(pb::ListEventsRequest {
+                        r#box: bx,
+                        status: pb::EventStatus::Failed as i32,
+                        filter: Some(filter.to_pb(&sub)),
+                        page_size: limit,
+                        page_token: page_token.unwrap_or_default(),
+                    }))
+                    .await,
+            )?;
             Ok(failed_out(&r, json_out, inbox))
         }
         AdminCommand::Get { id, payload } => {
-            let r = c
-                .inner
-                .get_event(c.req(pb::GetEventRequest {
-                    r#box: bx,
-                    id,
-                    include_payload: payload,
-                }))
-                .await
-                .map_err(rpc_error)?
-                .into_inner();
+            let r = answer(
+                c.inner
+                    .get_event(c.req(pb::GetEventRequest {
+                        r#box: bx,
+                        id,
+                        include_payload: payload,
+                    }))
+                    .await,
+            )?;
             let e = r.event.context("server sent no event")?;
             Ok(if json_out {
                 lines(&event_json(&e, payload, inbox))
@@ -168,12 +170,7 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                 all,
                 request_id: request_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
             };
-            let r = c
-                .inner
-                .requeue_failed(c.req(req))
-                .await
-                .map_err(rpc_error)?
-                .into_inner();
+            let r = answer(c.inner.requeue_failed(c.req(req)).await)?;
             Ok(requeue_out(&r, json_out))
         }
         AdminCommand::Cancel {
@@ -183,31 +180,29 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             request_id,
             operator: who,
         } => {
-            let r = c
-                .inner
-                .cancel_events(c.req(pb::CancelEventsRequest {
-                    r#box: bx,
-                    ids,
-                    reason,
-                    dry_run: !yes,
-                    operator: operator(who),
-                    request_id: request_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
-                }))
-                .await
-                .map_err(rpc_error)?
-                .into_inner();
+            let r = answer(
+                c.inner
+                    .cancel_events(c.req(pb::CancelEventsRequest {
+                        r#box: bx,
+                        ids,
+                        reason,
+                        dry_run: !yes,
+                        operator: operator(who),
+                        request_id: request_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+                    }))
+                    .await,
+            )?;
             Ok(cancel_out(&r, !yes, json_out))
         }
         AdminCommand::Stats => {
-            let r = c
-                .inner
-                .get_stats(c.req(pb::GetStatsRequest {
-                    r#box: bx,
-                    subscription: sub,
-                }))
-                .await
-                .map_err(rpc_error)?
-                .into_inner();
+            let r = answer(
+                c.inner
+                    .get_stats(c.req(pb::GetStatsRequest {
+                        r#box: bx,
+                        subscription: sub,
+                    }))
+                    .await,
+            )?;
             Ok(if json_out {
                 stats_json(&r, inbox)
             } else {
@@ -215,15 +210,14 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             })
         }
         AdminCommand::Audit { limit, page_token } => {
-            let r = c
-                .inner
-                .list_audit(c.req(pb::ListAuditRequest {
-                    page_size: limit,
-                    page_token: page_token.unwrap_or_default(),
-                }))
-                .await
-                .map_err(rpc_error)?
-                .into_inner();
+            let r = answer(
+                c.inner
+                    .list_audit(c.req(pb::ListAuditRequest {
+                        page_size: limit,
+                        page_token: page_token.unwrap_or_default(),
+                    }))
+                    .await,
+            )?;
             Ok(audit_out(&r, json_out))
         }
     }
