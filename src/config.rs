@@ -10,7 +10,7 @@ use std::time::Duration;
 use clap::Args;
 use serde::Deserialize;
 
-use crate::api::convert::Limits;
+use crate::domain::Limits;
 use crate::intake::IntakeConfig;
 use crate::relay::RelayConfig;
 use crate::relay::backoff::RetryPolicy;
@@ -374,7 +374,7 @@ fn subscription(
         ));
     }
     for t in &s.topics {
-        crate::api::convert::check_topic(t)
+        crate::domain::check_topic(t)
             .map_err(|why| bad(SETTING, format!("{}: topic {t:?} {why}", s.name)))?;
     }
     if !(s.handler.starts_with("http://") || s.handler.starts_with("https://"))

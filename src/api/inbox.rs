@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use super::convert::{self, Limits};
+use super::convert;
 use crate::config::SubscriptionConfig;
+use crate::domain::Limits;
 use crate::error::{Error, FieldViolation};
 use crate::inbox::InboxHandles;
 use crate::pb;

@@ -21,9 +21,9 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::identity;
-use crate::api::convert::Limits;
 use crate::config::SubscriptionConfig;
 use crate::domain::InboundMessage;
+use crate::domain::Limits;
 use crate::store::{Admission, Store, StoreError};
 
 /// Records stored per insert at most.
