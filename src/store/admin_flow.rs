@@ -1,8 +1,9 @@
 //! The admin flows, written once for every engine: requeue and cancel (replay check,
 //! selection, id checks, dry run, key wake-up, update, audit, all in one transaction),
-//! page assembly and row decoding. An engine supplies only what differs between
-//! databases, its SQL text and binding, through `AdminSql`; `AdminStore` follows for
-//! every engine that implements it.
+//! page assembly and row decoding, and the parameters of every statement. An engine
+//! supplies only what differs between databases through `AdminSql`: the SQL text of each
+//! statement (`Stmt`), how it binds the engine-neutral parameters (`Param`) and runs a
+//! statement; `AdminStore` follows for every engine that implements it.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::Duration;
@@ -10,136 +11,51 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use super::admin::AdminStore;
+use super::admin_sql::{AdminSql, Param, Query, Read, Shared, Stmt, query};
 use super::rows::{Candidate, Cols, admin_key, decode_audit, decode_candidate, decode_detail};
 use super::{StoreError, StoreResult};
 use crate::domain::admin::{
     AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter, EventsPage,
-    EventsQuery, KeyBacklog, PendingCursor, PendingPage, PendingQuery, RequeueOutcome,
-    RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicStats,
+    EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
+    RequeueOutcome, RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicStats,
 };
 use crate::domain::{BoxKind, EventId, Status};
 
-/// An audit entry to record.
-pub(crate) struct NewAudit<'a> {
-    pub actor: &'a str,
-    pub principal: Option<&'a str>,
-    pub request_id: Option<&'a str>,
-    pub action: &'static str,
-    pub box_kind: BoxKind,
-    pub selection: serde_json::Value,
-    pub count: i64,
+/// Runs `q` in the transaction.
+async fn rows_in<E: AdminSql>(
+    e: &E,
+    tx: &mut E::Tx,
+    b: BoxKind,
+    q: Query<'_>,
+) -> StoreResult<Vec<E::Row>> {
+    e.rows_in(tx, &e.sql(b, q.stmt), &q.params).await
 }
 
-/// The rows behind `Stats`: counts by (subscription, topic, status) in columns
-/// `subscription, topic, status, n`; one row of the keyed heads (`blocked`, `oldest`,
-/// `now`, the database's clock); one row of the unkeyed backlog (`oldest`).
-pub(crate) struct StatsRows<R> {
-    pub counts: Vec<R>,
-    pub heads: R,
-    pub unkeyed: R,
+/// Runs the reads `qs`; each one's rows, in order.
+async fn read<E: AdminSql>(
+    e: &E,
+    how: Read,
+    b: BoxKind,
+    qs: &[Query<'_>],
+) -> StoreResult<Vec<Vec<E::Row>>> {
+    let batch: Vec<(String, &[Param<'_>])> = qs
+        .iter()
+        .map(|q| (e.sql(b, q.stmt), q.params.as_slice()))
+        .collect();
+    e.read(how, &batch).await
 }
 
-/// One engine's side of the admin flows: the statements, nothing else. Rows come back
-/// undecoded (`Cols`); a write transaction is the engine's own (`Tx`).
-///
-/// Row columns the flows read: candidates `id, subscription, topic, event_key, status`;
-/// replays `id, count, selection`; details the event columns with `payload_size,
-/// subscription, message_id`; the backlog `subscription, topic, key, pending,
-/// created_at, head_id, attempts, scheduled_at, last_error, blocked` and the totals
-/// `total_keys, total_pending, total_blocked` on every row; audit `id, at, actor,
-/// action, box, selection, count, principal, request_id`.
-#[async_trait::async_trait]
-pub(crate) trait AdminSql: Send + Sync {
-    type Row: Cols + Send + Sync;
-    type Tx: Send;
-
-    /// A write transaction of the admin's query class.
-    async fn begin(&self) -> StoreResult<Self::Tx>;
-    async fn commit(&self, tx: Self::Tx) -> StoreResult<()>;
-    async fn rollback(&self, tx: Self::Tx) -> StoreResult<()>;
-
-    /// The audit row of `action` already done under `request_id`, if any.
-    async fn audit_of_request(
-        &self,
-        tx: &mut Self::Tx,
-        action: &str,
-        b: BoxKind,
-        request_id: &str,
-    ) -> StoreResult<Option<Self::Row>>;
-
-    /// The named events that exist, in id order.
-    async fn candidates_by_id(
-        &self,
-        tx: &mut Self::Tx,
-        b: BoxKind,
-        ids: &[EventId],
-    ) -> StoreResult<Vec<Self::Row>>;
-
-    /// Failed events matching the filter, in id order, at most `limit`.
-    async fn failed_by_filter(
-        &self,
-        tx: &mut Self::Tx,
-        b: BoxKind,
-        f: &EventFilter,
-        limit: u32,
-    ) -> StoreResult<Vec<Self::Row>>;
-
-    /// Locks (creating missing ones) the key rows `keys` — (subscription, topic, key),
-    /// sorted — and makes them ready now; returns those a relay holds at this moment,
-    /// as (subscription, topic, key).
-    async fn wake_keys(
-        &self,
-        tx: &mut Self::Tx,
-        b: BoxKind,
-        keys: &[(&str, &str, &str)],
-    ) -> StoreResult<Vec<(String, String, String)>>;
-
-    /// Failed events `ids` back to pending, due now; returns how many changed.
-    async fn set_requeued(
-        &self,
-        tx: &mut Self::Tx,
-        b: BoxKind,
-        ids: &[EventId],
-    ) -> StoreResult<u64>;
-
-    /// Pending events `ids` to failed with `cancelled: <reason>`; returns how many changed.
-    async fn set_cancelled(
-        &self,
-        tx: &mut Self::Tx,
-        b: BoxKind,
-        ids: &[EventId],
-        reason: &str,
-    ) -> StoreResult<u64>;
-
-    /// Records an audit entry; returns its id.
-    async fn insert_audit(&self, tx: &mut Self::Tx, a: &NewAudit<'_>) -> StoreResult<i64>;
-
-    /// The backlog page's rows (at most `page_size + 1` groups; with none, one row of
-    /// totals whose `topic` is NULL).
-    async fn pending_rows(&self, b: BoxKind, q: &PendingQuery) -> StoreResult<Vec<Self::Row>>;
-
-    async fn detail_row(
-        &self,
-        b: BoxKind,
-        id: EventId,
-        with_payload: bool,
-    ) -> StoreResult<Option<Self::Row>>;
-
-    /// At most `page_size + 1` events, newest first, without payloads.
-    async fn event_rows(&self, b: BoxKind, q: &EventsQuery) -> StoreResult<Vec<Self::Row>>;
-
-    /// At most `limit` audit rows below `before_id`, newest first.
-    async fn audit_rows(&self, limit: i64, before_id: Option<i64>) -> StoreResult<Vec<Self::Row>>;
-
-    async fn stats_rows(
-        &self,
-        b: BoxKind,
-        subscription: Option<&str>,
-    ) -> StoreResult<StatsRows<Self::Row>>;
-
-    /// Makes one key ready now if no relay holds it and it has pending events; `None`
-    /// if there is no such key row, else whether a relay still holds it.
-    async fn wake_released_key(&self, b: BoxKind, key: &AdminKey) -> StoreResult<Option<bool>>;
+/// The seven parameters of an event filter, in statement order.
+fn filter_params(f: &EventFilter) -> [Param<'_>; 7] {
+    [
+        Param::Text(f.topic.as_deref()),
+        Param::Text(f.key.as_deref()),
+        Param::Text(f.event_type.as_deref()),
+        Param::Time(f.updated_after),
+        Param::Time(f.updated_before),
+        Param::Text(f.error_contains.as_deref()),
+        Param::Text(f.subscription.as_deref()),
+    ]
 }
 
 /// The explicit-id checks of requeue and cancel: `found` holds (id, status) of the ids
@@ -202,7 +118,19 @@ async fn replayed<E: AdminSql>(
     let Some(rid) = request_id else {
         return Ok(None);
     };
-    match e.audit_of_request(tx, action, b, rid).await? {
+    let params = vec![
+        Param::Text(Some(action)),
+        Param::Text(Some(b.as_str())),
+        Param::Text(Some(rid)),
+    ];
+    let rows = rows_in(
+        e,
+        tx,
+        b,
+        query(Stmt::Shared(Shared::AuditOfRequest), params),
+    )
+    .await?;
+    match rows.first() {
         None => Ok(None),
         Some(r) => Ok(Some(Replay {
             audit_id: r.int("id")?,
@@ -238,6 +166,35 @@ async fn wake_keys_of<E: AdminSql>(
         .collect())
 }
 
+/// An audit entry to record.
+struct NewAudit<'a> {
+    actor: &'a str,
+    principal: Option<&'a str>,
+    request_id: Option<&'a str>,
+    action: &'static str,
+    box_kind: BoxKind,
+    selection: serde_json::Value,
+    count: i64,
+}
+
+async fn insert_audit<E: AdminSql>(e: &E, tx: &mut E::Tx, a: &NewAudit<'_>) -> StoreResult<i64> {
+    let selection = a.selection.to_string();
+    let params = vec![
+        Param::Text(Some(a.actor)),
+        Param::Text(Some(a.action)),
+        Param::Text(Some(a.box_kind.as_str())),
+        Param::Text(Some(&selection)),
+        Param::Int(Some(a.count)),
+        Param::Text(a.principal),
+        Param::Text(a.request_id),
+        Param::Now,
+    ];
+    let rows = rows_in(e, tx, a.box_kind, query(Stmt::InsertAudit, params)).await?;
+    rows.first()
+        .ok_or_else(|| StoreError::Other("audit insert returned no id".into()))?
+        .int("id")
+}
+
 async fn requeue<E: AdminSql>(
     e: &E,
     b: BoxKind,
@@ -258,14 +215,23 @@ async fn requeue<E: AdminSql>(
     }
     let cands = match &r.selection {
         Selection::Ids(ids) => {
-            let rows = e.candidates_by_id(&mut tx, b, ids).await?;
+            let by_id = query(Stmt::Shared(Shared::CandidatesById), vec![Param::Ids(ids)]);
+            let rows = rows_in(e, &mut tx, b, by_id).await?;
             let c = decode_all(&rows, decode_candidate)?;
             let found: Vec<(EventId, Status)> = c.iter().map(|c| (c.id, c.status)).collect();
             check_ids(ids, &found, Status::Failed, "requeued")?;
             c
         }
         Selection::Filter(f) => {
-            let rows = e.failed_by_filter(&mut tx, b, f, r.limit).await?;
+            let mut params = filter_params(f).to_vec();
+            params.push(Param::Int(Some(i64::from(r.limit))));
+            let rows = rows_in(
+                e,
+                &mut tx,
+                b,
+                query(Stmt::Shared(Shared::FailedByFilter), params),
+            )
+            .await?;
             decode_all(&rows, decode_candidate)?
         }
     };
@@ -282,7 +248,11 @@ async fn requeue<E: AdminSql>(
         });
     }
     let leased_keys = wake_keys_of(e, &mut tx, b, &cands).await?;
-    if e.set_requeued(&mut tx, b, &ids).await? != ids.len() as u64 {
+    let sql = e.sql(b, Stmt::Shared(Shared::Requeue));
+    let changed = e
+        .execute_in(&mut tx, &sql, &[Param::Ids(&ids), Param::Now])
+        .await?;
+    if changed != ids.len() as u64 {
         return Err(StoreError::ChangedMeanwhile);
     }
     let selection = match &r.selection {
@@ -298,7 +268,7 @@ async fn requeue<E: AdminSql>(
         selection,
         count: ids.len() as i64,
     };
-    let audit_id = e.insert_audit(&mut tx, &audit).await?;
+    let audit_id = insert_audit(e, &mut tx, &audit).await?;
     e.commit(tx).await?;
     Ok(RequeueOutcome {
         count: ids.len() as i64,
@@ -326,7 +296,11 @@ async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResul
             replayed: true,
         });
     }
-    let rows = e.candidates_by_id(&mut tx, b, &r.ids).await?;
+    let by_id = query(
+        Stmt::Shared(Shared::CandidatesById),
+        vec![Param::Ids(&r.ids)],
+    );
+    let rows = rows_in(e, &mut tx, b, by_id).await?;
     let cands = decode_all(&rows, decode_candidate)?;
     let found: Vec<(EventId, Status)> = cands.iter().map(|c| (c.id, c.status)).collect();
     check_ids(&r.ids, &found, Status::Pending, "cancelled")?;
@@ -341,7 +315,9 @@ async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResul
         });
     }
     let leased_keys = wake_keys_of(e, &mut tx, b, &cands).await?;
-    if e.set_cancelled(&mut tx, b, &ids, &r.reason).await? != ids.len() as u64 {
+    let sql = e.sql(b, Stmt::Shared(Shared::Cancel));
+    let params = [Param::Ids(&ids), Param::Text(Some(&r.reason)), Param::Now];
+    if e.execute_in(&mut tx, &sql, &params).await? != ids.len() as u64 {
         return Err(StoreError::ChangedMeanwhile);
     }
     let audit = NewAudit {
@@ -353,7 +329,7 @@ async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResul
         selection: serde_json::json!({ "ids": ids, "reason": r.reason }),
         count: ids.len() as i64,
     };
-    let audit_id = e.insert_audit(&mut tx, &audit).await?;
+    let audit_id = insert_audit(e, &mut tx, &audit).await?;
     e.commit(tx).await?;
     Ok(CancelOutcome {
         ids,
@@ -418,6 +394,14 @@ fn cut_page<T>(items: &mut Vec<T>, page_size: u32, id: fn(&T) -> i64) -> Option<
     }
 }
 
+/// The rows behind `Stats`: counts by (subscription, topic, status), one row of the
+/// keyed heads (with the clock, `now`), one row of the unkeyed backlog.
+struct StatsRows<R> {
+    counts: Vec<R>,
+    heads: R,
+    unkeyed: R,
+}
+
 fn stats_of<R: Cols>(rows: &StatsRows<R>) -> StoreResult<Stats> {
     let mut by_topic: BTreeMap<(String, String), TopicStats> = BTreeMap::new();
     for r in &rows.counts {
@@ -456,10 +440,35 @@ fn stats_of<R: Cols>(rows: &StatsRows<R>) -> StoreResult<Stats> {
     })
 }
 
+/// The only row a statement must return.
+fn one<R>(rows: Vec<R>, what: &str) -> StoreResult<R> {
+    rows.into_iter()
+        .next()
+        .ok_or_else(|| StoreError::Other(format!("{what} row missing")))
+}
+
 #[async_trait::async_trait]
 impl<E: AdminSql> AdminStore for E {
     async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> StoreResult<PendingPage> {
-        pending_page(q, &self.pending_rows(b, q).await?)
+        let c = q.after.as_ref();
+        let after_pending = c.filter(|c| c.order == PendingOrder::MostPending);
+        let after_oldest = c.filter(|c| c.order == PendingOrder::Oldest);
+        let params = vec![
+            Param::Text(q.topic.as_deref()),
+            Param::Text(q.key_prefix.as_deref()),
+            Param::Flag(q.only_blocked),
+            Param::Int(after_pending.map(|c| c.pending)),
+            Param::Micros(after_oldest.map(|c| c.oldest_us)),
+            Param::Text(c.map(|c| c.topic.as_str())),
+            Param::Text(c.map(|c| c.key.as_str())),
+            Param::Int(Some(i64::from(q.page_size) + 1)),
+            Param::Text(q.subscription.as_deref()),
+            Param::Text(c.map(|c| c.subscription.as_str())),
+            Param::Now,
+        ];
+        let reads = [query(Stmt::Pending(q.order), params)];
+        let rows = read(self, Read::Planned, b, &reads).await?;
+        pending_page(q, &one(rows, "backlog")?)
     }
 
     async fn requeue_failed(&self, b: BoxKind, r: &RequeueRequest) -> StoreResult<RequeueOutcome> {
@@ -476,15 +485,26 @@ impl<E: AdminSql> AdminStore for E {
         id: EventId,
         with_payload: bool,
     ) -> StoreResult<Option<EventDetail>> {
-        self.detail_row(b, id, with_payload)
-            .await?
-            .as_ref()
-            .map(decode_detail)
-            .transpose()
+        let params = vec![Param::Int(Some(id)), Param::Flag(with_payload)];
+        let rows = read(self, Read::Plain, b, &[query(Stmt::Detail, params)]).await?;
+        one(rows, "detail")?.first().map(decode_detail).transpose()
     }
 
     async fn list_events(&self, b: BoxKind, q: &EventsQuery) -> StoreResult<EventsPage> {
-        let mut events = decode_all(&self.event_rows(b, q).await?, decode_detail)?;
+        let mut params = vec![
+            Param::Text(q.status.map(Status::as_str)),
+            Param::Int(q.before_id),
+        ];
+        params.extend(filter_params(&q.filter));
+        params.push(Param::Int(Some(i64::from(q.page_size) + 1)));
+        let rows = read(
+            self,
+            Read::Plain,
+            b,
+            &[query(Stmt::Shared(Shared::Events), params)],
+        )
+        .await?;
+        let mut events = decode_all(&one(rows, "events")?, decode_detail)?;
         let next_before_id = cut_page(&mut events, q.page_size, |e| e.event.id);
         Ok(EventsPage {
             events,
@@ -493,8 +513,14 @@ impl<E: AdminSql> AdminStore for E {
     }
 
     async fn list_audit(&self, page_size: u32, before_id: Option<i64>) -> StoreResult<AuditPage> {
-        let rows = self.audit_rows(i64::from(page_size) + 1, before_id).await?;
-        let mut entries = decode_all(&rows, decode_audit)?;
+        let params = vec![
+            Param::Int(before_id),
+            Param::Int(Some(i64::from(page_size) + 1)),
+        ];
+        // The audit table serves both boxes: the box only picks the SQL text's shape.
+        let reads = [query(Stmt::Shared(Shared::Audit), params)];
+        let rows = read(self, Read::Plain, BoxKind::Outbox, &reads).await?;
+        let mut entries = decode_all(&one(rows, "audit")?, decode_audit)?;
         let next_before_id = cut_page(&mut entries, page_size, |e| e.id);
         Ok(AuditPage {
             entries,
@@ -503,7 +529,21 @@ impl<E: AdminSql> AdminStore for E {
     }
 
     async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> StoreResult<Stats> {
-        stats_of(&self.stats_rows(b, subscription).await?)
+        let sub = Param::Text(subscription);
+        let reads = [
+            query(Stmt::Shared(Shared::StatsCounts), vec![sub]),
+            query(Stmt::StatsHeads, vec![sub, Param::Now]),
+            query(Stmt::Shared(Shared::StatsUnkeyed), vec![sub]),
+        ];
+        let mut rows = read(self, Read::Planned, b, &reads).await?.into_iter();
+        let counts = rows.next().unwrap_or_default();
+        let heads = one(rows.next().unwrap_or_default(), "heads")?;
+        let unkeyed = one(rows.next().unwrap_or_default(), "unkeyed")?;
+        stats_of(&StatsRows {
+            counts,
+            heads,
+            unkeyed,
+        })
     }
 
     async fn wake_released_keys(
@@ -515,7 +555,16 @@ impl<E: AdminSql> AdminStore for E {
         // cannot deadlock with enqueue or settle. Waking a key early is harmless.
         let mut held = Vec::new();
         for k in keys {
-            if self.wake_released_key(b, k).await? == Some(true) {
+            let params = vec![
+                Param::Text(Some(&k.topic)),
+                Param::Text(Some(&k.key)),
+                Param::Text(k.subscription.as_deref()),
+                Param::Now,
+            ];
+            let rows = read(self, Read::Plain, b, &[query(Stmt::WakeReleased, params)]).await?;
+            if let Some(r) = one(rows, "wake")?.first()
+                && r.flag("leased")?
+            {
                 held.push(k.clone());
             }
         }

@@ -2,8 +2,8 @@
 //! All SQL lives in the engines' folders, `postgres/` and `sqlite/`; nothing outside this
 //! module runs a query. What is the same on every engine is written once here: the
 //! errors (`error.rs`), admission of new events (`admission.rs`), row decoding
-//! (`rows.rs`), the admin flows (`admin_flow.rs`) and the admin statements' shape
-//! (`shape.rs`).
+//! (`rows.rs`), the admin flows (`admin_flow.rs` over the engine interface
+//! `admin_sql.rs`) and the admin statements' shared text (`shape.rs`).
 //!
 //! Keyed events are claimed through a per-key row (`*_keys`): a relay leases a key, reads
 //! that key's line in id order from an index, and settles. The lease is the mutual
@@ -13,6 +13,7 @@
 
 pub mod admin;
 mod admin_flow;
+mod admin_sql;
 mod admission;
 mod error;
 pub mod postgres;
