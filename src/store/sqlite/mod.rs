@@ -3,14 +3,13 @@
 //! semantics as PostgreSQL; times are stored as microseconds since the Unix epoch.
 
 //!
-//! Files: `relay.rs` claim, settle and renew, `admin.rs` the operator statements,
-//! `retention.rs` the purges.
+//! Files: this one the store and the relay's calls (claim, settle, renew), `write.rs`
+//! enqueue and receive, `admin.rs` the operator statements, `retention.rs` the purges.
 
 mod admin;
-mod relay;
 mod retention;
+mod write;
 
-use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -21,22 +20,19 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Row};
 
-use super::admission::{Holder, admissions, batch_keys, headers_json, inbox_admissions};
 use super::rows::{Cols, decode_event};
 use super::{
-    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, LineKey, SettleReport, Store,
-    StoreError, StoreResult,
+    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
+    Store, StoreError, StoreResult, fit_in_budget,
 };
-use crate::domain::{
-    BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent, idempotency_scope,
-};
+use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
-pub(super) const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers, event_type, \
+const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers, event_type, \
      idempotency_key, status, attempts, max_attempts, scheduled_at, created_at, updated_at, \
      published_at, last_error";
 
 /// "Idle": later than any real time.
-pub(super) const NEVER: i64 = i64::MAX;
+const NEVER: i64 = i64::MAX;
 
 pub struct SqliteStore {
     pool: SqlitePool,
@@ -50,11 +46,11 @@ pub(crate) fn from_micros(us: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_micros(us).unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
-pub(super) fn dur_micros(d: Duration) -> i64 {
+fn dur_micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
-pub(super) fn tables(b: BoxKind) -> (&'static str, &'static str) {
+fn tables(b: BoxKind) -> (&'static str, &'static str) {
     match b {
         BoxKind::Outbox => ("outbox_events", "outbox_keys"),
         BoxKind::Inbox => ("inbox_events", "inbox_keys"),
@@ -62,7 +58,7 @@ pub(super) fn tables(b: BoxKind) -> (&'static str, &'static str) {
 }
 
 /// `" AND <frag>"` for the inbox's subscription-scoped statements, empty for the outbox.
-pub(super) fn scope(queue: &Queue, frag: &str) -> String {
+fn scope(queue: &Queue, frag: &str) -> String {
     if queue.subscription().is_some() {
         format!(" AND {frag}")
     } else {
@@ -148,159 +144,165 @@ impl Store for SqliteStore {
     }
 
     async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>> {
-        let now = micros(Utc::now());
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        for ((topic, key), ready) in batch_keys(events) {
-            sqlx::query(
-                "INSERT INTO outbox_keys (topic, event_key, ready_at) VALUES (?1, ?2, ?3)
-                 ON CONFLICT (topic, event_key) DO UPDATE SET ready_at = MIN(ready_at, excluded.ready_at)",
-            )
-            .bind(topic)
-            .bind(key)
-            .bind(ready.map(micros).unwrap_or(now))
-            .execute(&mut *tx)
-            .await?;
-        }
-        let mut plain = Vec::new();
-        let mut by_key = HashMap::new();
-        let mut missing = Vec::new();
-        for e in events {
-            let row = sqlx::query(
-                "INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
-                     idempotency_key, content_hash, max_attempts, scheduled_at, created_at, updated_at,
-                     content_fp, content_fp_version)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10, ?11,
-                         CASE WHEN ?11 IS NULL THEN NULL ELSE 2 END)
-                 ON CONFLICT (topic, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-                 RETURNING id",
-            )
-            .bind(&e.topic)
-            .bind(&e.key)
-            .bind(&e.payload)
-            .bind(headers_json(&e.headers))
-            .bind(&e.event_type)
-            .bind(&e.idempotency_key)
-            .bind(e.idempotency_key.as_ref().map(|_| e.fingerprint()))
-            .bind(e.max_attempts as i64)
-            .bind(e.deliver_after.map(micros).unwrap_or(now))
-            .bind(now)
-            .bind(e.idempotency_key.as_ref().map(|_| e.fingerprint128()))
-            .fetch_optional(&mut *tx)
-            .await?;
-            match (row, &e.idempotency_key) {
-                (Some(r), None) => plain.push(r.try_get::<i64, _>(0)?),
-                (Some(r), Some(k)) => {
-                    by_key
-                        .entry(idempotency_scope(&e.topic, k))
-                        .or_insert(r.try_get::<i64, _>(0)?);
-                }
-                (None, Some(k)) => missing.push((e.topic.clone(), k.clone())),
-                (None, None) => {
-                    return Err(StoreError::Other(
-                        "insert without idempotency key returned no id".into(),
-                    ));
-                }
-            }
-        }
-        let mut existing = HashMap::new();
-        for (t, k) in missing {
-            if let Some(r) = sqlx::query(
-                "SELECT id, content_hash, content_fp FROM outbox_events
-                 WHERE topic = ?1 AND idempotency_key = ?2",
-            )
-            .bind(&t)
-            .bind(&k)
-            .fetch_optional(&mut *tx)
-            .await?
-            {
-                existing.insert(
-                    idempotency_scope(&t, &k),
-                    (
-                        r.try_get::<i64, _>(0)?,
-                        Holder::of(r.try_get(1)?, r.try_get(2)?),
-                    ),
-                );
-            }
-        }
-        let result = admissions(events, plain, &by_key, &existing);
-        if atomic && result.contains(&Admission::Conflict) {
-            tx.rollback().await?;
-        } else {
-            tx.commit().await?;
-        }
-        Ok(result)
+        self.insert_events(events, atomic).await
     }
 
-    async fn receive(
-        &self,
-        subscription: &str,
-        messages: &[InboundMessage],
-    ) -> StoreResult<Vec<Admission>> {
-        let now = micros(Utc::now());
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let keys: std::collections::BTreeSet<(&str, &str)> = messages
-            .iter()
-            .filter(|m| m.failure.is_none())
-            .filter_map(|m| m.key.as_deref().map(|k| (m.topic.as_str(), k)))
-            .collect();
-        for (topic, key) in keys {
-            sqlx::query(
-                "INSERT INTO inbox_keys (subscription, topic, event_key, ready_at) VALUES (?1, ?2, ?3, ?4)
-                 ON CONFLICT (subscription, topic, event_key) DO UPDATE SET ready_at = MIN(ready_at, excluded.ready_at)",
-            )
-            .bind(subscription)
-            .bind(topic)
-            .bind(key)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        }
-        let mut inserted = HashMap::new();
-        let mut existing = HashMap::new();
-        for m in messages {
-            let row = sqlx::query(
-                "INSERT INTO inbox_events (subscription, message_id, idempotency_key, topic, event_key,
-                     payload, headers, event_type, max_attempts, scheduled_at, created_at, updated_at,
-                     status, last_error)
-                 VALUES (?1, ?2, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?9,
-                     CASE WHEN ?10 IS NULL THEN 'pending' ELSE 'failed' END, ?10)
-                 ON CONFLICT (subscription, message_id) DO NOTHING
-                 RETURNING id",
-            )
-            .bind(subscription)
-            .bind(&m.message_id)
-            .bind(&m.topic)
-            .bind(&m.key)
-            .bind(&m.payload)
-            .bind(headers_json(&m.headers))
-            .bind(&m.event_type)
-            .bind(m.max_attempts as i64)
-            .bind(now)
-            .bind(&m.failure)
-            .fetch_optional(&mut *tx)
-            .await?;
-            match row {
-                Some(r) => {
-                    inserted.insert(m.message_id.clone(), r.try_get::<i64, _>(0)?);
-                }
-                None => {
-                    let id: i64 = sqlx::query_scalar(
-                        "SELECT id FROM inbox_events WHERE subscription = ?1 AND message_id = ?2",
-                    )
-                    .bind(subscription)
-                    .bind(&m.message_id)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                    existing.entry(m.message_id.clone()).or_insert(id);
-                }
-            }
-        }
-        tx.commit().await?;
-        Ok(inbox_admissions(messages, &inserted, &existing))
+    async fn receive(&self, sub: &str, msgs: &[InboundMessage]) -> StoreResult<Vec<Admission>> {
+        self.insert_messages(sub, msgs).await
     }
 
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
-        self.claim_lines(queue, token, limits).await
+        let (events, keys) = tables(queue.box_kind());
+        let sub = queue.subscription();
+        let lease_scope = scope(queue, "subscription = ?5");
+        let window_scope = scope(queue, "subscription = ?4");
+        let now_t = Utc::now();
+        let now = micros(now_t);
+        let until = now.saturating_add(dur_micros(limits.lease));
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let leased = sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {keys} SET lease_token = ?1, lease_until = ?2, ready_at = ?2
+             WHERE rowid IN (
+                SELECT rowid FROM {keys}
+                WHERE ready_at <= ?3 AND (lease_until IS NULL OR lease_until <= ?3){lease_scope}
+                ORDER BY ready_at LIMIT ?4)
+             RETURNING topic, event_key"
+        )))
+        .bind(token)
+        .bind(until)
+        .bind(now)
+        .bind(limits.max_keys as i64)
+        .bind(sub)
+        .fetch_all(&mut *tx)
+        .await?;
+        // Per leased key, as on PostgreSQL: the in-line ids and sizes (never-tried delayed
+        // events skipped), the earliest delayed schedule before the window's end, the
+        // highest pending id; then the byte budget, then the events themselves.
+        let line = format!("status = 'pending' AND topic = ?1 AND event_key = ?2{window_scope}");
+        let delayed = "attempts = 0 AND last_error IS NULL AND scheduled_at > ?3";
+        let heads_sql = format!(
+            "SELECT id, length(payload) + length(headers) AS size FROM {events}
+             WHERE {line} AND NOT ({delayed}) ORDER BY id LIMIT ?5"
+        );
+        let marks_sql = format!(
+            "SELECT (SELECT min(scheduled_at) FROM {events}
+                     WHERE {line} AND {delayed} AND id < ?5) AS delayed_at,
+                    (SELECT max(id) FROM {events} WHERE {line}) AS line_end"
+        );
+        let rows_sql = format!(
+            "SELECT {EVENT_COLUMNS} FROM {events}
+             WHERE {line} AND NOT ({delayed}) AND id >= ?5 AND id <= ?6 ORDER BY id"
+        );
+        let mut keyed = Vec::with_capacity(leased.len());
+        let mut in_line: Vec<Vec<(EventId, u64)>> = Vec::with_capacity(leased.len());
+        let per_key = limits.per_key(leased.len());
+        for r in &leased {
+            let line = LineKey {
+                topic: r.try_get(0)?,
+                key: r.try_get(1)?,
+            };
+            let heads: Vec<(EventId, u64)> = sqlx::query(AssertSqlSafe(heads_sql.as_str()))
+                .bind(&line.topic)
+                .bind(&line.key)
+                .bind(now)
+                .bind(sub)
+                .bind(per_key as i64)
+                .fetch_all(&mut *tx)
+                .await?
+                .iter()
+                .map(|r| Ok((r.try_get(0)?, r.try_get::<i64, _>(1)?.max(0) as u64)))
+                .collect::<StoreResult<_>>()?;
+            let boundary = if heads.len() >= per_key as usize {
+                heads.last().map_or(i64::MAX, |h| h.0)
+            } else {
+                i64::MAX
+            };
+            let marks = sqlx::query(AssertSqlSafe(marks_sql.as_str()))
+                .bind(&line.topic)
+                .bind(&line.key)
+                .bind(now)
+                .bind(sub)
+                .bind(boundary)
+                .fetch_one(&mut *tx)
+                .await?;
+            keyed.push(KeyWindow {
+                line,
+                rows: Vec::new(),
+                full: heads.len() >= per_key as usize,
+                delayed_at: marks
+                    .try_get::<Option<i64>, _>("delayed_at")?
+                    .map(from_micros),
+                line_end: marks.try_get("line_end")?,
+            });
+            in_line.push(heads);
+        }
+        // The byte budget, shared in claim order: keys past it get an empty window
+        // marked full (looked at again at once).
+        let mut take = fit_in_budget(
+            in_line.iter().flatten().map(|&(_, size)| size),
+            limits.max_bytes,
+        );
+        for (w, heads) in keyed.iter_mut().zip(&in_line) {
+            let n = take.min(heads.len());
+            take -= n;
+            if n < heads.len() {
+                w.full = true;
+            }
+            if n == 0 {
+                continue;
+            }
+            w.rows = sqlx::query(AssertSqlSafe(rows_sql.as_str()))
+                .bind(&w.line.topic)
+                .bind(&w.line.key)
+                .bind(now)
+                .bind(sub)
+                .bind(heads[0].0)
+                .bind(heads[n - 1].0)
+                .fetch_all(&mut *tx)
+                .await?
+                .iter()
+                .map(decode_event)
+                .collect::<StoreResult<Vec<_>>>()?;
+        }
+        let unkeyed = if limits.max_unkeyed > 0 {
+            let mut v = sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {events} SET claim_token = ?1, claimed_until = ?2
+                 WHERE id IN (
+                    SELECT id FROM (
+                        SELECT id,
+                               sum(size) OVER (ORDER BY scheduled_at, id) AS total,
+                               row_number() OVER (ORDER BY scheduled_at, id) AS n
+                        FROM (SELECT id, scheduled_at, length(payload) + length(headers) AS size
+                              FROM {events}
+                              WHERE status = 'pending' AND event_key IS NULL AND scheduled_at <= ?3
+                                AND (claimed_until IS NULL OR claimed_until <= ?3){lease_scope}
+                              ORDER BY scheduled_at, id LIMIT ?4))
+                    WHERE n = 1 OR total <= ?6)
+                 RETURNING {EVENT_COLUMNS}"
+            )))
+            .bind(token)
+            .bind(until)
+            .bind(now)
+            .bind(limits.max_unkeyed as i64)
+            .bind(sub)
+            .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX))
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(decode_event)
+            .collect::<StoreResult<Vec<_>>>()?;
+            v.sort_by_key(|e| (e.scheduled_at, e.id));
+            v
+        } else {
+            Vec::new()
+        };
+        tx.commit().await?;
+        Ok(Claim {
+            token,
+            now: now_t,
+            keyed,
+            unkeyed,
+        })
     }
 
     async fn settle(
@@ -310,7 +312,106 @@ impl Store for SqliteStore {
         updates: &[EventUpdate],
         releases: &[KeyRelease],
     ) -> StoreResult<SettleReport> {
-        self.settle_lines(queue, token, updates, releases).await
+        let (events, keys) = tables(queue.box_kind());
+        let sub = queue.subscription();
+        let settle_scope = scope(queue, &format!("k.subscription = {events}.subscription"));
+        let release_scope = scope(queue, "subscription = ?7");
+        let release_exists = scope(queue, "e.subscription = ?7");
+        let now = micros(Utc::now());
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let update_sql = format!(
+            "UPDATE {events} SET status = ?2, attempts = COALESCE(?3, attempts),
+                scheduled_at = COALESCE(?4, scheduled_at), last_error = COALESCE(?5, last_error),
+                published_at = CASE WHEN ?2 = 'completed' THEN ?6 ELSE published_at END,
+                updated_at = CASE WHEN ?7 THEN updated_at ELSE ?6 END,
+                claim_token = NULL, claimed_until = NULL
+             WHERE id = ?1 AND status = 'pending'
+               AND ((event_key IS NULL AND claim_token = ?8)
+                    OR (event_key IS NOT NULL AND EXISTS (
+                        SELECT 1 FROM {keys} k WHERE k.topic = {events}.topic
+                          AND k.event_key = {events}.event_key AND k.lease_token = ?8{settle_scope})))"
+        );
+        let mut applied = 0;
+        for u in updates {
+            let (status, attempts, sched, error): (&str, Option<i64>, Option<i64>, Option<&str>) =
+                match u {
+                    EventUpdate::Completed { .. } => ("completed", None, None, None),
+                    EventUpdate::CompletedAfterGap { note, .. } => {
+                        ("completed", None, None, Some(note))
+                    }
+                    EventUpdate::Retry {
+                        attempts,
+                        delay,
+                        error,
+                        ..
+                    } => (
+                        "pending",
+                        Some(*attempts as i64),
+                        Some(now.saturating_add(dur_micros(*delay))),
+                        Some(error),
+                    ),
+                    EventUpdate::RetryAt {
+                        attempts,
+                        at,
+                        error,
+                        ..
+                    } => (
+                        "pending",
+                        Some(*attempts as i64),
+                        Some(micros(*at)),
+                        Some(error),
+                    ),
+                    EventUpdate::Failed {
+                        attempts, error, ..
+                    } => ("failed", Some(*attempts as i64), None, Some(error)),
+                    EventUpdate::Release { .. } => ("pending", None, None, None),
+                };
+            applied += sqlx::query(AssertSqlSafe(update_sql.as_str()))
+                .bind(u.id())
+                .bind(status)
+                .bind(attempts)
+                .bind(sched)
+                .bind(error)
+                .bind(now)
+                .bind(matches!(u, EventUpdate::Release { .. }))
+                .bind(token)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected() as usize;
+        }
+        let release_sql = format!(
+            "UPDATE {keys} SET lease_token = NULL, lease_until = NULL,
+                ready_at = MIN(?4,
+                    -- An enqueue during the lease pulled ready_at below lease_until.
+                    CASE WHEN ready_at < lease_until THEN ready_at ELSE ?4 END,
+                    CASE WHEN ?5 IS NOT NULL AND EXISTS (
+                    SELECT 1 FROM {events} e WHERE e.status = 'pending' AND e.topic = ?1
+                      AND e.event_key = ?2{release_exists} AND e.id > ?5) THEN ?6 ELSE ?4 END)
+             WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3{release_scope}"
+        );
+        for r in releases {
+            let at = r.ready.at.map(micros).unwrap_or(NEVER);
+            let after = r
+                .ready
+                .after
+                .map(|d| now.saturating_add(dur_micros(d)))
+                .unwrap_or(NEVER);
+            sqlx::query(AssertSqlSafe(release_sql.as_str()))
+                .bind(&r.line.topic)
+                .bind(&r.line.key)
+                .bind(token)
+                .bind(at.min(after))
+                .bind(r.ready.seen_up_to)
+                .bind(now)
+                .bind(sub)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(SettleReport {
+            applied,
+            stale: updates.len() - applied,
+        })
     }
 
     async fn renew(
@@ -321,7 +422,46 @@ impl Store for SqliteStore {
         unkeyed: &[EventId],
         lease: Duration,
     ) -> StoreResult<usize> {
-        self.renew_leases(queue, token, lines, unkeyed, lease).await
+        let (events, keys) = tables(queue.box_kind());
+        let sub = queue.subscription();
+        let key_scope = scope(queue, "subscription = ?5");
+        let event_scope = scope(queue, "subscription = ?4");
+        let now = micros(Utc::now());
+        let until = now.saturating_add(dur_micros(lease));
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut held = 0;
+        let key_sql = format!(
+            "UPDATE {keys} SET lease_until = ?4,
+                ready_at = CASE WHEN ready_at >= lease_until THEN ?4 ELSE ready_at END
+             WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3{key_scope}"
+        );
+        for l in lines {
+            held += sqlx::query(AssertSqlSafe(key_sql.as_str()))
+                .bind(&l.topic)
+                .bind(&l.key)
+                .bind(token)
+                .bind(until)
+                .bind(sub)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected() as usize;
+        }
+        let event_sql = format!(
+            "UPDATE {events} SET claimed_until = ?3
+             WHERE id = ?1 AND claim_token = ?2 AND status = 'pending'{event_scope}"
+        );
+        for id in unkeyed {
+            held += sqlx::query(AssertSqlSafe(event_sql.as_str()))
+                .bind(id)
+                .bind(token)
+                .bind(until)
+                .bind(sub)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected() as usize;
+        }
+        tx.commit().await?;
+        Ok(held)
     }
 
     async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {
