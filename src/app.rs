@@ -242,15 +242,16 @@ impl App {
                 .context("LISTEN/NOTIFY pool")?;
             let trigger = Arc::new(tokio::sync::Notify::new());
             wakeup.set_remote(trigger.clone());
-            tasks.push(tokio::spawn(crate::notify::notifier(
+            tasks.push(tokio::spawn(crate::store::postgres::notify::notifier(
                 pool.clone(),
                 trigger,
                 std::time::Duration::from_millis(5),
                 background.clone(),
             )));
-            tasks.push(tokio::spawn(crate::notify::listener(
+            let local = wakeup.clone();
+            tasks.push(tokio::spawn(crate::store::postgres::notify::listener(
                 pool,
-                wakeup.clone(),
+                move || local.wake_local(),
                 background.clone(),
             )));
         }

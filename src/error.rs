@@ -1,5 +1,6 @@
-//! The service's typed errors. Every layer returns these; `api::status` maps them to
-//! `tonic::Status` in one place.
+//! The service's typed errors. Every layer above the store returns these; `api::status`
+//! maps them to `tonic::Status` in one place. Store errors become service errors here,
+//! once (`From<StoreError>`): the store knows nothing of this module.
 
 use crate::store::StoreError;
 
@@ -61,9 +62,13 @@ impl Error {
 impl From<StoreError> for Error {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::Unavailable(m) => Error::Unavailable(m),
+            StoreError::Unavailable(m) | StoreError::Retryable(m) => Error::Unavailable(m),
             StoreError::TimedOut(m) => Error::DeadlineExceeded(m),
             StoreError::Other(m) | StoreError::Refused(m) => Error::Internal(m),
+            StoreError::Missing { .. } => Error::NotFound(e.to_string()),
+            StoreError::WrongState { .. } | StoreError::ChangedMeanwhile => {
+                Error::FailedPrecondition(e.to_string())
+            }
         }
     }
 }

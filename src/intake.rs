@@ -260,9 +260,7 @@ async fn commit_group(store: &dyn Store, group: Vec<Job>, wakeup: &Wakeup) {
         .collect();
     let mut result = store.enqueue(&events, atomic).await;
     // A deadlock or serialization failure between concurrent groups is worth one retry.
-    if let Err(crate::store::StoreError::Unavailable(m)) = &result
-        && (m.contains("deadlock") || m.contains("serializ"))
-    {
+    if let Err(crate::store::StoreError::Retryable(_)) = &result {
         result = store.enqueue(&events, atomic).await;
     }
     match result {

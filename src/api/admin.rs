@@ -8,13 +8,12 @@ use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status};
 
 use super::auth::{LEGACY_ADMIN_TOKEN, Principal};
-use super::convert::check_topic;
-use crate::admin::{
-    Admin, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter, EventsQuery,
-    KeyBacklog, MAX_CANCEL, MAX_REQUEUE, PendingCursor, PendingOrder, PendingQuery, RequeueRequest,
-    Selection, decode_token, encode_token,
+use crate::admin::{Admin, decode_token, encode_token};
+use crate::domain::admin::{
+    AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter, EventsQuery, KeyBacklog,
+    MAX_CANCEL, MAX_REQUEUE, PendingCursor, PendingOrder, PendingQuery, RequeueRequest, Selection,
 };
-use crate::domain::{BoxKind, Status as EventStatus};
+use crate::domain::{BoxKind, Status as EventStatus, check_topic};
 use crate::error::{Error, FieldViolation};
 use crate::metrics::Metrics;
 use crate::pb;

@@ -3,56 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use crate::domain::NewEvent;
+use crate::domain::{Limits, NewEvent, check_topic};
 use crate::error::{Error, FieldViolation};
 use crate::pb;
 use crate::pb::time::timestamp;
-
-/// Request limits, from the configuration.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    pub max_payload_bytes: usize,
-    pub max_headers: usize,
-    pub max_header_bytes: usize,
-    pub max_key_bytes: usize,
-    pub max_batch: usize,
-    pub max_attempts_cap: u32,
-    pub default_max_attempts: u32,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_payload_bytes: 1024 * 1024,
-            max_headers: 64,
-            max_header_bytes: 16 * 1024,
-            max_key_bytes: 1024,
-            max_batch: 1000,
-            max_attempts_cap: 100,
-            default_max_attempts: 6,
-        }
-    }
-}
-
-/// Kafka's topic rule: 1-249 characters of `[a-zA-Z0-9._-]`.
-pub fn check_topic(topic: &str) -> Result<(), &'static str> {
-    if topic.is_empty() {
-        return Err("is required");
-    }
-    if topic.len() > 249 {
-        return Err("must be at most 249 characters");
-    }
-    if topic == "." || topic == ".." {
-        return Err("must not be '.' or '..'");
-    }
-    if !topic
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
-    {
-        return Err("may contain only [a-zA-Z0-9._-]");
-    }
-    Ok(())
-}
 
 /// Validates one event; `field` prefixes violation paths (`event` or `events[3]`).
 pub fn new_event(
@@ -279,17 +233,6 @@ pub fn enqueue_batch_request(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn topics_follow_kafka_rules() {
-        assert!(check_topic("orders.v1_x-y").is_ok());
-        assert!(check_topic("").is_err());
-        assert!(check_topic(&"a".repeat(249)).is_ok());
-        assert!(check_topic(&"a".repeat(250)).is_err());
-        assert!(check_topic("a b").is_err());
-        assert!(check_topic("é").is_err());
-        assert!(check_topic("..").is_err());
-    }
 
     #[test]
     fn only_well_formed_traceparents_are_kept() {

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use super::convert::{self, Limits};
+use super::convert;
+use crate::domain::Limits;
 use crate::error::{Error, FieldViolation};
 use crate::inbox::Inbox;
 use crate::pb;

@@ -5,8 +5,9 @@
 use tonic::{Request, Response, Status};
 
 use super::auth::Principal;
-use super::convert::{self, Limits};
+use super::convert;
 use crate::domain::Enqueued;
+use crate::domain::Limits;
 use crate::intake::Intake;
 use crate::metrics::Metrics;
 use crate::pb;

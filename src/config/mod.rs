@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use crate::api::convert::Limits;
+use crate::domain::Limits;
 use crate::inbox::SubscriptionConfig;
 use crate::intake::IntakeConfig;
 use crate::relay::RelayConfig;

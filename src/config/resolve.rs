@@ -9,8 +9,8 @@ use std::time::Duration;
 use super::enqueue_request_bytes;
 use super::{Config, ConfigError, DatabaseTimeouts, Settings, SubscriptionSettings, bad};
 use crate::api::auth::{MIN_TOKEN_LEN, TokenEntry, load_tokens};
-use crate::api::convert::Limits;
 use crate::api::layers::OverloadConfig;
+use crate::domain::Limits;
 use crate::inbox::SubscriptionConfig;
 use crate::intake::IntakeConfig;
 use crate::relay::RelayConfig;
@@ -487,7 +487,7 @@ fn subscription(
         ));
     }
     for t in &s.topics {
-        crate::api::convert::check_topic(t)
+        crate::domain::check_topic(t)
             .map_err(|why| bad(SETTING, format!("{}: topic {t:?} {why}", s.name)))?;
     }
     if !(s.handler.starts_with("http://") || s.handler.starts_with("https://"))

@@ -27,11 +27,12 @@ use axum::response::{IntoResponse, Redirect, Response};
 use base64::Engine as _;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::{
-    Admin, CancelRequest, EventFilter, EventsQuery, PendingOrder, PendingQuery, RequeueRequest,
-    Selection, decode_token, encode_token,
-};
+use crate::admin::{Admin, decode_token, encode_token};
 use crate::api::auth::{Auth, LEGACY_ADMIN_TOKEN, Scope};
+use crate::domain::admin::{
+    CancelRequest, DEFAULT_REQUEUE, EventFilter, EventsQuery, PendingOrder, PendingQuery,
+    RequeueRequest, Selection,
+};
 use crate::domain::{BoxKind, EventId, Status};
 use crate::error::Error;
 use crate::inbox::InboxHandles;
@@ -533,7 +534,7 @@ async fn backlog(c: &Console, nav: &pages::Nav, t: &Target, q: &Params) -> Resul
         size: param(q, "size").map(str::to_string),
     };
     if !f.topic.is_empty() {
-        crate::api::convert::check_topic(&f.topic).map_err(|why| Error::invalid("topic", why))?;
+        crate::domain::check_topic(&f.topic).map_err(|why| Error::invalid("topic", why))?;
     }
     let order = if f.oldest_first {
         PendingOrder::Oldest
@@ -608,8 +609,7 @@ impl EventsFilter {
 
     fn filter(&self, t: &Target) -> Result<EventFilter, Error> {
         if !self.topic.is_empty() {
-            crate::api::convert::check_topic(&self.topic)
-                .map_err(|why| Error::invalid("topic", why))?;
+            crate::domain::check_topic(&self.topic).map_err(|why| Error::invalid("topic", why))?;
         }
         let s = |v: &String| Some(v.clone()).filter(|v| !v.is_empty());
         Ok(EventFilter {
@@ -759,7 +759,7 @@ async fn page_post(
             };
             let req = RequeueRequest {
                 selection,
-                limit: crate::admin::DEFAULT_REQUEUE,
+                limit: DEFAULT_REQUEUE,
                 dry_run: !confirm,
                 actor: access.actor(),
                 principal: access.name.clone(),

@@ -6,8 +6,8 @@ use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, PreEscaped, html};
 
 use super::{BacklogFilter, EventsFilter, Target};
-use crate::admin::{AuditPage, EventDetail, EventsPage, KeyBacklog, PendingPage, Stats};
 use crate::domain::Status;
+use crate::domain::admin::{AuditPage, EventDetail, EventsPage, KeyBacklog, PendingPage, Stats};
 
 /// What the header shows.
 pub struct Nav {

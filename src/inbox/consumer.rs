@@ -22,8 +22,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::SubscriptionConfig;
 use super::identity;
-use crate::api::convert::Limits;
 use crate::domain::InboundMessage;
+use crate::domain::Limits;
 use crate::store::{Admission, Store, StoreError};
 
 /// Records stored per insert at most.

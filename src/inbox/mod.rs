@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use std::time::Duration;
 
-use crate::api::convert::Limits;
+use crate::domain::Limits;
 use crate::domain::Queue;
 use crate::relay::backoff::RetryPolicy;
 use crate::relay::{Relay, RelayConfig, RelayStats};

@@ -1,5 +1,9 @@
 //! Storage: the `Store` trait every engine implements, and the types that cross it.
-//! All SQL lives in `postgres.rs` and `sqlite.rs`; nothing outside this module runs a query.
+//! All SQL lives in the engines' folders, `postgres/` and `sqlite/`; nothing outside this
+//! module runs a query. What is the same on every engine is written once here: the
+//! errors (`error.rs`), admission of new events (`admission.rs`), row decoding
+//! (`rows.rs`), the admin flows (`admin_flow.rs` over the engine interface
+//! `admin_sql.rs`) and the admin statements' shared text (`shape.rs`).
 //!
 //! Keyed events are claimed through a per-key row (`*_keys`): a relay leases a key, reads
 //! that key's line in id order from an index, and settles. The lease is the mutual
@@ -8,12 +12,15 @@
 //! to what it hands out, never to the depth of a key or the size of the table.
 
 pub mod admin;
+mod admin_flow;
+mod admin_sql;
+mod admission;
+mod error;
 pub mod postgres;
-mod postgres_admin;
 pub mod retention;
+mod rows;
 mod shape;
 pub mod sqlite;
-mod sqlite_admin;
 
 use std::time::Duration;
 
@@ -21,74 +28,7 @@ use chrono::{DateTime, Utc};
 
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// The database cannot be reached or refused the connection: retry later.
-    #[error("database unavailable: {0}")]
-    Unavailable(String),
-    /// The database refused the statement because of the data (PostgreSQL classes 22
-    /// data exception, 23 integrity constraint, 54 program limit such as an index row
-    /// too large; SQLite TOOBIG, CONSTRAINT, MISMATCH, RANGE): retrying cannot help.
-    #[error("database refused the data: {0}")]
-    Refused(String),
-    /// PostgreSQL cancelled the statement after the `statement_timeout` of its query
-    /// class (`57014`): the statement, and its transaction, changed nothing.
-    #[error("database statement timed out: {0}")]
-    TimedOut(String),
-    #[error("database error: {0}")]
-    Other(String),
-}
-
-impl From<sqlx::Error> for StoreError {
-    fn from(e: sqlx::Error) -> Self {
-        match &e {
-            sqlx::Error::Io(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-            | sqlx::Error::Tls(_)
-            // A connection closed mid-handshake: with TLS built in, sqlx asks for TLS
-            // first (`sslmode=prefer`) and reads EOF as "unexpected response from
-            // SSLRequest". The database is unreachable, not the request wrong.
-            | sqlx::Error::Protocol(_) => StoreError::Unavailable(e.to_string()),
-            sqlx::Error::Database(db) => {
-                // Class 08 (connection), 57P (operator intervention: shutdown), 53 (resources),
-                // 40001/40P01 (serialization, deadlock): all say "try again", not "bad request".
-                let code = db.code().map(|c| c.to_string()).unwrap_or_default();
-                if code.starts_with("08")
-                    || code.starts_with("57P")
-                    || code.starts_with("53")
-                    || code == "40001"
-                    || code == "40P01"
-                    || code == "5"
-                    || code == "6"
-                    || code == "517"
-                {
-                    StoreError::Unavailable(e.to_string())
-                } else if code == "57014" {
-                    StoreError::TimedOut(e.to_string())
-                } else if refusal(&code) {
-                    StoreError::Refused(e.to_string())
-                } else {
-                    StoreError::Other(e.to_string())
-                }
-            }
-            _ => StoreError::Other(e.to_string()),
-        }
-    }
-}
-
-/// Whether a database error code says the data was refused (see `StoreError::Refused`).
-fn refusal(code: &str) -> bool {
-    if code.len() == 5 {
-        // PostgreSQL SQLSTATE: five characters, the class first.
-        return code.starts_with("22") || code.starts_with("23") || code.starts_with("54");
-    }
-    // SQLite: extended result codes (at most four digits); the primary code is the low byte.
-    matches!(code.parse::<u32>().map(|c| c & 0xff), Ok(18 | 19 | 20 | 25))
-}
-
-pub type StoreResult<T> = Result<T, StoreError>;
+pub use error::{StoreError, StoreResult};
 
 /// The outcome for one event of an enqueue call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,8 +1,12 @@
-//! How the admin statements of a box are shaped: its tables, and how they name the
-//! subscription (the inbox has one; the outbox has none and reads as `''`). Shared by the
-//! PostgreSQL and SQLite admin stores, which differ only in the text casts PostgreSQL needs.
+//! How the admin statements of a box are shaped: its tables, how they name the
+//! subscription (the inbox has one; the outbox has none and reads as `''`), the event
+//! filter and the backlog order. Shared by the PostgreSQL and SQLite admin statements,
+//! which differ here only in parameter marks, the casts PostgreSQL needs and one
+//! function name.
 
+use super::admin_sql::Shared;
 use crate::domain::BoxKind;
+use crate::domain::admin::PendingOrder;
 
 /// A box's tables and how its statements name the subscription.
 pub(crate) struct Shape {
@@ -11,12 +15,28 @@ pub(crate) struct Shape {
     pub inbox: bool,
     /// `::text` on PostgreSQL (untyped parameters and literals need it), empty on SQLite.
     text: &'static str,
+    /// `::timestamptz` on PostgreSQL, empty on SQLite.
+    time: &'static str,
+    /// The parameter mark: `$` on PostgreSQL, `?` on SQLite.
+    mark: char,
+    /// The substring position function: `strpos` on PostgreSQL, `instr` on SQLite.
+    find: &'static str,
+    /// `::int8` on PostgreSQL (sums are `numeric` there), empty on SQLite.
+    int8: &'static str,
+    /// Whether id lists travel as arrays (PostgreSQL, `= ANY`) or JSON text (SQLite,
+    /// `json_each`), and the clock is the statement's `now()` or a parameter.
+    postgres: bool,
 }
 
 impl Shape {
     pub fn postgres(b: BoxKind) -> Shape {
         Shape {
             text: "::text",
+            time: "::timestamptz",
+            mark: '$',
+            find: "strpos",
+            int8: "::int8",
+            postgres: true,
             ..Shape::sqlite(b)
         }
     }
@@ -31,6 +51,11 @@ impl Shape {
             keys,
             inbox: b == BoxKind::Inbox,
             text: "",
+            time: "",
+            mark: '?',
+            find: "instr",
+            int8: "",
+            postgres: false,
         }
     }
 
@@ -66,5 +91,147 @@ impl Shape {
     /// `subscription, ` to lead a GROUP BY in the inbox.
     pub fn group_sub(&self) -> &'static str {
         if self.inbox { "subscription, " } else { "" }
+    }
+
+    /// The event filter as SQL conditions over parameters `first..first+6` (the
+    /// subscription last), in the order of `admin_flow::filter_params`.
+    pub fn filter(&self, first: usize) -> String {
+        let p = |i: usize| format!("{}{}", self.mark, first + i);
+        let (t, ts, find) = (self.text, self.time, self.find);
+        format!(
+            "({0}{t} IS NULL OR topic = {0}) AND ({1}{t} IS NULL OR event_key = {1})
+             AND ({2}{t} IS NULL OR event_type = {2})
+             AND ({3}{ts} IS NULL OR updated_at >= {3})
+             AND ({4}{ts} IS NULL OR updated_at < {4})
+             AND ({5}{t} IS NULL OR {find}(last_error, {5}) > 0)
+             AND {6}",
+            p(0),
+            p(1),
+            p(2),
+            p(3),
+            p(4),
+            p(5),
+            self.sub_filter("subscription", &p(6))
+        )
+    }
+
+    /// The columns the flows read of a candidate for requeue or cancel.
+    pub fn candidate_columns(&self) -> String {
+        format!(
+            "id, {} AS subscription, topic, event_key, status",
+            self.sub("subscription")
+        )
+    }
+
+    /// The backlog's ORDER BY.
+    pub fn pending_order(order: PendingOrder) -> &'static str {
+        match order {
+            PendingOrder::MostPending => "pending DESC, subscription, topic, key",
+            PendingOrder::Oldest => "created_at, subscription, topic, key",
+        }
+    }
+
+    /// Parameter `n`.
+    fn p(&self, n: usize) -> String {
+        format!("{}{n}", self.mark)
+    }
+
+    /// `id` is one of the ids in parameter `n`.
+    fn ids(&self, n: usize) -> String {
+        if self.postgres {
+            format!("id = ANY(${n})")
+        } else {
+            format!("id IN (SELECT value FROM json_each(?{n}))")
+        }
+    }
+
+    /// The statement's clock: `now()`, or the `Now` parameter `n`.
+    fn now(&self, n: usize) -> String {
+        if self.postgres {
+            "now()".into()
+        } else {
+            self.p(n)
+        }
+    }
+
+    /// The SQL text of the statements that read the same on both engines but for the
+    /// marks, casts and clocks above. `listed` are the columns of a listed event
+    /// (`Shared::Events`).
+    pub fn shared(&self, stmt: Shared, listed: &str) -> String {
+        let (events, keys) = (self.events, self.keys);
+        let (t, i8) = (self.text, self.int8);
+        let p = |n| self.p(n);
+        let sub = self.sub("subscription");
+        let filter = self.sub_filter("subscription", &p(1));
+        let group_sub = self.group_sub();
+        match stmt {
+            Shared::AuditOfRequest => format!(
+                "SELECT id, count, selection{t} AS selection FROM admin_audit
+                 WHERE action = {} AND box = {} AND request_id = {}",
+                p(1),
+                p(2),
+                p(3)
+            ),
+            Shared::CandidatesById => format!(
+                "SELECT {} FROM {events} WHERE {} ORDER BY id",
+                self.candidate_columns(),
+                self.ids(1)
+            ),
+            Shared::FailedByFilter => format!(
+                "SELECT {} FROM {events} WHERE status = 'failed' AND {} ORDER BY id LIMIT {}",
+                self.candidate_columns(),
+                self.filter(1),
+                p(8)
+            ),
+            Shared::Requeue => format!(
+                "UPDATE {events} SET status = 'pending', attempts = 0, scheduled_at = {now},
+                     updated_at = {now}, claim_token = NULL, claimed_until = NULL
+                 WHERE {} AND status = 'failed'",
+                self.ids(1),
+                now = self.now(2)
+            ),
+            Shared::Cancel => format!(
+                "UPDATE {events} SET status = 'failed', last_error = 'cancelled: ' || {},
+                     updated_at = {}, claim_token = NULL, claimed_until = NULL
+                 WHERE {} AND status = 'pending'",
+                p(2),
+                self.now(3),
+                self.ids(1)
+            ),
+            Shared::Events => format!(
+                "SELECT {listed} FROM {events}
+                 WHERE ({a}{t} IS NULL OR status = {a}) AND ({b}{i8} IS NULL OR id < {b}) AND {f}
+                 ORDER BY id DESC LIMIT {l}",
+                a = p(1),
+                b = p(2),
+                f = self.filter(3),
+                l = p(10)
+            ),
+            Shared::Audit => format!(
+                "SELECT id, at, actor, action, box, selection{t} AS selection, count,
+                        principal, request_id
+                 FROM admin_audit WHERE ({0}{i8} IS NULL OR id < {0}) ORDER BY id DESC LIMIT {1}",
+                p(1),
+                p(2)
+            ),
+            // Pending from the per-key counts (keyed) and the unkeyed index; the other
+            // statuses by one scan.
+            Shared::StatsCounts => format!(
+                "SELECT {sub} AS subscription, topic, 'pending' AS status, sum(pending){i8} AS n
+                 FROM {keys} WHERE pending > 0 AND {filter} GROUP BY {group_sub}topic
+                 UNION ALL
+                 SELECT {sub}, topic, 'pending', count(*) FROM {events}
+                 WHERE status = 'pending' AND event_key IS NULL AND {filter}
+                 GROUP BY {group_sub}topic
+                 UNION ALL
+                 SELECT {sub}, topic, status, count(*) FROM {events}
+                 WHERE status <> 'pending' AND {filter}
+                 GROUP BY {group_sub}topic, status"
+            ),
+            Shared::StatsUnkeyed => format!(
+                "SELECT min(created_at) AS oldest FROM {events}
+                 WHERE status = 'pending' AND event_key IS NULL AND {filter}"
+            ),
+        }
     }
 }

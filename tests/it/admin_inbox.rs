@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::support::*;
-use mailroom::admin::{AdminKey, RequeueRequest, Selection};
 use mailroom::config::Config;
+use mailroom::domain::admin::{AdminKey, RequeueRequest, Selection};
 use mailroom::domain::{BoxKind, InboundMessage, Status};
 use mailroom::inbox::SubscriptionConfig;
 use mailroom::pb;
@@ -834,7 +834,7 @@ async fn keys_a_dispatcher_held_during_a_requeue_are_woken_once_released() {
             panic!("{a:?}")
         };
         // Fail it, as a handler's reject would.
-        let cancel = mailroom::admin::CancelRequest {
+        let cancel = mailroom::domain::admin::CancelRequest {
             ids: vec![id],
             reason: "r".into(),
             dry_run: false,

@@ -591,7 +591,7 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
         let pool = pool.clone();
         let admin_rounds = admin_rounds.clone();
         tasks.push(tokio::spawn(async move {
-            use mailroom::admin::{CancelRequest, RequeueRequest, Selection};
+            use mailroom::domain::admin::{CancelRequest, RequeueRequest, Selection};
             let mut errs = Vec::new();
             let start = std::time::Instant::now();
             while start.elapsed() < run_for {

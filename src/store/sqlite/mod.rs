@@ -2,7 +2,14 @@
 //! by `BEGIN IMMEDIATE`, so the ordering invariant holds trivially. Same schema and
 //! semantics as PostgreSQL; times are stored as microseconds since the Unix epoch.
 
-use std::collections::HashMap;
+//!
+//! Files: this one the store and the relay's calls (claim, settle, renew), `write.rs`
+//! enqueue and receive, `admin.rs` the operator statements, `retention.rs` the purges.
+
+mod admin;
+mod retention;
+mod write;
+
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -13,14 +20,12 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Row};
 
-use super::postgres::{Holder, admissions, batch_keys, headers_json, inbox_admissions};
+use super::rows::{Cols, decode_event};
 use super::{
     Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
     Store, StoreError, StoreResult, fit_in_budget,
 };
-use crate::domain::{
-    BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent, idempotency_scope,
-};
+use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
 const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers, event_type, \
      idempotency_key, status, attempts, max_attempts, scheduled_at, created_at, updated_at, \
@@ -61,30 +66,31 @@ fn scope(queue: &Queue, frag: &str) -> String {
     }
 }
 
-pub(crate) fn decode_event(row: &SqliteRow) -> StoreResult<StoredEvent> {
-    let headers: String = row.try_get("headers")?;
-    let status: String = row.try_get("status")?;
-    Ok(StoredEvent {
-        id: row.try_get("id")?,
-        topic: row.try_get("topic")?,
-        key: row.try_get("event_key")?,
-        payload: row.try_get("payload")?,
-        headers: serde_json::from_str(&headers)
-            .map_err(|e| StoreError::Other(format!("stored headers are not a JSON map: {e}")))?,
-        event_type: row.try_get("event_type")?,
-        idempotency_key: row.try_get("idempotency_key")?,
-        status: Status::parse(&status)
-            .ok_or_else(|| StoreError::Other(format!("unknown status {status:?}")))?,
-        attempts: row.try_get::<i64, _>("attempts")? as u32,
-        max_attempts: row.try_get::<i64, _>("max_attempts")? as u32,
-        scheduled_at: from_micros(row.try_get("scheduled_at")?),
-        created_at: from_micros(row.try_get("created_at")?),
-        updated_at: from_micros(row.try_get("updated_at")?),
-        published_at: row
-            .try_get::<Option<i64>, _>("published_at")?
-            .map(from_micros),
-        last_error: row.try_get("last_error")?,
-    })
+impl Cols for SqliteRow {
+    fn text(&self, col: &str) -> StoreResult<String> {
+        Ok(self.try_get(col)?)
+    }
+    fn opt_text(&self, col: &str) -> StoreResult<Option<String>> {
+        Ok(self.try_get(col)?)
+    }
+    fn int(&self, col: &str) -> StoreResult<i64> {
+        Ok(self.try_get(col)?)
+    }
+    fn count(&self, col: &str) -> StoreResult<u32> {
+        Ok(self.try_get::<i64, _>(col)? as u32)
+    }
+    fn flag(&self, col: &str) -> StoreResult<bool> {
+        Ok(self.try_get(col)?)
+    }
+    fn bytes(&self, col: &str) -> StoreResult<Vec<u8>> {
+        Ok(self.try_get(col)?)
+    }
+    fn time(&self, col: &str) -> StoreResult<DateTime<Utc>> {
+        Ok(from_micros(self.try_get(col)?))
+    }
+    fn opt_time(&self, col: &str) -> StoreResult<Option<DateTime<Utc>>> {
+        Ok(self.try_get::<Option<i64>, _>(col)?.map(from_micros))
+    }
 }
 
 impl SqliteStore {
@@ -138,155 +144,11 @@ impl Store for SqliteStore {
     }
 
     async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>> {
-        let now = micros(Utc::now());
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        for ((topic, key), ready) in batch_keys(events) {
-            sqlx::query(
-                "INSERT INTO outbox_keys (topic, event_key, ready_at) VALUES (?1, ?2, ?3)
-                 ON CONFLICT (topic, event_key) DO UPDATE SET ready_at = MIN(ready_at, excluded.ready_at)",
-            )
-            .bind(topic)
-            .bind(key)
-            .bind(ready.map(micros).unwrap_or(now))
-            .execute(&mut *tx)
-            .await?;
-        }
-        let mut plain = Vec::new();
-        let mut by_key = HashMap::new();
-        let mut missing = Vec::new();
-        for e in events {
-            let row = sqlx::query(
-                "INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
-                     idempotency_key, content_hash, max_attempts, scheduled_at, created_at, updated_at,
-                     content_fp, content_fp_version)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10, ?11,
-                         CASE WHEN ?11 IS NULL THEN NULL ELSE 2 END)
-                 ON CONFLICT (topic, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-                 RETURNING id",
-            )
-            .bind(&e.topic)
-            .bind(&e.key)
-            .bind(&e.payload)
-            .bind(headers_json(&e.headers))
-            .bind(&e.event_type)
-            .bind(&e.idempotency_key)
-            .bind(e.idempotency_key.as_ref().map(|_| e.fingerprint()))
-            .bind(e.max_attempts as i64)
-            .bind(e.deliver_after.map(micros).unwrap_or(now))
-            .bind(now)
-            .bind(e.idempotency_key.as_ref().map(|_| e.fingerprint128()))
-            .fetch_optional(&mut *tx)
-            .await?;
-            match (row, &e.idempotency_key) {
-                (Some(r), None) => plain.push(r.try_get::<i64, _>(0)?),
-                (Some(r), Some(k)) => {
-                    by_key
-                        .entry(idempotency_scope(&e.topic, k))
-                        .or_insert(r.try_get::<i64, _>(0)?);
-                }
-                (None, Some(k)) => missing.push((e.topic.clone(), k.clone())),
-                (None, None) => {
-                    return Err(StoreError::Other(
-                        "insert without idempotency key returned no id".into(),
-                    ));
-                }
-            }
-        }
-        let mut existing = HashMap::new();
-        for (t, k) in missing {
-            if let Some(r) = sqlx::query(
-                "SELECT id, content_hash, content_fp FROM outbox_events
-                 WHERE topic = ?1 AND idempotency_key = ?2",
-            )
-            .bind(&t)
-            .bind(&k)
-            .fetch_optional(&mut *tx)
-            .await?
-            {
-                existing.insert(
-                    idempotency_scope(&t, &k),
-                    (
-                        r.try_get::<i64, _>(0)?,
-                        Holder::of(r.try_get(1)?, r.try_get(2)?),
-                    ),
-                );
-            }
-        }
-        let result = admissions(events, plain, &by_key, &existing);
-        if atomic && result.contains(&Admission::Conflict) {
-            tx.rollback().await?;
-        } else {
-            tx.commit().await?;
-        }
-        Ok(result)
+        self.insert_events(events, atomic).await
     }
 
-    async fn receive(
-        &self,
-        subscription: &str,
-        messages: &[InboundMessage],
-    ) -> StoreResult<Vec<Admission>> {
-        let now = micros(Utc::now());
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let keys: std::collections::BTreeSet<(&str, &str)> = messages
-            .iter()
-            .filter(|m| m.failure.is_none())
-            .filter_map(|m| m.key.as_deref().map(|k| (m.topic.as_str(), k)))
-            .collect();
-        for (topic, key) in keys {
-            sqlx::query(
-                "INSERT INTO inbox_keys (subscription, topic, event_key, ready_at) VALUES (?1, ?2, ?3, ?4)
-                 ON CONFLICT (subscription, topic, event_key) DO UPDATE SET ready_at = MIN(ready_at, excluded.ready_at)",
-            )
-            .bind(subscription)
-            .bind(topic)
-            .bind(key)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        }
-        let mut inserted = HashMap::new();
-        let mut existing = HashMap::new();
-        for m in messages {
-            let row = sqlx::query(
-                "INSERT INTO inbox_events (subscription, message_id, idempotency_key, topic, event_key,
-                     payload, headers, event_type, max_attempts, scheduled_at, created_at, updated_at,
-                     status, last_error)
-                 VALUES (?1, ?2, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?9,
-                     CASE WHEN ?10 IS NULL THEN 'pending' ELSE 'failed' END, ?10)
-                 ON CONFLICT (subscription, message_id) DO NOTHING
-                 RETURNING id",
-            )
-            .bind(subscription)
-            .bind(&m.message_id)
-            .bind(&m.topic)
-            .bind(&m.key)
-            .bind(&m.payload)
-            .bind(headers_json(&m.headers))
-            .bind(&m.event_type)
-            .bind(m.max_attempts as i64)
-            .bind(now)
-            .bind(&m.failure)
-            .fetch_optional(&mut *tx)
-            .await?;
-            match row {
-                Some(r) => {
-                    inserted.insert(m.message_id.clone(), r.try_get::<i64, _>(0)?);
-                }
-                None => {
-                    let id: i64 = sqlx::query_scalar(
-                        "SELECT id FROM inbox_events WHERE subscription = ?1 AND message_id = ?2",
-                    )
-                    .bind(subscription)
-                    .bind(&m.message_id)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                    existing.entry(m.message_id.clone()).or_insert(id);
-                }
-            }
-        }
-        tx.commit().await?;
-        Ok(inbox_admissions(messages, &inserted, &existing))
+    async fn receive(&self, sub: &str, msgs: &[InboundMessage]) -> StoreResult<Vec<Admission>> {
+        self.insert_messages(sub, msgs).await
     }
 
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {

@@ -1,0 +1,590 @@
+//! The admin flows, written once for every engine: requeue and cancel (replay check,
+//! selection, id checks, dry run, key wake-up, update, audit, all in one transaction),
+//! page assembly and row decoding, and the parameters of every statement. An engine
+//! supplies only what differs between databases through `AdminSql`: the SQL text of each
+//! statement (`Stmt`), how it binds the engine-neutral parameters (`Param`) and runs a
+//! statement; `AdminStore` follows for every engine that implements it.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use super::admin::AdminStore;
+use super::admin_sql::{AdminSql, Param, Query, Read, Shared, Stmt, query};
+use super::rows::{Candidate, Cols, admin_key, decode_audit, decode_candidate, decode_detail};
+use super::{StoreError, StoreResult};
+use crate::domain::admin::{
+    AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter, EventsPage,
+    EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
+    RequeueOutcome, RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicStats,
+};
+use crate::domain::{BoxKind, EventId, Status};
+
+/// Runs `q` in the transaction.
+async fn rows_in<E: AdminSql>(
+    e: &E,
+    tx: &mut E::Tx,
+    b: BoxKind,
+    q: Query<'_>,
+) -> StoreResult<Vec<E::Row>> {
+    e.rows_in(tx, &e.sql(b, q.stmt), &q.params).await
+}
+
+/// Runs the reads `qs`; each one's rows, in order.
+async fn read<E: AdminSql>(
+    e: &E,
+    how: Read,
+    b: BoxKind,
+    qs: &[Query<'_>],
+) -> StoreResult<Vec<Vec<E::Row>>> {
+    let batch: Vec<(String, &[Param<'_>])> = qs
+        .iter()
+        .map(|q| (e.sql(b, q.stmt), q.params.as_slice()))
+        .collect();
+    e.read(how, &batch).await
+}
+
+/// The seven parameters of an event filter, in statement order.
+fn filter_params(f: &EventFilter) -> [Param<'_>; 7] {
+    [
+        Param::Text(f.topic.as_deref()),
+        Param::Text(f.key.as_deref()),
+        Param::Text(f.event_type.as_deref()),
+        Param::Time(f.updated_after),
+        Param::Time(f.updated_before),
+        Param::Text(f.error_contains.as_deref()),
+        Param::Text(f.subscription.as_deref()),
+    ]
+}
+
+/// The explicit-id checks of requeue and cancel: `found` holds (id, status) of the ids
+/// that exist.
+pub(crate) fn check_ids(
+    ids: &[EventId],
+    found: &[(EventId, Status)],
+    wanted: Status,
+    action: &'static str,
+) -> StoreResult<()> {
+    let known: HashSet<EventId> = found.iter().map(|(id, _)| *id).collect();
+    let missing: Vec<EventId> = ids
+        .iter()
+        .filter(|id| !known.contains(*id))
+        .copied()
+        .collect();
+    if !missing.is_empty() {
+        return Err(StoreError::Missing { ids: missing });
+    }
+    let wrong: Vec<(EventId, Status)> = found
+        .iter()
+        .filter(|(_, s)| *s != wanted)
+        .copied()
+        .collect();
+    if !wrong.is_empty() {
+        return Err(StoreError::WrongState {
+            wanted,
+            action,
+            found: wrong,
+        });
+    }
+    Ok(())
+}
+
+/// The keys of a set of events as (subscription, topic, key), sorted and distinct: the
+/// lock order enqueue and receive use (the subscription is `""` in the outbox, where all
+/// keys share it). Unkeyed events have no key row.
+pub(crate) fn sorted_keys<'a>(
+    keys: impl Iterator<Item = (&'a str, &'a str, Option<&'a str>)>,
+) -> Vec<(&'a str, &'a str, &'a str)> {
+    let set: BTreeSet<(&str, &str, &str)> =
+        keys.filter_map(|(s, t, k)| k.map(|k| (s, t, k))).collect();
+    set.into_iter().collect()
+}
+
+/// An action done before under the same request id.
+struct Replay {
+    audit_id: i64,
+    count: i64,
+    selection: String,
+}
+
+async fn replayed<E: AdminSql>(
+    e: &E,
+    tx: &mut E::Tx,
+    action: &str,
+    b: BoxKind,
+    request_id: Option<&str>,
+) -> StoreResult<Option<Replay>> {
+    let Some(rid) = request_id else {
+        return Ok(None);
+    };
+    let params = vec![
+        Param::Text(Some(action)),
+        Param::Text(Some(b.as_str())),
+        Param::Text(Some(rid)),
+    ];
+    let rows = rows_in(
+        e,
+        tx,
+        b,
+        query(Stmt::Shared(Shared::AuditOfRequest), params),
+    )
+    .await?;
+    match rows.first() {
+        None => Ok(None),
+        Some(r) => Ok(Some(Replay {
+            audit_id: r.int("id")?,
+            count: r.int("count")?,
+            selection: r.text("selection")?,
+        })),
+    }
+}
+
+fn decode_all<R: Cols, T>(rows: &[R], f: fn(&R) -> StoreResult<T>) -> StoreResult<Vec<T>> {
+    rows.iter().map(f).collect()
+}
+
+/// Wakes the key rows of `cands` in lock order; returns the keys a relay holds.
+async fn wake_keys_of<E: AdminSql>(
+    e: &E,
+    tx: &mut E::Tx,
+    b: BoxKind,
+    cands: &[Candidate],
+) -> StoreResult<Vec<AdminKey>> {
+    let keys = sorted_keys(
+        cands
+            .iter()
+            .map(|c| (c.subscription.as_str(), c.topic.as_str(), c.key.as_deref())),
+    );
+    if keys.is_empty() {
+        return Ok(Vec::new());
+    }
+    let held = e.wake_keys(tx, b, &keys).await?;
+    Ok(held
+        .into_iter()
+        .map(|(s, t, k)| admin_key(b, s, t, k))
+        .collect())
+}
+
+/// An audit entry to record.
+struct NewAudit<'a> {
+    actor: &'a str,
+    principal: Option<&'a str>,
+    request_id: Option<&'a str>,
+    action: &'static str,
+    box_kind: BoxKind,
+    selection: serde_json::Value,
+    count: i64,
+}
+
+async fn insert_audit<E: AdminSql>(e: &E, tx: &mut E::Tx, a: &NewAudit<'_>) -> StoreResult<i64> {
+    let selection = a.selection.to_string();
+    let params = vec![
+        Param::Text(Some(a.actor)),
+        Param::Text(Some(a.action)),
+        Param::Text(Some(a.box_kind.as_str())),
+        Param::Text(Some(&selection)),
+        Param::Int(Some(a.count)),
+        Param::Text(a.principal),
+        Param::Text(a.request_id),
+        Param::Now,
+    ];
+    let rows = rows_in(e, tx, a.box_kind, query(Stmt::InsertAudit, params)).await?;
+    rows.first()
+        .ok_or_else(|| StoreError::Other("audit insert returned no id".into()))?
+        .int("id")
+}
+
+async fn requeue<E: AdminSql>(
+    e: &E,
+    b: BoxKind,
+    r: &RequeueRequest,
+) -> StoreResult<RequeueOutcome> {
+    let mut tx = e.begin().await?;
+    if !r.dry_run
+        && let Some(rep) = replayed(e, &mut tx, "requeue", b, r.request_id.as_deref()).await?
+    {
+        e.rollback(tx).await?;
+        return Ok(RequeueOutcome {
+            count: rep.count,
+            sample_ids: Vec::new(),
+            audit_id: Some(rep.audit_id),
+            leased_keys: Vec::new(),
+            replayed: true,
+        });
+    }
+    let cands = match &r.selection {
+        Selection::Ids(ids) => {
+            let by_id = query(Stmt::Shared(Shared::CandidatesById), vec![Param::Ids(ids)]);
+            let rows = rows_in(e, &mut tx, b, by_id).await?;
+            let c = decode_all(&rows, decode_candidate)?;
+            let found: Vec<(EventId, Status)> = c.iter().map(|c| (c.id, c.status)).collect();
+            check_ids(ids, &found, Status::Failed, "requeued")?;
+            c
+        }
+        Selection::Filter(f) => {
+            let mut params = filter_params(f).to_vec();
+            params.push(Param::Int(Some(i64::from(r.limit))));
+            let rows = rows_in(
+                e,
+                &mut tx,
+                b,
+                query(Stmt::Shared(Shared::FailedByFilter), params),
+            )
+            .await?;
+            decode_all(&rows, decode_candidate)?
+        }
+    };
+    let ids: Vec<EventId> = cands.iter().map(|c| c.id).collect();
+    let sample_ids: Vec<EventId> = ids.iter().take(SAMPLE_IDS).copied().collect();
+    if r.dry_run || ids.is_empty() {
+        e.rollback(tx).await?;
+        return Ok(RequeueOutcome {
+            count: ids.len() as i64,
+            sample_ids,
+            audit_id: None,
+            leased_keys: Vec::new(),
+            replayed: false,
+        });
+    }
+    let leased_keys = wake_keys_of(e, &mut tx, b, &cands).await?;
+    let sql = e.sql(b, Stmt::Shared(Shared::Requeue));
+    let changed = e
+        .execute_in(&mut tx, &sql, &[Param::Ids(&ids), Param::Now])
+        .await?;
+    if changed != ids.len() as u64 {
+        return Err(StoreError::ChangedMeanwhile);
+    }
+    let selection = match &r.selection {
+        Selection::Ids(ids) => serde_json::json!({ "ids": ids }),
+        Selection::Filter(f) => serde_json::json!({ "filter": f, "limit": r.limit }),
+    };
+    let audit = NewAudit {
+        actor: &r.actor,
+        principal: r.principal.as_deref(),
+        request_id: r.request_id.as_deref(),
+        action: "requeue",
+        box_kind: b,
+        selection,
+        count: ids.len() as i64,
+    };
+    let audit_id = insert_audit(e, &mut tx, &audit).await?;
+    e.commit(tx).await?;
+    Ok(RequeueOutcome {
+        count: ids.len() as i64,
+        sample_ids,
+        audit_id: Some(audit_id),
+        leased_keys,
+        replayed: false,
+    })
+}
+
+async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResult<CancelOutcome> {
+    let mut tx = e.begin().await?;
+    if !r.dry_run
+        && let Some(rep) = replayed(e, &mut tx, "cancel", b, r.request_id.as_deref()).await?
+    {
+        e.rollback(tx).await?;
+        let ids = serde_json::from_str::<serde_json::Value>(&rep.selection)
+            .ok()
+            .and_then(|v| serde_json::from_value::<Vec<EventId>>(v["ids"].clone()).ok())
+            .unwrap_or_default();
+        return Ok(CancelOutcome {
+            ids,
+            audit_id: Some(rep.audit_id),
+            leased_keys: Vec::new(),
+            replayed: true,
+        });
+    }
+    let by_id = query(
+        Stmt::Shared(Shared::CandidatesById),
+        vec![Param::Ids(&r.ids)],
+    );
+    let rows = rows_in(e, &mut tx, b, by_id).await?;
+    let cands = decode_all(&rows, decode_candidate)?;
+    let found: Vec<(EventId, Status)> = cands.iter().map(|c| (c.id, c.status)).collect();
+    check_ids(&r.ids, &found, Status::Pending, "cancelled")?;
+    let ids: Vec<EventId> = cands.iter().map(|c| c.id).collect();
+    if r.dry_run {
+        e.rollback(tx).await?;
+        return Ok(CancelOutcome {
+            ids,
+            audit_id: None,
+            leased_keys: Vec::new(),
+            replayed: false,
+        });
+    }
+    let leased_keys = wake_keys_of(e, &mut tx, b, &cands).await?;
+    let sql = e.sql(b, Stmt::Shared(Shared::Cancel));
+    let params = [Param::Ids(&ids), Param::Text(Some(&r.reason)), Param::Now];
+    if e.execute_in(&mut tx, &sql, &params).await? != ids.len() as u64 {
+        return Err(StoreError::ChangedMeanwhile);
+    }
+    let audit = NewAudit {
+        actor: &r.actor,
+        principal: r.principal.as_deref(),
+        request_id: r.request_id.as_deref(),
+        action: "cancel",
+        box_kind: b,
+        selection: serde_json::json!({ "ids": ids, "reason": r.reason }),
+        count: ids.len() as i64,
+    };
+    let audit_id = insert_audit(e, &mut tx, &audit).await?;
+    e.commit(tx).await?;
+    Ok(CancelOutcome {
+        ids,
+        audit_id: Some(audit_id),
+        leased_keys,
+        replayed: false,
+    })
+}
+
+/// The backlog page from its rows: totals from the first, one group per row with a
+/// topic, and the cursor after the last group shown when more follow.
+fn pending_page<R: Cols>(q: &PendingQuery, rows: &[R]) -> StoreResult<PendingPage> {
+    let first = rows
+        .first()
+        .ok_or_else(|| StoreError::Other("totals row missing".into()))?;
+    let mut page = PendingPage {
+        keys: Vec::with_capacity(rows.len()),
+        next: None,
+        total_pending: first.int("total_pending")?,
+        total_keys: first.int("total_keys")?,
+        total_blocked_keys: first.int("total_blocked")?,
+    };
+    for r in rows {
+        let Some(topic) = r.opt_text("topic")? else {
+            break; // the empty page: totals only
+        };
+        page.keys.push(KeyBacklog {
+            subscription: r.text("subscription")?,
+            topic,
+            key: r.text("key")?,
+            pending: r.int("pending")?,
+            oldest_created_at: r.time("created_at")?,
+            head_id: r.int("head_id")?,
+            head_attempts: r.count("attempts")?,
+            head_next_attempt_at: r.time("scheduled_at")?,
+            head_last_error: r.opt_text("last_error")?,
+            blocked: r.flag("blocked")?,
+        });
+    }
+    if page.keys.len() > q.page_size as usize {
+        page.keys.truncate(q.page_size as usize);
+        let last = page.keys.last().expect("page_size >= 1");
+        page.next = Some(PendingCursor {
+            order: q.order,
+            pending: last.pending,
+            oldest_us: last.oldest_created_at.timestamp_micros(),
+            subscription: last.subscription.clone(),
+            topic: last.topic.clone(),
+            key: last.key.clone(),
+        });
+    }
+    Ok(page)
+}
+
+/// Keeps the first `page_size` items; the id of the last one kept when more follow.
+fn cut_page<T>(items: &mut Vec<T>, page_size: u32, id: fn(&T) -> i64) -> Option<i64> {
+    if items.len() > page_size as usize {
+        items.truncate(page_size as usize);
+        items.last().map(id)
+    } else {
+        None
+    }
+}
+
+/// The rows behind `Stats`: counts by (subscription, topic, status), one row of the
+/// keyed heads (with the clock, `now`), one row of the unkeyed backlog.
+struct StatsRows<R> {
+    counts: Vec<R>,
+    heads: R,
+    unkeyed: R,
+}
+
+fn stats_of<R: Cols>(rows: &StatsRows<R>) -> StoreResult<Stats> {
+    let mut by_topic: BTreeMap<(String, String), TopicStats> = BTreeMap::new();
+    for r in &rows.counts {
+        let subscription = r.text("subscription")?;
+        let topic = r.text("topic")?;
+        let n = r.int("n")?;
+        let t = by_topic
+            .entry((subscription.clone(), topic.clone()))
+            .or_insert_with(|| TopicStats {
+                subscription,
+                topic,
+                ..Default::default()
+            });
+        match r.text("status")?.as_str() {
+            "pending" => t.pending += n,
+            "completed" => t.completed += n,
+            _ => t.failed += n,
+        }
+    }
+    let topics: Vec<TopicStats> = by_topic.into_values().collect();
+    let now: DateTime<Utc> = rows.heads.time("now")?;
+    let oldest = [
+        rows.heads.opt_time("oldest")?,
+        rows.unkeyed.opt_time("oldest")?,
+    ]
+    .into_iter()
+    .flatten()
+    .min();
+    Ok(Stats {
+        pending: topics.iter().map(|t| t.pending).sum(),
+        completed: topics.iter().map(|t| t.completed).sum(),
+        failed: topics.iter().map(|t| t.failed).sum(),
+        oldest_pending_age: oldest.map(|o| (now - o).to_std().unwrap_or(Duration::ZERO)),
+        blocked_keys: rows.heads.int("blocked")?,
+        topics,
+    })
+}
+
+/// The only row a statement must return.
+fn one<R>(rows: Vec<R>, what: &str) -> StoreResult<R> {
+    rows.into_iter()
+        .next()
+        .ok_or_else(|| StoreError::Other(format!("{what} row missing")))
+}
+
+#[async_trait::async_trait]
+impl<E: AdminSql> AdminStore for E {
+    async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> StoreResult<PendingPage> {
+        let c = q.after.as_ref();
+        let after_pending = c.filter(|c| c.order == PendingOrder::MostPending);
+        let after_oldest = c.filter(|c| c.order == PendingOrder::Oldest);
+        let params = vec![
+            Param::Text(q.topic.as_deref()),
+            Param::Text(q.key_prefix.as_deref()),
+            Param::Flag(q.only_blocked),
+            Param::Int(after_pending.map(|c| c.pending)),
+            Param::Micros(after_oldest.map(|c| c.oldest_us)),
+            Param::Text(c.map(|c| c.topic.as_str())),
+            Param::Text(c.map(|c| c.key.as_str())),
+            Param::Int(Some(i64::from(q.page_size) + 1)),
+            Param::Text(q.subscription.as_deref()),
+            Param::Text(c.map(|c| c.subscription.as_str())),
+            Param::Now,
+        ];
+        let reads = [query(Stmt::Pending(q.order), params)];
+        let rows = read(self, Read::Planned, b, &reads).await?;
+        pending_page(q, &one(rows, "backlog")?)
+    }
+
+    async fn requeue_failed(&self, b: BoxKind, r: &RequeueRequest) -> StoreResult<RequeueOutcome> {
+        requeue(self, b, r).await
+    }
+
+    async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> StoreResult<CancelOutcome> {
+        cancel(self, b, r).await
+    }
+
+    async fn event_detail(
+        &self,
+        b: BoxKind,
+        id: EventId,
+        with_payload: bool,
+    ) -> StoreResult<Option<EventDetail>> {
+        let params = vec![Param::Int(Some(id)), Param::Flag(with_payload)];
+        let rows = read(self, Read::Plain, b, &[query(Stmt::Detail, params)]).await?;
+        one(rows, "detail")?.first().map(decode_detail).transpose()
+    }
+
+    async fn list_events(&self, b: BoxKind, q: &EventsQuery) -> StoreResult<EventsPage> {
+        let mut params = vec![
+            Param::Text(q.status.map(Status::as_str)),
+            Param::Int(q.before_id),
+        ];
+        params.extend(filter_params(&q.filter));
+        params.push(Param::Int(Some(i64::from(q.page_size) + 1)));
+        let rows = read(
+            self,
+            Read::Plain,
+            b,
+            &[query(Stmt::Shared(Shared::Events), params)],
+        )
+        .await?;
+        let mut events = decode_all(&one(rows, "events")?, decode_detail)?;
+        let next_before_id = cut_page(&mut events, q.page_size, |e| e.event.id);
+        Ok(EventsPage {
+            events,
+            next_before_id,
+        })
+    }
+
+    async fn list_audit(&self, page_size: u32, before_id: Option<i64>) -> StoreResult<AuditPage> {
+        let params = vec![
+            Param::Int(before_id),
+            Param::Int(Some(i64::from(page_size) + 1)),
+        ];
+        // The audit table serves both boxes: the box only picks the SQL text's shape.
+        let reads = [query(Stmt::Shared(Shared::Audit), params)];
+        let rows = read(self, Read::Plain, BoxKind::Outbox, &reads).await?;
+        let mut entries = decode_all(&one(rows, "audit")?, decode_audit)?;
+        let next_before_id = cut_page(&mut entries, page_size, |e| e.id);
+        Ok(AuditPage {
+            entries,
+            next_before_id,
+        })
+    }
+
+    async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> StoreResult<Stats> {
+        let sub = Param::Text(subscription);
+        let reads = [
+            query(Stmt::Shared(Shared::StatsCounts), vec![sub]),
+            query(Stmt::StatsHeads, vec![sub, Param::Now]),
+            query(Stmt::Shared(Shared::StatsUnkeyed), vec![sub]),
+        ];
+        let mut rows = read(self, Read::Planned, b, &reads).await?.into_iter();
+        let counts = rows.next().unwrap_or_default();
+        let heads = one(rows.next().unwrap_or_default(), "heads")?;
+        let unkeyed = one(rows.next().unwrap_or_default(), "unkeyed")?;
+        stats_of(&StatsRows {
+            counts,
+            heads,
+            unkeyed,
+        })
+    }
+
+    async fn wake_released_keys(
+        &self,
+        b: BoxKind,
+        keys: &[AdminKey],
+    ) -> StoreResult<Vec<AdminKey>> {
+        // One key per statement: no transaction ever holds two key rows here, so this
+        // cannot deadlock with enqueue or settle. Waking a key early is harmless.
+        let mut held = Vec::new();
+        for k in keys {
+            let params = vec![
+                Param::Text(Some(&k.topic)),
+                Param::Text(Some(&k.key)),
+                Param::Text(k.subscription.as_deref()),
+                Param::Now,
+            ];
+            let rows = read(self, Read::Plain, b, &[query(Stmt::WakeReleased, params)]).await?;
+            if let Some(r) = one(rows, "wake")?.first()
+                && r.flag("leased")?
+            {
+                held.push(k.clone());
+            }
+        }
+        Ok(held)
+    }
+}
+
+#[cfg(test)]
+mod short_errors {
+    use super::*;
+
+    #[test]
+    fn an_error_naming_100000_ids_stays_short() {
+        let ids: Vec<EventId> = (1..=100_000).collect();
+        let e = check_ids(&ids, &[], Status::Failed, "requeued").unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.len() < 200, "{} bytes", msg.len());
+        assert!(msg.contains("99990 more"), "{msg}");
+        let found: Vec<(EventId, Status)> = ids.iter().map(|i| (*i, Status::Pending)).collect();
+        let e = check_ids(&ids, &found, Status::Failed, "requeued").unwrap_err();
+        assert!(e.to_string().len() < 300, "{e}");
+    }
+}

@@ -1,0 +1,143 @@
+//! What an engine supplies to the admin flows (`admin_flow.rs`): the statements, named
+//! (`Stmt`), with engine-neutral parameters (`Param`), and the small trait through
+//! which an engine gives each statement its SQL text, binds its parameters and runs it.
+
+use chrono::{DateTime, Utc};
+
+use super::StoreResult;
+use super::rows::Cols;
+use crate::domain::admin::PendingOrder;
+use crate::domain::{BoxKind, EventId};
+
+/// The admin statements. The parameters, in order, are the same on both engines
+/// (`Param`), listed here. The SQL text of the `Shared` ones is written once, with the
+/// engine's marks and casts (`Shape::shared`); each engine writes the others itself.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Stmt {
+    Shared(Shared),
+    /// actor, action, box, selection, count, principal, request_id, now: `id`.
+    InsertAudit,
+    /// topic, key prefix, only blocked, after pending, after oldest (µs), after topic,
+    /// after key, limit, subscription, after subscription, now: backlog groups
+    /// `subscription, topic, key, pending, created_at, head_id, attempts, scheduled_at,
+    /// last_error, blocked` with `total_keys, total_pending, total_blocked` on every row
+    /// (one row of totals only, `topic` NULL, when there is no group).
+    Pending(PendingOrder),
+    /// id, with payload: the event columns with `payload_size, subscription, message_id`.
+    Detail,
+    /// subscription, now: one row `blocked, oldest, now` over the keyed heads.
+    StatsHeads,
+    /// topic, key, subscription, now: makes a released key ready; `leased` if a relay
+    /// holds it (no row if there is no such key).
+    WakeReleased,
+}
+
+/// The statements whose SQL reads the same on both engines but for marks, casts and
+/// the clock.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Shared {
+    /// action, box, request_id: the audit row `id, count, selection` of an action done.
+    AuditOfRequest,
+    /// ids: candidates `id, subscription, topic, event_key, status`, in id order.
+    CandidatesById,
+    /// the filter (7), limit: failed candidates matching it, in id order.
+    FailedByFilter,
+    /// ids, now: failed events back to pending, due now.
+    Requeue,
+    /// ids, reason, now: pending events to failed with `cancelled: <reason>`.
+    Cancel,
+    /// status, before id, the filter (7), limit: as `Detail`, newest first, no payload.
+    Events,
+    /// before id, limit: `id, at, actor, action, box, selection, count, principal,
+    /// request_id`, newest first.
+    Audit,
+    /// subscription: `subscription, topic, status, n`.
+    StatsCounts,
+    /// subscription: one row `oldest` of the unkeyed backlog.
+    StatsUnkeyed,
+}
+
+/// A statement's parameter, engine-neutral: each engine binds it in its own encoding.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Param<'a> {
+    Int(Option<i64>),
+    Text(Option<&'a str>),
+    Flag(bool),
+    Time(Option<DateTime<Utc>>),
+    /// A time in microseconds since the epoch, as page tokens carry it.
+    Micros(Option<i64>),
+    Ids(&'a [EventId]),
+    /// The statement's clock, always last: SQLite binds the transaction's (or the
+    /// read's) time; PostgreSQL's statements read `now()` and bind nothing.
+    Now,
+}
+
+/// One statement with its parameters.
+pub(crate) struct Query<'a> {
+    pub stmt: Stmt,
+    pub params: Vec<Param<'a>>,
+}
+
+pub(crate) fn query(stmt: Stmt, params: Vec<Param<'_>>) -> Query<'_> {
+    Query { stmt, params }
+}
+
+/// How a batch of reads runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Read {
+    /// Each statement on its own.
+    Plain,
+    /// The backlog and stats: short statements with simple plans, in one transaction
+    /// with JIT off on PostgreSQL (JIT would cost more than it saves).
+    Planned,
+}
+
+/// One engine's side of the admin flows: the SQL text of each statement and how it binds
+/// and runs one, nothing else. Rows come back undecoded (`Cols`); a write transaction is
+/// the engine's own (`Tx`).
+#[async_trait::async_trait]
+pub(crate) trait AdminSql: Send + Sync {
+    type Row: Cols + Send + Sync;
+    type Tx: Send;
+
+    /// The SQL text of `stmt` for box `b`.
+    fn sql(&self, b: BoxKind, stmt: Stmt) -> String;
+
+    /// A write transaction of the admin's query class.
+    async fn begin(&self) -> StoreResult<Self::Tx>;
+    async fn commit(&self, tx: Self::Tx) -> StoreResult<()>;
+    async fn rollback(&self, tx: Self::Tx) -> StoreResult<()>;
+
+    /// Runs one statement in the transaction; its rows.
+    async fn rows_in(
+        &self,
+        tx: &mut Self::Tx,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> StoreResult<Vec<Self::Row>>;
+
+    /// Runs one statement in the transaction; the rows it changed.
+    async fn execute_in(
+        &self,
+        tx: &mut Self::Tx,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> StoreResult<u64>;
+
+    /// Runs reads outside any write transaction; each one's rows.
+    async fn read(
+        &self,
+        how: Read,
+        batch: &[(String, &[Param<'_>])],
+    ) -> StoreResult<Vec<Vec<Self::Row>>>;
+
+    /// Locks (creating missing ones) the key rows `keys` — (subscription, topic, key),
+    /// sorted — and makes them ready now; returns those a relay holds at this moment,
+    /// as (subscription, topic, key).
+    async fn wake_keys(
+        &self,
+        tx: &mut Self::Tx,
+        b: BoxKind,
+        keys: &[(&str, &str, &str)],
+    ) -> StoreResult<Vec<(String, String, String)>>;
+}

@@ -1,0 +1,130 @@
+//! The store's errors: what went wrong, typed, so that callers decide by variant (retry,
+//! report, give up) and nobody reads error text. The service layer maps them to its own
+//! errors once (`crate::error`); the store never builds service errors.
+
+use crate::domain::{EventId, Status};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database cannot be reached or refused the connection: retry later.
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
+    /// PostgreSQL aborted the transaction as a deadlock victim (`40P01`) or a
+    /// serialization failure (`40001`): nothing of it was applied, and the same call may
+    /// simply run again.
+    #[error("database unavailable: {0}")]
+    Retryable(String),
+    /// The database refused the statement because of the data (PostgreSQL classes 22
+    /// data exception, 23 integrity constraint, 54 program limit such as an index row
+    /// too large; SQLite TOOBIG, CONSTRAINT, MISMATCH, RANGE): retrying cannot help.
+    #[error("database refused the data: {0}")]
+    Refused(String),
+    /// PostgreSQL cancelled the statement after the `statement_timeout` of its query
+    /// class (`57014`): the statement, and its transaction, changed nothing.
+    #[error("database statement timed out: {0}")]
+    TimedOut(String),
+    /// Explicit ids that name no event; nothing was changed. The message names at most
+    /// a few of them (`some_of`).
+    #[error("no event with id {}; nothing was changed", some_of(ids))]
+    Missing { ids: Vec<EventId> },
+    /// Explicitly named events that are not in the state the action needs (`wanted`);
+    /// nothing was changed.
+    #[error("only {} events can be {action}: {}; nothing was changed", wanted.as_str(), some_of(found))]
+    WrongState {
+        wanted: Status,
+        /// The action in the past tense: "requeued", "cancelled".
+        action: &'static str,
+        /// The offending events and their state.
+        found: Vec<(EventId, Status)>,
+    },
+    /// Selected events changed state between their selection and the update, in the
+    /// same transaction: it was rolled back, nothing was changed.
+    #[error("some selected events changed state meanwhile; nothing was changed, try again")]
+    ChangedMeanwhile,
+    #[error("database error: {0}")]
+    Other(String),
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// A value an error message may name: an id, or an id with its state.
+pub(crate) trait Named {
+    fn name(&self) -> String;
+}
+
+impl Named for EventId {
+    fn name(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl Named for (EventId, Status) {
+    fn name(&self) -> String {
+        format!("{} is {}", self.0, self.1.as_str())
+    }
+}
+
+/// At most the first `SHOWN` items and how many more: an error naming 100,000 ids must
+/// stay far below gRPC's metadata limits (the message travels in a header).
+pub(crate) fn some_of<T: Named>(items: &[T]) -> String {
+    const SHOWN: usize = 10;
+    let head: Vec<String> = items[..items.len().min(SHOWN)]
+        .iter()
+        .map(Named::name)
+        .collect();
+    let head = head.join(", ");
+    match items.len().saturating_sub(SHOWN) {
+        0 => head,
+        more => format!("{head} and {more} more"),
+    }
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Tls(_)
+            // A connection closed mid-handshake: with TLS built in, sqlx asks for TLS
+            // first (`sslmode=prefer`) and reads EOF as "unexpected response from
+            // SSLRequest". The database is unreachable, not the request wrong.
+            | sqlx::Error::Protocol(_) => StoreError::Unavailable(e.to_string()),
+            sqlx::Error::Database(db) => {
+                // Class 08 (connection), 57P (operator intervention: shutdown), 53 (resources),
+                // SQLite BUSY, LOCKED, BUSY_SNAPSHOT: all say "try again later", not "bad
+                // request". 40001/40P01 (serialization, deadlock): run the call again.
+                let code = db.code().map(|c| c.to_string()).unwrap_or_default();
+                if code == "40001" || code == "40P01" {
+                    StoreError::Retryable(e.to_string())
+                } else if code.starts_with("08")
+                    || code.starts_with("57P")
+                    || code.starts_with("53")
+                    || code == "5"
+                    || code == "6"
+                    || code == "517"
+                {
+                    StoreError::Unavailable(e.to_string())
+                } else if code == "57014" {
+                    StoreError::TimedOut(e.to_string())
+                } else if refusal(&code) {
+                    StoreError::Refused(e.to_string())
+                } else {
+                    StoreError::Other(e.to_string())
+                }
+            }
+            _ => StoreError::Other(e.to_string()),
+        }
+    }
+}
+
+/// Whether a database error code says the data was refused (see `StoreError::Refused`).
+fn refusal(code: &str) -> bool {
+    if code.len() == 5 {
+        // PostgreSQL SQLSTATE: five characters, the class first.
+        return code.starts_with("22") || code.starts_with("23") || code.starts_with("54");
+    }
+    // SQLite: extended result codes (at most four digits); the primary code is the low byte.
+    matches!(code.parse::<u32>().map(|c| c & 0xff), Ok(18 | 19 | 20 | 25))
+}

@@ -1,0 +1,307 @@
+//! PostgreSQL engine: the production store. Several mailroom processes may share one
+//! database; leases on key rows (taken with `FOR UPDATE SKIP LOCKED`) keep relays apart.
+//!
+//! Ordering invariant: an enqueue locks its keys' rows *before* it draws ids, so within a
+//! key ids are drawn and committed in the same order, and a relay can never see event
+//! n+1 of a key committed while event n is still in flight.
+//!
+//! Files: `sql.rs` the claim and settle statements per box, `write.rs` enqueue and
+//! receive, `relay.rs` claim, settle and renew, `admin.rs` the operator statements,
+//! `retention.rs` the purges, `notify.rs` LISTEN/NOTIFY wake-ups.
+
+mod admin;
+pub mod notify;
+mod relay;
+mod retention;
+mod sql;
+mod write;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Row};
+
+use self::sql::Sql;
+use super::rows::{Cols, decode_event};
+use super::{
+    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, LineKey, SettleReport, Store,
+    StoreError, StoreResult,
+};
+use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
+
+pub struct PgStore {
+    /// Enqueues, receives and health checks.
+    pool: PgPool,
+    /// Claims, settles, renewals and retention.
+    relay_pool: PgPool,
+    /// Admin reads and actions.
+    admin_pool: PgPool,
+    outbox: Sql,
+    inbox: Sql,
+}
+
+/// The service's connection pools, one per query class so that each carries the
+/// `statement_timeout` of its class (`config::DatabaseTimeouts`).
+pub struct PgPools {
+    pub enqueue: PgPool,
+    pub relay: PgPool,
+    pub admin: PgPool,
+}
+
+impl PgStore {
+    /// Connects lazily-checked: the pool is created and one connection tried, so a bad
+    /// URL fails at start-up while a database that goes away later only degrades health.
+    pub async fn connect(url: &str, max_connections: u32) -> StoreResult<Self> {
+        let opts: PgConnectOptions = url
+            .parse()
+            .map_err(|e: sqlx::Error| StoreError::Other(format!("bad database url: {e}")))?;
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(3))
+            .connect_with(opts)
+            .await?;
+        Ok(Self::from_pool(pool))
+    }
+
+    /// One pool for every query class.
+    pub fn from_pool(pool: PgPool) -> Self {
+        Self::from_pools(PgPools {
+            enqueue: pool.clone(),
+            relay: pool.clone(),
+            admin: pool,
+        })
+    }
+
+    pub fn from_pools(pools: PgPools) -> Self {
+        PgStore {
+            pool: pools.enqueue,
+            relay_pool: pools.relay,
+            admin_pool: pools.admin,
+            outbox: Sql::new("outbox_events", "outbox_keys", false),
+            inbox: Sql::new("inbox_events", "inbox_keys", true),
+        }
+    }
+
+    /// The pool of enqueues and health checks.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    pub(crate) fn relay_pool(&self) -> &PgPool {
+        &self.relay_pool
+    }
+
+    pub(crate) fn admin_pool(&self) -> &PgPool {
+        &self.admin_pool
+    }
+
+    /// `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)` of the claim's read of one key's line,
+    /// the very statement the relay runs: for docs/relay.md and for the test showing that
+    /// its cost does not grow with the depth of the key.
+    pub async fn explain_line_read(
+        &self,
+        b: BoxKind,
+        line: &LineKey,
+        per_key: i64,
+    ) -> StoreResult<serde_json::Value> {
+        let sql = format!(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
+            self.sql(b).windows
+        );
+        let plan: serde_json::Value = sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(vec![line.topic.clone()])
+            .bind(vec![line.key.clone()])
+            .bind(per_key)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(plan)
+    }
+
+    fn sql(&self, b: BoxKind) -> &Sql {
+        match b {
+            BoxKind::Outbox => &self.outbox,
+            BoxKind::Inbox => &self.inbox,
+        }
+    }
+}
+
+fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(AssertSqlSafe(sql.clone()))
+}
+
+/// Binds the subscription as the last parameter of a scoped (inbox) statement.
+fn scoped(
+    query: sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    queue: &Queue,
+) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    match queue.subscription() {
+        Some(s) => query.bind(s.to_string()),
+        None => query,
+    }
+}
+
+/// Runs of a call PostgreSQL aborted as a deadlock victim (`40P01`) or a serialization
+/// failure (`40001`). Such an abort applied nothing of the statement or transaction (the
+/// only statements that can get either are the writes, before any commit), so the same
+/// call runs again. The lock order makes a deadlock among mailroom's own statements
+/// impossible by design (docs/relay.md); this keeps an unforeseen one, or one with a
+/// caller's own transaction through the SQL API, from failing an `Enqueue` or a settle.
+const ABORTED_RUNS: u32 = 4;
+
+async fn retry_aborted<T, F, Fut>(mut call: F) -> StoreResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut run = 1;
+    loop {
+        match call().await {
+            Err(e) if run < ABORTED_RUNS && aborted(&e) => {
+                // PostgreSQL's detail names the processes of the cycle and what each
+                // waited for: the one clue to an unforeseen lock order.
+                let detail = match &e {
+                    sqlx::Error::Database(db) => db
+                        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                        .and_then(|p| p.detail())
+                        .unwrap_or_default()
+                        .to_string(),
+                    _ => String::new(),
+                };
+                tracing::warn!(error = %e, %detail, run, "PostgreSQL aborted the transaction; running it again");
+                let pause =
+                    rand::RngExt::random_range(&mut rand::rng(), 1..=10u64) * u64::from(run);
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+                run += 1;
+            }
+            r => return r.map_err(StoreError::from),
+        }
+    }
+}
+
+fn aborted(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => matches!(db.code().as_deref(), Some("40P01" | "40001")),
+        _ => false,
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl Cols for PgRow {
+    fn text(&self, col: &str) -> StoreResult<String> {
+        Ok(self.try_get(col)?)
+    }
+    fn opt_text(&self, col: &str) -> StoreResult<Option<String>> {
+        Ok(self.try_get(col)?)
+    }
+    fn int(&self, col: &str) -> StoreResult<i64> {
+        Ok(self.try_get(col)?)
+    }
+    fn count(&self, col: &str) -> StoreResult<u32> {
+        Ok(self.try_get::<i32, _>(col)? as u32)
+    }
+    fn flag(&self, col: &str) -> StoreResult<bool> {
+        Ok(self.try_get(col)?)
+    }
+    fn bytes(&self, col: &str) -> StoreResult<Vec<u8>> {
+        Ok(self.try_get(col)?)
+    }
+    fn time(&self, col: &str) -> StoreResult<DateTime<Utc>> {
+        Ok(self.try_get(col)?)
+    }
+    fn opt_time(&self, col: &str) -> StoreResult<Option<DateTime<Utc>>> {
+        Ok(self.try_get(col)?)
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for PgStore {
+    fn engine(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn migrate(&self) -> StoreResult<()> {
+        sqlx::migrate!("migrations/postgres")
+            .run(&self.pool)
+            .await
+            .map_err(|e| StoreError::Other(format!("migration failed: {e}")))
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn installation_id(&self) -> StoreResult<String> {
+        Ok(
+            sqlx::query_scalar("SELECT installation_id::text FROM mailroom_installation")
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+
+    async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>> {
+        retry_aborted(|| self.enqueue_once(events, atomic)).await
+    }
+
+    async fn receive(
+        &self,
+        subscription: &str,
+        messages: &[InboundMessage],
+    ) -> StoreResult<Vec<Admission>> {
+        retry_aborted(|| self.receive_once(subscription, messages)).await
+    }
+
+    async fn settle(
+        &self,
+        queue: &Queue,
+        token: i64,
+        updates: &[EventUpdate],
+        releases: &[KeyRelease],
+    ) -> StoreResult<SettleReport> {
+        retry_aborted(|| self.settle_once(queue, token, updates, releases)).await
+    }
+
+    async fn renew(
+        &self,
+        queue: &Queue,
+        token: i64,
+        lines: &[LineKey],
+        unkeyed: &[EventId],
+        lease: Duration,
+    ) -> StoreResult<usize> {
+        retry_aborted(|| self.renew_once(queue, token, lines, unkeyed, lease)).await
+    }
+
+    async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
+        self.claim_lines(queue, token, limits).await
+    }
+
+    async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {
+        q(&self.sql(b).get_event)
+            .bind(id)
+            .fetch_optional(&self.admin_pool)
+            .await?
+            .as_ref()
+            .map(decode_event)
+            .transpose()
+    }
+
+    async fn count_events(&self, b: BoxKind, status: Option<Status>) -> StoreResult<i64> {
+        let table = match b {
+            BoxKind::Outbox => "outbox_events",
+            BoxKind::Inbox => "inbox_events",
+        };
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {table} WHERE $1::text IS NULL OR status = $1"
+        )))
+        .bind(status.map(Status::as_str))
+        .fetch_one(&self.admin_pool)
+        .await?;
+        Ok(n)
+    }
+}

@@ -1,0 +1,318 @@
+//! The relay's calls: claim (lease ready keys, read their lines within the budgets,
+//! claim due unkeyed events), settle and renew.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::Row;
+
+use super::{PgStore, decode_event, millis, q, scoped};
+use crate::domain::{EventId, Queue};
+use crate::store::{
+    Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport, StoreError,
+    StoreResult, fit_in_budget,
+};
+
+impl PgStore {
+    /// Leases ready keys, reads the front of their lines and claims due unkeyed events.
+    pub(super) async fn claim_lines(
+        &self,
+        queue: &Queue,
+        token: i64,
+        limits: ClaimLimits,
+    ) -> StoreResult<Claim> {
+        let sql = self.sql(queue.box_kind());
+        let lease_ms = millis(limits.lease);
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&self.relay_pool)
+            .await?;
+        let leased = scoped(
+            q(&sql.lease_keys)
+                .bind(limits.max_keys as i64)
+                .bind(token)
+                .bind(lease_ms),
+            queue,
+        )
+        .fetch_all(&self.relay_pool)
+        .await?;
+        let mut keyed = Vec::with_capacity(leased.len());
+        if !leased.is_empty() {
+            let mut topics = Vec::with_capacity(leased.len());
+            let mut names = Vec::with_capacity(leased.len());
+            for r in &leased {
+                let line = LineKey {
+                    topic: r.try_get(0)?,
+                    key: r.try_get(1)?,
+                };
+                topics.push(line.topic.clone());
+                names.push(line.key.clone());
+                keyed.push(KeyWindow {
+                    line,
+                    rows: Vec::new(),
+                    full: false,
+                    delayed_at: None,
+                    line_end: None,
+                });
+            }
+            let per_key = limits.per_key(leased.len());
+            let heads = scoped(
+                q(&sql.windows)
+                    .bind(topics)
+                    .bind(names)
+                    .bind(per_key as i64),
+                queue,
+            )
+            .fetch_all(&self.relay_pool)
+            .await?;
+            // In-line ids and sizes per key (in claim order, ids ascending).
+            let mut in_line: Vec<Vec<(EventId, u64)>> = vec![Vec::new(); keyed.len()];
+            for r in &heads {
+                let i = usize::try_from(r.try_get::<i64, _>("o")? - 1)
+                    .map_err(|_| StoreError::Other("bad ordinality".into()))?;
+                let w = &mut keyed[i];
+                w.line_end = r.try_get("line_end")?;
+                w.delayed_at = r.try_get("delayed_at")?;
+                if let Some(id) = r.try_get::<Option<i64>, _>("id")? {
+                    let size = r.try_get::<Option<i64>, _>("size")?.unwrap_or(0).max(0) as u64;
+                    in_line[i].push((id, size));
+                }
+            }
+            for v in &mut in_line {
+                v.sort_unstable();
+            }
+            // The byte budget, shared in claim order: the keys past it get an empty
+            // window marked full (looked at again at once).
+            let mut take = fit_in_budget(
+                in_line.iter().flatten().map(|&(_, size)| size),
+                limits.max_bytes,
+            );
+            let mut ids = Vec::new();
+            for (w, v) in keyed.iter_mut().zip(&in_line) {
+                let n = take.min(v.len());
+                take -= n;
+                w.full = v.len() >= per_key as usize || n < v.len();
+                ids.extend(v[..n].iter().map(|&(id, _)| id));
+            }
+            if !ids.is_empty() {
+                let index: HashMap<LineKey, usize> = keyed
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| (w.line.clone(), i))
+                    .collect();
+                let rows = scoped(q(&sql.events_by_id).bind(ids), queue)
+                    .fetch_all(&self.relay_pool)
+                    .await?;
+                for r in &rows {
+                    let e = decode_event(r)?;
+                    let line = LineKey {
+                        topic: e.topic.clone(),
+                        key: e.key.clone().unwrap_or_default(),
+                    };
+                    if let Some(&i) = index.get(&line) {
+                        keyed[i].rows.push(e);
+                    }
+                }
+                for w in &mut keyed {
+                    w.rows.sort_by_key(|e| e.id);
+                }
+            }
+        }
+        let unkeyed = if limits.max_unkeyed > 0 {
+            let mut v = scoped(
+                q(&sql.claim_unkeyed)
+                    .bind(limits.max_unkeyed as i64)
+                    .bind(token)
+                    .bind(lease_ms)
+                    .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
+                queue,
+            )
+            .fetch_all(&self.relay_pool)
+            .await?
+            .iter()
+            .map(decode_event)
+            .collect::<StoreResult<Vec<_>>>()?;
+            v.sort_by_key(|e| (e.scheduled_at, e.id));
+            v
+        } else {
+            Vec::new()
+        };
+        Ok(Claim {
+            token,
+            now,
+            keyed,
+            unkeyed,
+        })
+    }
+
+    pub(super) async fn settle_once(
+        &self,
+        queue: &Queue,
+        token: i64,
+        updates: &[EventUpdate],
+        releases: &[KeyRelease],
+    ) -> Result<SettleReport, sqlx::Error> {
+        let sql = self.sql(queue.box_kind());
+        let mut tx = self.relay_pool.begin().await?;
+        if !releases.is_empty() {
+            // Lock our still-valid keys in byte order, the order enqueue, receive and the
+            // admin flows take them (Rust's sort of `(topic, key)`): `COLLATE "C"` in the
+            // statement, so that the database's collation (ICU, en_US…) cannot reverse it.
+            let mut sorted: Vec<&LineKey> = releases.iter().map(|r| &r.line).collect();
+            sorted.sort();
+            let topics: Vec<&str> = sorted.iter().map(|l| l.topic.as_str()).collect();
+            let names: Vec<&str> = sorted.iter().map(|l| l.key.as_str()).collect();
+            let topics: Vec<String> = topics.into_iter().map(str::to_string).collect();
+            let names: Vec<String> = names.into_iter().map(str::to_string).collect();
+            scoped(
+                q(&sql.lock_keys).bind(topics).bind(names).bind(token),
+                queue,
+            )
+            .fetch_all(&mut *tx)
+            .await?;
+        }
+        let mut applied = 0;
+        if !updates.is_empty() {
+            let n = updates.len();
+            let mut ids = Vec::with_capacity(n);
+            let mut kind = Vec::with_capacity(n);
+            let mut attempts: Vec<Option<i32>> = Vec::with_capacity(n);
+            let mut delay: Vec<Option<i64>> = Vec::with_capacity(n);
+            let mut at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+            let mut error: Vec<Option<&str>> = Vec::with_capacity(n);
+            for u in updates {
+                ids.push(u.id());
+                let (k, a, d, t, e) = match u {
+                    EventUpdate::Completed { .. } => ("completed", None, None, None, None),
+                    EventUpdate::CompletedAfterGap { note, .. } => {
+                        ("completed", None, None, None, Some(note.as_str()))
+                    }
+                    EventUpdate::Retry {
+                        attempts,
+                        delay,
+                        error,
+                        ..
+                    } => (
+                        "retry",
+                        Some(*attempts as i32),
+                        Some(millis(*delay)),
+                        None,
+                        Some(error.as_str()),
+                    ),
+                    EventUpdate::RetryAt {
+                        attempts,
+                        at,
+                        error,
+                        ..
+                    } => (
+                        "retry",
+                        Some(*attempts as i32),
+                        None,
+                        Some(*at),
+                        Some(error.as_str()),
+                    ),
+                    EventUpdate::Failed {
+                        attempts, error, ..
+                    } => (
+                        "failed",
+                        Some(*attempts as i32),
+                        None,
+                        None,
+                        Some(error.as_str()),
+                    ),
+                    EventUpdate::Release { .. } => ("release", None, None, None, None),
+                };
+                kind.push(k);
+                attempts.push(a);
+                delay.push(d);
+                at.push(t);
+                error.push(e);
+            }
+            applied = q(&sql.settle_events)
+                .bind(&ids)
+                .bind(&kind)
+                .bind(&attempts)
+                .bind(&delay)
+                .bind(&at)
+                .bind(&error)
+                .bind(token)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected() as usize;
+        }
+        if !releases.is_empty() {
+            let n = releases.len();
+            let mut topics = Vec::with_capacity(n);
+            let mut names = Vec::with_capacity(n);
+            let mut at = Vec::with_capacity(n);
+            let mut after = Vec::with_capacity(n);
+            let mut seen = Vec::with_capacity(n);
+            for r in releases {
+                topics.push(r.line.topic.as_str());
+                names.push(r.line.key.as_str());
+                at.push(r.ready.at);
+                after.push(r.ready.after.map(millis));
+                seen.push(r.ready.seen_up_to);
+            }
+            let topics: Vec<String> = topics.into_iter().map(str::to_string).collect();
+            let names: Vec<String> = names.into_iter().map(str::to_string).collect();
+            scoped(
+                q(&sql.release_keys)
+                    .bind(topics)
+                    .bind(names)
+                    .bind(at)
+                    .bind(after)
+                    .bind(seen)
+                    .bind(token),
+                queue,
+            )
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(SettleReport {
+            applied,
+            stale: updates.len() - applied,
+        })
+    }
+
+    pub(super) async fn renew_once(
+        &self,
+        queue: &Queue,
+        token: i64,
+        lines: &[LineKey],
+        unkeyed: &[EventId],
+        lease: Duration,
+    ) -> Result<usize, sqlx::Error> {
+        let sql = self.sql(queue.box_kind());
+        let mut held = 0;
+        if !lines.is_empty() {
+            let topics: Vec<&str> = lines.iter().map(|l| l.topic.as_str()).collect();
+            let names: Vec<&str> = lines.iter().map(|l| l.key.as_str()).collect();
+            held += scoped(
+                q(&sql.renew_keys)
+                    .bind(topics)
+                    .bind(names)
+                    .bind(millis(lease))
+                    .bind(token),
+                queue,
+            )
+            .execute(&self.relay_pool)
+            .await?
+            .rows_affected() as usize;
+        }
+        if !unkeyed.is_empty() {
+            held += scoped(
+                q(&sql.renew_unkeyed)
+                    .bind(unkeyed)
+                    .bind(token)
+                    .bind(millis(lease)),
+                queue,
+            )
+            .execute(&self.relay_pool)
+            .await?
+            .rows_affected() as usize;
+        }
+        Ok(held)
+    }
+}

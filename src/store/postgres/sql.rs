@@ -1,0 +1,196 @@
+//! The claim, settle and renew statements of a box, built once per box: the boxes differ
+//! only in table names and the inbox's subscription.
+
+use std::sync::Arc;
+
+/// Columns read into a `StoredEvent`, in `decode_event` order.
+const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers::text AS headers, event_type, \
+     idempotency_key, status, attempts, max_attempts, scheduled_at, created_at, updated_at, \
+     published_at, last_error";
+
+/// SQL text per box, built once: the boxes differ only in table names.
+pub(super) struct Sql {
+    pub(super) lease_keys: Arc<str>,
+    pub(super) windows: Arc<str>,
+    pub(super) events_by_id: Arc<str>,
+    pub(super) claim_unkeyed: Arc<str>,
+    pub(super) lock_keys: Arc<str>,
+    pub(super) settle_events: Arc<str>,
+    pub(super) release_keys: Arc<str>,
+    pub(super) renew_keys: Arc<str>,
+    pub(super) renew_unkeyed: Arc<str>,
+    pub(super) get_event: Arc<str>,
+}
+
+impl Sql {
+    /// `scoped`: the tables carry a `subscription` column (the inbox), and every claim
+    /// and settle statement takes the subscription as its last parameter.
+    pub(super) fn new(events: &str, keys: &str, scoped: bool) -> Self {
+        let c = EVENT_COLUMNS;
+        // Extra predicates for scoped tables; `$S` is replaced by the parameter number.
+        let scope = |frag: &str, n: u8| {
+            if scoped {
+                frag.replace("$S", &format!("${n}"))
+            } else {
+                String::new()
+            }
+        };
+        let lease_scope = scope(" AND subscription = $S", 4);
+        let lease_join = scope(" AND k.subscription = $S", 4);
+        let window_scope = |alias: &str| scope(&format!(" AND {alias}.subscription = $S"), 4);
+        let (e_scope, d_scope, b_scope) = (window_scope("e"), window_scope("d"), window_scope("b"));
+        let by_id_scope = scope(" AND subscription = $S", 2);
+        let unkeyed_scope = scope(" AND u.subscription = $S", 5);
+        // A never-tried event scheduled for later: not in line (docs/relay.md).
+        let delayed = |a: &str| {
+            format!("{a}.attempts = 0 AND {a}.last_error IS NULL AND {a}.scheduled_at > now()")
+        };
+        let (e_delayed, d_delayed, b_delayed) = (delayed("e"), delayed("d"), delayed("b"));
+        // Bytes an event weighs in a claim's budget.
+        let size = |a: &str| {
+            format!("octet_length({a}.payload)::int8 + pg_column_size({a}.headers)::int8")
+        };
+        let (e_size, u_size) = (size("e"), size("u"));
+        let lock_scope = scope(" AND k.subscription = $S", 4);
+        let settle_scope = scope(" AND k.subscription = e.subscription", 0);
+        let release_scope = scope(" AND k.subscription = $S", 7);
+        let release_exists = scope(" AND e.subscription = k.subscription", 0);
+        let renew_scope = scope(" AND k.subscription = $S", 5);
+        let renew_unkeyed_scope = scope(" AND subscription = $S", 4);
+        Sql {
+            lease_keys: format!(
+                "WITH picked AS (
+                    SELECT topic, event_key FROM {keys}
+                    WHERE ready_at <= now() AND (lease_until IS NULL OR lease_until <= now()){lease_scope}
+                    ORDER BY ready_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+                 UPDATE {keys} k SET lease_token = $2,
+                        lease_until = now() + $3 * interval '1 millisecond',
+                        ready_at = now() + $3 * interval '1 millisecond'
+                 FROM picked WHERE k.topic = picked.topic AND k.event_key = picked.event_key{lease_join}
+                 RETURNING k.topic, k.event_key"
+            )
+            .into(),
+            // The front of each leased key's line, ids and sizes only (the events
+            // themselves are read by id once the byte budget is applied): up to $3
+            // in-line events in id order, skipping never-tried delayed ones; and, over
+            // the pending events before the $3-th in-line one (all of them when there
+            // are fewer), the earliest delayed schedule and the highest id. Each part
+            // walks the line and stops after $3 in-line rows plus the delayed ones in
+            // between, whatever the depth of the key. (`OFFSET 0` keeps the marks one
+            // evaluation per key.)
+            windows: format!(
+                "SELECT k.o, m.delayed_at, m.line_end, l.id, l.size
+                 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS k(topic, event_key, o)
+                 CROSS JOIN LATERAL (
+                    SELECT min(d.scheduled_at) FILTER (WHERE {d_delayed}) AS delayed_at,
+                           max(d.id) AS line_end
+                    FROM {events} d
+                    WHERE d.status = 'pending'{d_scope} AND d.topic = k.topic
+                      AND d.event_key = k.event_key
+                      AND d.id < COALESCE((
+                          SELECT b.id FROM {events} b
+                          WHERE b.status = 'pending'{b_scope} AND b.topic = k.topic
+                            AND b.event_key = k.event_key AND NOT ({b_delayed})
+                          ORDER BY b.id OFFSET $3 - 1 LIMIT 1), 9223372036854775807)
+                    OFFSET 0) m
+                 LEFT JOIN LATERAL (
+                    SELECT e.id, {e_size} AS size FROM {events} e
+                    WHERE e.status = 'pending'{e_scope} AND e.topic = k.topic AND e.event_key = k.event_key
+                      AND NOT ({e_delayed})
+                    ORDER BY e.id LIMIT $3) l ON true"
+            )
+            .into(),
+            events_by_id: format!(
+                "SELECT {c} FROM {events} WHERE id = ANY($1) AND status = 'pending'{by_id_scope}"
+            )
+            .into(),
+            // Due unkeyed events in schedule order, at most $1 and $4 bytes (at least one).
+            claim_unkeyed: format!(
+                "UPDATE {events} SET claim_token = $2,
+                        claimed_until = now() + $3 * interval '1 millisecond'
+                 WHERE id IN (
+                    SELECT s.id FROM (
+                        SELECT u.id,
+                               sum(u.size) OVER (ORDER BY u.scheduled_at, u.id) AS total,
+                               row_number() OVER (ORDER BY u.scheduled_at, u.id) AS n
+                        FROM (SELECT u.id, u.scheduled_at, {u_size} AS size FROM {events} u
+                              WHERE u.status = 'pending'{unkeyed_scope} AND u.event_key IS NULL
+                                AND u.scheduled_at <= now()
+                                AND (u.claimed_until IS NULL OR u.claimed_until <= now())
+                              ORDER BY u.scheduled_at, u.id LIMIT $1 FOR UPDATE SKIP LOCKED) u) s
+                    WHERE s.n = 1 OR s.total <= $4)
+                 RETURNING {c}"
+            )
+            .into(),
+            lock_keys: format!(
+                "SELECT k.topic, k.event_key FROM {keys} k
+                 JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
+                   ON k.topic = u.topic AND k.event_key = u.event_key
+                 WHERE k.lease_token = $3{lock_scope}
+                 ORDER BY k.topic COLLATE \"C\", k.event_key COLLATE \"C\" FOR UPDATE OF k"
+            )
+            .into(),
+            settle_events: format!(
+                "UPDATE {events} e SET
+                    status = CASE u.kind WHEN 'completed' THEN 'completed'
+                                         WHEN 'failed' THEN 'failed' ELSE 'pending' END,
+                    attempts = COALESCE(u.attempts, e.attempts),
+                    scheduled_at = CASE WHEN u.kind = 'retry'
+                        THEN COALESCE(u.at, now() + u.delay_ms * interval '1 millisecond')
+                        ELSE e.scheduled_at END,
+                    last_error = COALESCE(u.error, e.last_error),
+                    published_at = CASE WHEN u.kind = 'completed' THEN now() ELSE e.published_at END,
+                    updated_at = CASE WHEN u.kind = 'release' THEN e.updated_at ELSE now() END,
+                    claim_token = NULL, claimed_until = NULL
+                 FROM unnest($1::int8[], $2::text[], $3::int4[], $4::int8[], $5::timestamptz[], $6::text[])
+                      AS u(id, kind, attempts, delay_ms, at, error)
+                 WHERE e.id = u.id AND e.status = 'pending'
+                   AND ((e.event_key IS NULL AND e.claim_token = $7)
+                        OR (e.event_key IS NOT NULL AND EXISTS (
+                            SELECT 1 FROM {keys} k WHERE k.topic = e.topic
+                              AND k.event_key = e.event_key AND k.lease_token = $7{settle_scope})))"
+            )
+            .into(),
+            release_keys: format!(
+                "UPDATE {keys} k SET lease_token = NULL, lease_until = NULL,
+                    ready_at = LEAST(
+                        -- An enqueue during the lease pulled ready_at below lease_until:
+                        -- its wake-up must survive the release.
+                        CASE WHEN k.ready_at < k.lease_until THEN k.ready_at END,
+                        COALESCE(u.at, 'infinity'),
+                        COALESCE(now() + u.after_ms * interval '1 millisecond', 'infinity'),
+                        CASE WHEN u.seen IS NOT NULL AND EXISTS (
+                                SELECT 1 FROM {events} e WHERE e.status = 'pending'
+                                  AND e.topic = k.topic AND e.event_key = k.event_key{release_exists} AND e.id > u.seen)
+                             THEN now() ELSE 'infinity' END)
+                 FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[])
+                      AS u(topic, event_key, at, after_ms, seen)
+                 WHERE k.topic = u.topic AND k.event_key = u.event_key AND k.lease_token = $6{release_scope}"
+            )
+            .into(),
+            // Locks in the same collation-independent order as every key-locking
+            // statement; keeps an enqueue's wake-up (ready_at pulled below the lease).
+            renew_keys: format!(
+                "WITH held AS (
+                    SELECT k.topic, k.event_key FROM {keys} k
+                    JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
+                      ON k.topic = u.topic AND k.event_key = u.event_key
+                    WHERE k.lease_token = $4{renew_scope}
+                    ORDER BY k.topic COLLATE \"C\", k.event_key COLLATE \"C\" FOR UPDATE OF k)
+                 UPDATE {keys} k SET lease_until = now() + $3 * interval '1 millisecond',
+                        ready_at = CASE WHEN k.ready_at >= k.lease_until
+                                        THEN now() + $3 * interval '1 millisecond'
+                                        ELSE k.ready_at END
+                 FROM held WHERE k.topic = held.topic AND k.event_key = held.event_key
+                   AND k.lease_token = $4{renew_scope}"
+            )
+            .into(),
+            renew_unkeyed: format!(
+                "UPDATE {events} SET claimed_until = now() + $3 * interval '1 millisecond'
+                 WHERE id = ANY($1) AND claim_token = $2 AND status = 'pending'{renew_unkeyed_scope}"
+            )
+            .into(),
+            get_event: format!("SELECT {c} FROM {events} WHERE id = $1").into(),
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! Reading rows the same way on every engine. An engine's row type says how it stores a
+//! time (`timestamptz` on PostgreSQL, microseconds since the epoch on SQLite) and how
+//! wide its small integers are; everything decoded from rows is written once over
+//! `Cols`.
+
+use chrono::{DateTime, Utc};
+
+use super::{StoreError, StoreResult};
+use crate::domain::admin::{AdminKey, AuditEntry, EventDetail};
+use crate::domain::{BoxKind, EventId, Status, StoredEvent};
+
+/// The columns of one result row, by name, in the engine's encoding.
+pub(crate) trait Cols {
+    fn text(&self, col: &str) -> StoreResult<String>;
+    fn opt_text(&self, col: &str) -> StoreResult<Option<String>>;
+    fn int(&self, col: &str) -> StoreResult<i64>;
+    /// A small count (attempts): `int4` on PostgreSQL.
+    fn count(&self, col: &str) -> StoreResult<u32>;
+    fn flag(&self, col: &str) -> StoreResult<bool>;
+    fn bytes(&self, col: &str) -> StoreResult<Vec<u8>>;
+    fn time(&self, col: &str) -> StoreResult<DateTime<Utc>>;
+    fn opt_time(&self, col: &str) -> StoreResult<Option<DateTime<Utc>>>;
+
+    /// A status column.
+    fn status(&self, col: &str) -> StoreResult<Status> {
+        let status = self.text(col)?;
+        Status::parse(&status)
+            .ok_or_else(|| StoreError::Other(format!("unknown status {status:?}")))
+    }
+}
+
+/// A `StoredEvent` from the event columns (headers as JSON text).
+pub(crate) fn decode_event(row: &impl Cols) -> StoreResult<StoredEvent> {
+    let headers = row.text("headers")?;
+    Ok(StoredEvent {
+        id: row.int("id")?,
+        topic: row.text("topic")?,
+        key: row.opt_text("event_key")?,
+        payload: row.bytes("payload")?,
+        headers: serde_json::from_str(&headers)
+            .map_err(|e| StoreError::Other(format!("stored headers are not a JSON map: {e}")))?,
+        event_type: row.opt_text("event_type")?,
+        idempotency_key: row.opt_text("idempotency_key")?,
+        status: row.status("status")?,
+        attempts: row.count("attempts")?,
+        max_attempts: row.count("max_attempts")?,
+        scheduled_at: row.time("scheduled_at")?,
+        created_at: row.time("created_at")?,
+        updated_at: row.time("updated_at")?,
+        published_at: row.opt_time("published_at")?,
+        last_error: row.opt_text("last_error")?,
+    })
+}
+
+/// An event with its payload size and, in the inbox, subscription and message id.
+pub(crate) fn decode_detail(row: &impl Cols) -> StoreResult<EventDetail> {
+    Ok(EventDetail {
+        event: decode_event(row)?,
+        payload_size: row.int("payload_size")?,
+        subscription: row.opt_text("subscription")?,
+        message_id: row.opt_text("message_id")?,
+    })
+}
+
+/// One event a requeue or cancel would change.
+pub(crate) struct Candidate {
+    pub id: EventId,
+    /// `""` in the outbox.
+    pub subscription: String,
+    pub topic: String,
+    pub key: Option<String>,
+    pub status: Status,
+}
+
+pub(crate) fn decode_candidate(row: &impl Cols) -> StoreResult<Candidate> {
+    Ok(Candidate {
+        id: row.int("id")?,
+        subscription: row.text("subscription")?,
+        topic: row.text("topic")?,
+        key: row.opt_text("event_key")?,
+        status: row.status("status")?,
+    })
+}
+
+/// A key row as the admin reports it: the subscription is kept for the inbox only.
+pub(crate) fn admin_key(b: BoxKind, subscription: String, topic: String, key: String) -> AdminKey {
+    AdminKey {
+        subscription: match b {
+            BoxKind::Outbox => None,
+            BoxKind::Inbox => Some(subscription),
+        },
+        topic,
+        key,
+    }
+}
+
+pub(crate) fn decode_audit(row: &impl Cols) -> StoreResult<AuditEntry> {
+    Ok(AuditEntry {
+        id: row.int("id")?,
+        at: row.time("at")?,
+        actor: row.text("actor")?,
+        action: row.text("action")?,
+        box_kind: if row.text("box")? == "inbox" {
+            BoxKind::Inbox
+        } else {
+            BoxKind::Outbox
+        },
+        selection: row.text("selection")?,
+        count: row.int("count")?,
+        principal: row.opt_text("principal")?,
+        request_id: row.opt_text("request_id")?,
+    })
+}
