@@ -38,6 +38,12 @@ use crate::error::Error;
 use crate::inbox::InboxHandles;
 use crate::relay::RelayStats;
 
+mod session;
+mod views;
+
+use session::*;
+use views::*;
+
 /// How often the delivery counters are sampled for the rate chart.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(10);
 /// How long the chart looks back.
@@ -53,11 +59,14 @@ const BACKLOG_PAGE: u32 = 50;
 /// Which box a page is about: the outbox, or one inbox subscription.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
+    /// The outbox.
     Outbox,
+    /// One inbox subscription, by name.
     Inbox(String),
 }
 
 impl Target {
+    /// The box it names.
     pub fn box_kind(&self) -> BoxKind {
         match self {
             Target::Outbox => BoxKind::Outbox,
@@ -65,6 +74,7 @@ impl Target {
         }
     }
 
+    /// The subscription, for an inbox target.
     pub fn subscription(&self) -> Option<&str> {
         match self {
             Target::Outbox => None,
@@ -80,6 +90,7 @@ impl Target {
         }
     }
 
+    /// The page title.
     pub fn title(&self) -> String {
         match self {
             Target::Outbox => "Outbox".into(),
@@ -97,6 +108,7 @@ pub struct Access {
     pub can_write: bool,
     /// The session's CSRF token (forms must echo it); `None` for bearer-header callers.
     pub csrf: Option<String>,
+    /// Logged in with the form (a session cookie) rather than a bearer header.
     pub via_session: bool,
 }
 
@@ -142,6 +154,7 @@ struct Inner {
 }
 
 impl Console {
+    /// The console over the admin middle layer, checking callers against `auth`; `read_only` refuses every action.
     pub fn new(
         admin: Admin,
         auth: Auth,
@@ -250,6 +263,7 @@ impl Console {
         sampler.abort();
     }
 
+    /// The HTTP routes, to serve on the console's address.
     pub fn router(self) -> axum::Router {
         use axum::routing::get;
         axum::Router::new()
@@ -321,507 +335,7 @@ impl Console {
     }
 }
 
-/// The value of cookie `name`.
-fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
-    headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|p| p.trim().split_once('='))
-        .find(|(k, _)| *k == name)
-        .map(|(_, v)| v.to_string())
-}
-
-fn random_token() -> String {
-    let bytes: [u8; 32] = rand::random();
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
-}
-
-/// A POST from another origin is refused (the session cookie is `SameSite=Strict`
-/// already; this also covers the open console and older browsers).
-fn same_origin(headers: &HeaderMap) -> bool {
-    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
-        return true;
-    };
-    let host = headers
-        .get(header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    origin == "null" && host.is_empty()
-        || origin
-            .split_once("://")
-            .is_some_and(|(_, rest)| rest.trim_end_matches('/') == host)
-}
-
-/// The response for a caller without access: the login form (browsers) or 401.
-fn unauthorized(headers: &HeaderMap, path: &str) -> Response {
-    if headers.contains_key(header::AUTHORIZATION) {
-        return (StatusCode::UNAUTHORIZED, "missing or invalid admin token").into_response();
-    }
-    let next = pages::url_escape(path);
-    Redirect::to(&format!("/login?next={next}")).into_response()
-}
-
-fn error_page(nav: Option<&pages::Nav>, e: &Error) -> Response {
-    let code = match e {
-        Error::InvalidArgument(_) => StatusCode::BAD_REQUEST,
-        Error::NotFound(_) => StatusCode::NOT_FOUND,
-        Error::PermissionDenied { .. } => StatusCode::FORBIDDEN,
-        Error::Unavailable(_) | Error::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
-    };
-    let message = match e {
-        Error::Internal(m) => {
-            tracing::error!(error = %m, "console: internal error");
-            "internal error".to_string()
-        }
-        other => other.to_string(),
-    };
-    (code, pages::error(nav, &message)).into_response()
-}
-
 type Params = HashMap<String, String>;
-
-fn param<'a>(p: &'a Params, k: &str) -> Option<&'a str> {
-    p.get(k).map(|s| s.trim()).filter(|s| !s.is_empty())
-}
-
-async fn login_page(Query(q): Query<Params>) -> Response {
-    let next = param(&q, "next").unwrap_or("/outbox").to_string();
-    pages::login(&next, None).into_response()
-}
-
-async fn login(State(c): State<Console>, headers: HeaderMap, Form(f): Form<Params>) -> Response {
-    if !same_origin(&headers) {
-        return (StatusCode::FORBIDDEN, "cross-origin request refused").into_response();
-    }
-    let next = param(&f, "next")
-        // Only a path on this console: never `//host` or `/\host` (browsers read both
-        // as another site).
-        .filter(|n| n.starts_with('/') && !n.starts_with("//") && !n.starts_with("/\\"))
-        .unwrap_or("/outbox")
-        .to_string();
-    let token = param(&f, "token").unwrap_or("").to_string();
-    let ok = axum::http::HeaderValue::from_str(&format!("Bearer {token}"))
-        .ok()
-        .is_some_and(|v| c.inner.auth.check(Some(Scope::AdminRead), Some(&v)).is_ok());
-    if !ok {
-        return (
-            StatusCode::UNAUTHORIZED,
-            pages::login(
-                &next,
-                Some("That token is not valid for the admin (or admin_read) scope."),
-            ),
-        )
-            .into_response();
-    }
-    let id = random_token();
-    c.inner.sessions.lock().expect("sessions lock").insert(
-        id.clone(),
-        Session {
-            token,
-            csrf: random_token(),
-            expires: Instant::now() + SESSION_TTL,
-        },
-    );
-    let cookie = format!(
-        "{SESSION_COOKIE}={id}; Path=/; HttpOnly; SameSite=Strict; Max-Age={}",
-        SESSION_TTL.as_secs()
-    );
-    ([(header::SET_COOKIE, cookie)], Redirect::to(&next)).into_response()
-}
-
-async fn logout(State(c): State<Console>, headers: HeaderMap) -> Response {
-    if let Some(id) = cookie(&headers, SESSION_COOKIE) {
-        c.inner.sessions.lock().expect("sessions lock").remove(&id);
-    }
-    let clear = format!("{SESSION_COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0");
-    ([(header::SET_COOKIE, clear)], Redirect::to("/login")).into_response()
-}
-
-async fn audit(State(c): State<Console>, headers: HeaderMap, Query(q): Query<Params>) -> Response {
-    let Some(access) = c.access(&headers) else {
-        return unauthorized(&headers, "/audit");
-    };
-    let nav = c.nav(&access);
-    let before = match param(&q, "before").map(str::parse::<i64>) {
-        None => None,
-        Some(Ok(b)) => Some(b),
-        Some(Err(_)) => return error_page(Some(&nav), &Error::invalid("before", "not an id")),
-    };
-    match c.inner.admin.list_audit(LIST_PAGE, before).await {
-        Ok(page) => pages::audit(&nav, &page).into_response(),
-        Err(e) => error_page(Some(&nav), &e),
-    }
-}
-
-/// What a path under a box names.
-enum Page {
-    Overview,
-    Backlog,
-    Events,
-    Event(EventId),
-}
-
-/// `outbox[/…]` or `inbox/<subscription>[/…]`.
-fn route(c: &Console, path: &str) -> Option<(Target, Page)> {
-    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let (target, rest) = match parts.as_slice() {
-        ["outbox", rest @ ..] => (Target::Outbox, rest),
-        ["inbox", sub, rest @ ..] => (c.target(&pages::url_unescape(sub))?, rest),
-        _ => return None,
-    };
-    let page = match rest {
-        [] => Page::Overview,
-        ["backlog"] => Page::Backlog,
-        ["events"] => Page::Events,
-        ["events", id] => Page::Event(id.parse().ok()?),
-        _ => return None,
-    };
-    Some((target, page))
-}
-
-async fn page_get(
-    State(c): State<Console>,
-    axum::extract::Path(path): axum::extract::Path<String>,
-    headers: HeaderMap,
-    Query(q): Query<Params>,
-) -> Response {
-    let Some(access) = c.access(&headers) else {
-        return unauthorized(&headers, &format!("/{path}"));
-    };
-    let nav = c.nav(&access);
-    let Some((target, page)) = route(&c, &path) else {
-        return (
-            StatusCode::NOT_FOUND,
-            pages::error(Some(&nav), "no such page"),
-        )
-            .into_response();
-    };
-    let r = match page {
-        Page::Overview => overview(&c, &nav, &target).await,
-        Page::Backlog => backlog(&c, &nav, &target, &q).await,
-        Page::Events => events(&c, &nav, &target, &q).await,
-        Page::Event(id) => event(&c, &nav, &target, id).await,
-    };
-    r.unwrap_or_else(|e| error_page(Some(&nav), &e))
-}
-
-async fn overview(c: &Console, nav: &pages::Nav, t: &Target) -> Result<Response, Error> {
-    let stats = c.inner.admin.stats(t.box_kind(), t.subscription()).await?;
-    let (rate, covered) = c.rate_per_minute(t);
-    Ok(pages::overview(nav, t, &stats, &rate, covered).into_response())
-}
-
-/// The filters of the backlog page.
-#[derive(Debug, Default, Clone)]
-pub struct BacklogFilter {
-    pub topic: String,
-    pub key_prefix: String,
-    pub only_blocked: bool,
-    pub oldest_first: bool,
-    /// Keys per page, when not the default.
-    pub size: Option<String>,
-}
-
-async fn backlog(c: &Console, nav: &pages::Nav, t: &Target, q: &Params) -> Result<Response, Error> {
-    let f = BacklogFilter {
-        topic: param(q, "topic").unwrap_or("").to_string(),
-        key_prefix: param(q, "key_prefix").unwrap_or("").to_string(),
-        only_blocked: param(q, "blocked").is_some(),
-        oldest_first: param(q, "order") == Some("oldest"),
-        size: param(q, "size").map(str::to_string),
-    };
-    if !f.topic.is_empty() {
-        crate::domain::check_topic(&f.topic).map_err(|why| Error::invalid("topic", why))?;
-    }
-    let order = if f.oldest_first {
-        PendingOrder::Oldest
-    } else {
-        PendingOrder::MostPending
-    };
-    let page_size = match param(q, "size").map(str::parse::<u32>) {
-        None => BACKLOG_PAGE,
-        Some(Ok(n @ 1..=1000)) => n,
-        Some(_) => return Err(Error::invalid("size", "must be 1..=1000")),
-    };
-    let after = match param(q, "page") {
-        None => None,
-        Some(tok) => Some(decode_token(tok)?),
-    };
-    let query = |only_blocked: bool, after, page_size| PendingQuery {
-        subscription: t.subscription().map(str::to_string),
-        topic: Some(f.topic.clone()).filter(|s| !s.is_empty()),
-        key_prefix: Some(f.key_prefix.clone()).filter(|s| !s.is_empty()),
-        only_blocked,
-        order,
-        page_size,
-        after,
-    };
-    // Blocked keys first: on the first page, the keys whose head waits out a retry.
-    let blocked = if !f.only_blocked && after.is_none() {
-        let b = c
-            .inner
-            .admin
-            .list_pending(t.box_kind(), &query(true, None, 20))
-            .await?;
-        Some(b)
-    } else {
-        None
-    };
-    let page = c
-        .inner
-        .admin
-        .list_pending(
-            t.box_kind(),
-            &query(f.only_blocked, after.clone(), page_size),
-        )
-        .await?;
-    let next = page.next.as_ref().map(encode_token);
-    Ok(pages::backlog(nav, t, &f, blocked.as_ref(), &page, next.as_deref()).into_response())
-}
-
-/// The filters of the events page, as form/query fields.
-#[derive(Debug, Default, Clone)]
-pub struct EventsFilter {
-    pub status: Option<Status>,
-    pub topic: String,
-    pub key: String,
-    pub event_type: String,
-    pub error_contains: String,
-}
-
-impl EventsFilter {
-    fn parse(q: &Params) -> EventsFilter {
-        EventsFilter {
-            status: match param(q, "status") {
-                None => Some(Status::Failed),
-                Some("any") => None,
-                Some(s) => Some(Status::parse(s).unwrap_or(Status::Failed)),
-            },
-            topic: param(q, "topic").unwrap_or("").to_string(),
-            key: param(q, "key").unwrap_or("").to_string(),
-            event_type: param(q, "type").unwrap_or("").to_string(),
-            error_contains: param(q, "error_contains").unwrap_or("").to_string(),
-        }
-    }
-
-    fn filter(&self, t: &Target) -> Result<EventFilter, Error> {
-        if !self.topic.is_empty() {
-            crate::domain::check_topic(&self.topic).map_err(|why| Error::invalid("topic", why))?;
-        }
-        let s = |v: &String| Some(v.clone()).filter(|v| !v.is_empty());
-        Ok(EventFilter {
-            subscription: t.subscription().map(str::to_string),
-            topic: s(&self.topic),
-            key: s(&self.key),
-            event_type: s(&self.event_type),
-            error_contains: s(&self.error_contains),
-            ..Default::default()
-        })
-    }
-
-    /// The query string that reproduces this filter.
-    pub fn query(&self) -> String {
-        let status = self.status.map(|s| s.as_str()).unwrap_or("any");
-        let mut q = vec![format!("status={status}")];
-        for (k, v) in [
-            ("topic", &self.topic),
-            ("key", &self.key),
-            ("type", &self.event_type),
-            ("error_contains", &self.error_contains),
-        ] {
-            if !v.is_empty() {
-                q.push(format!("{k}={}", pages::url_escape(v)));
-            }
-        }
-        q.join("&")
-    }
-}
-
-async fn events(c: &Console, nav: &pages::Nav, t: &Target, q: &Params) -> Result<Response, Error> {
-    let f = EventsFilter::parse(q);
-    let before_id = match param(q, "before").map(str::parse::<i64>) {
-        None => None,
-        Some(Ok(b)) => Some(b),
-        Some(Err(_)) => return Err(Error::invalid("before", "not an id")),
-    };
-    let page = c
-        .inner
-        .admin
-        .list_events(
-            t.box_kind(),
-            &EventsQuery {
-                status: f.status,
-                filter: f.filter(t)?,
-                page_size: LIST_PAGE,
-                before_id,
-            },
-        )
-        .await?;
-    Ok(pages::events(nav, t, &f, &page).into_response())
-}
-
-async fn event(c: &Console, nav: &pages::Nav, t: &Target, id: EventId) -> Result<Response, Error> {
-    let admin = &c.inner.admin;
-    let d = admin.get_event(t.box_kind(), id, true).await?;
-    if d.subscription.as_deref() != t.subscription() {
-        return Err(Error::NotFound(format!("event {id}")));
-    }
-    // The key's line around it: the 5 events before it and the key's 5 newest.
-    let key = d.event.key.clone();
-    let filter = EventFilter {
-        subscription: t.subscription().map(str::to_string),
-        topic: Some(d.event.topic.clone()),
-        key: Some(key.clone().unwrap_or_default()),
-        ..Default::default()
-    };
-    let mut line = Vec::new();
-    if key.is_some() {
-        let q = |before_id, page_size| EventsQuery {
-            status: None,
-            filter: filter.clone(),
-            page_size,
-            before_id,
-        };
-        let newest = admin.list_events(t.box_kind(), &q(None, 5)).await?;
-        let older = admin.list_events(t.box_kind(), &q(Some(id), 5)).await?;
-        let mut seen = std::collections::BTreeMap::new();
-        for e in newest.events.into_iter().chain(older.events) {
-            seen.insert(e.event.id, e);
-        }
-        seen.insert(id, d.clone());
-        line = seen.into_values().rev().collect();
-    }
-    Ok(pages::event(nav, t, &d, &line).into_response())
-}
-
-/// A requeue or cancel from the events or event page: a dry run unless `confirm`.
-async fn page_post(
-    State(c): State<Console>,
-    axum::extract::Path(path): axum::extract::Path<String>,
-    headers: HeaderMap,
-    Form(form): Form<Vec<(String, String)>>,
-) -> Response {
-    let Some(access) = c.access(&headers) else {
-        return unauthorized(&headers, &format!("/{path}"));
-    };
-    let nav = c.nav(&access);
-    if !same_origin(&headers) {
-        return (StatusCode::FORBIDDEN, "cross-origin request refused").into_response();
-    }
-    let fields: Params = form.iter().cloned().collect();
-    if let Some(want) = &access.csrf
-        && fields.get("csrf") != Some(want)
-    {
-        return (
-            StatusCode::FORBIDDEN,
-            pages::error(Some(&nav), "the form expired; reload the page"),
-        )
-            .into_response();
-    }
-    if !access.can_write {
-        let why = if c.inner.read_only {
-            "this console is read-only"
-        } else {
-            "this token may only read (admin_read): actions need the admin scope"
-        };
-        return (StatusCode::FORBIDDEN, pages::error(Some(&nav), why)).into_response();
-    }
-    let Some((target, Page::Events)) = route(&c, &path) else {
-        return (
-            StatusCode::NOT_FOUND,
-            pages::error(Some(&nav), "no such action"),
-        )
-            .into_response();
-    };
-    let ids: Vec<EventId> = form
-        .iter()
-        .filter(|(k, _)| k == "id")
-        .filter_map(|(_, v)| v.parse().ok())
-        .collect();
-    let confirm = param(&fields, "confirm") == Some("yes");
-    let action = param(&fields, "action").unwrap_or("");
-    let filter = EventsFilter::parse(&fields);
-    let r = match action {
-        "requeue" | "requeue-filter" => {
-            let selection = if action == "requeue" {
-                if ids.is_empty() {
-                    return error_page(Some(&nav), &Error::invalid("id", "select events first"));
-                }
-                Selection::Ids(ids.clone())
-            } else {
-                match filter.filter(&target) {
-                    Ok(f) => Selection::Filter(f),
-                    Err(e) => return error_page(Some(&nav), &e),
-                }
-            };
-            let req = RequeueRequest {
-                selection,
-                limit: DEFAULT_REQUEUE,
-                dry_run: !confirm,
-                actor: access.actor(),
-                principal: access.name.clone(),
-                request_id: None,
-            };
-            c.inner
-                .admin
-                .requeue(target.box_kind(), &req)
-                .await
-                .map(|out| pages::ActionResult {
-                    verb: "requeue",
-                    dry_run: !confirm,
-                    count: out.count,
-                    ids: out.sample_ids,
-                    audit_id: out.audit_id,
-                })
-        }
-        "cancel" => {
-            if ids.is_empty() {
-                return error_page(Some(&nav), &Error::invalid("id", "select events first"));
-            }
-            let reason = param(&fields, "reason")
-                .unwrap_or("cancelled in the console")
-                .to_string();
-            let req = CancelRequest {
-                ids: ids.clone(),
-                reason,
-                dry_run: !confirm,
-                actor: access.actor(),
-                principal: access.name.clone(),
-                request_id: None,
-            };
-            c.inner
-                .admin
-                .cancel(target.box_kind(), &req)
-                .await
-                .map(|out| pages::ActionResult {
-                    verb: "cancel",
-                    dry_run: !confirm,
-                    count: out.ids.len() as i64,
-                    ids: out.ids,
-                    audit_id: out.audit_id,
-                })
-        }
-        _ => Err(Error::invalid(
-            "action",
-            "requeue, requeue-filter or cancel",
-        )),
-    };
-    match r {
-        Ok(result) => {
-            if let (Some(id), false) = (result.audit_id, result.dry_run) {
-                tracing::info!(audit_id = id, count = result.count, actor = %access.actor(), action, "console action");
-                if let Target::Inbox(s) = &target {
-                    c.inner.inbox.wake(s);
-                }
-            }
-            pages::action(&nav, &target, action, &form, &result).into_response()
-        }
-        Err(e) => error_page(Some(&nav), &e),
-    }
-}
 
 #[cfg(test)]
 mod tests {
