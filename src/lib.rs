@@ -3,29 +3,38 @@
 //! per key, with retries, equal-jitter backoff and bounded attempts.
 //!
 //! # Layout
-//! - `cli`     — `mailroom admin …`: the operator's gRPC client.
-//! - `config`  — typed settings: flags > `MAILROOM_*` env > TOML file > defaults.
-//! - `app`     — wires store, intake, sink, relays, health and the gRPC server; owns shutdown.
-//! - `admin`   — the operator service: runs the store's admin half, wakes requeued keys,
-//!   page tokens.
-//! - `api`     — gRPC services: pb conversion and validation in, domain call, `Status` out.
-//! - `pb`      — generated protobuf/gRPC code.
+//! Layers, bottom up (`scripts/module-graph.py` checks that no module imports one that
+//! imports it back; `docs/architecture.md` shows the graph):
 //! - `domain`  — events, statuses, boxes, enqueue outcomes, topic rules and request
 //!   limits; `domain::admin` the operator's queries and outcomes.
-//! - `error`   — the service's typed errors (mapped to `tonic::Status` in `api::status`);
-//!   store errors become these once, here.
-//! - `intake`  — group commit: concurrent `Enqueue`s share one transaction.
+//! - `pb`      — generated protobuf/gRPC code, and `pb::time` (Timestamp, Duration,
+//!   RetryInfo as Rust times).
+//! - `secret`, `tls` — secrets `Debug` never shows; TLS settings as files, and the tonic
+//!   client and server configurations built from them.
 //! - `store`   — the `Store` trait and its engines, one folder each (`store/postgres/`,
-//!   `store/sqlite/`); all SQL lives here, including LISTEN/NOTIFY wake-ups between
-//!   processes (`store::postgres::notify`). Typed `StoreError`s; the admin flows once
+//!   `store/sqlite/`); all SQL lives here, including LISTEN/NOTIFY wake-ups
+//!   (`store::postgres::notify`). Typed `StoreError`s; the admin flows are written once
 //!   (`store/admin_flow.rs`) over each engine's statements.
-//! - `relay`   — the engine both boxes share: claim, per-key ordering, backoff, settle.
-//! - `inbox`   — subscriptions: Kafka intake with dedup, dispatch to `HandlerService`.
-//! - `sink`    — destinations: Kafka (rdkafka), the local JSON-lines sink, fault injection.
-//! - `health`  — `grpc.health.v1` readiness (database, broker, lag) and liveness.
-//! - `metrics` — Prometheus metrics on their own HTTP port.
-//! - `telemetry` — logs, optional OTLP trace export, joining producers' traces.
-//! - `retention` — batched deletion of completed (and expired failed) events, idle keys.
+//! - `error`   — the service's typed errors; store errors become these once, here.
+//! - `telemetry` — logs (it owns `LogFormat`), OTLP trace export, joining callers' traces.
+//! - `sink`    — destinations (it owns `SinkConfig`): Kafka, local JSON lines, faults.
+//! - `relay`   — the engine both boxes share: claim, per-key ordering, backoff, settle;
+//!   its counters and latency histograms (`relay::stats`).
+//! - `intake`  — the outbox's middle layer: group commit of concurrent `Enqueue`s.
+//! - `inbox`   — the inbox (it owns `SubscriptionConfig`): Kafka intake with dedup,
+//!   dispatch to `HandlerService`, and `inbox::Inbox`, the middle layer of `Receive`.
+//! - `admin`   — the operator's middle layer: runs the store's admin half, wakes requeued
+//!   keys, page tokens.
+//! - `metrics`, `health`, `retention` — Prometheus on its own port; `grpc.health.v1`;
+//!   batched deletion of completed (and expired failed) events and idle keys.
+//! - `api`     — gRPC services: pb conversion and validation in, a middle-layer call,
+//!   `Status` out (`api::status`, the one place); `api::layers` (RPC log, token check,
+//!   overload) in front of them; `api::auth` the token model.
+//! - `console` — the operator's web console, over `admin`.
+//! - `cli`     — `mailroom admin …`: the operator's gRPC client.
+//! - `config`  — typed settings (flags > `MAILROOM_*` env > TOML file > defaults),
+//!   assembled from each subsystem's own types; nothing imports it but `app`.
+//! - `app`     — wires everything; owns the one cancellation token that drives shutdown.
 
 pub mod admin;
 pub mod api;
