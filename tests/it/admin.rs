@@ -13,21 +13,12 @@ use mailroom::sink::SinkConfig;
 use mailroom::store::Store;
 use tonic::Code;
 use tonic::transport::Channel;
-use tonic_types::StatusExt;
 
 const ENGINES: [Engine; 2] = [Engine::Postgres, Engine::Sqlite];
 const HOUR: Duration = Duration::from_secs(3600);
 
 async fn admin(addr: std::net::SocketAddr) -> AdminServiceClient<Channel> {
     AdminServiceClient::new(channel(addr).await)
-}
-
-/// A service without relays, so rows stay as the test leaves them.
-async fn quiet(engine: &Engine) -> (Service, String, Option<tempfile::TempDir>) {
-    let (url, dir) = fresh_db(engine).await;
-    let mut c = config(&url);
-    c.relays = 0;
-    (Service::start(c).await, url, dir)
 }
 
 /// A state a relay's settle would leave an event in.
@@ -119,14 +110,6 @@ fn typed(topic: &str, key: &str, ty: &str) -> pb::Event {
     }
 }
 
-fn field_of(err: &tonic::Status) -> String {
-    err.get_details_bad_request()
-        .expect("bad request details")
-        .field_violations[0]
-        .field
-        .clone()
-}
-
 async fn list_pending(
     a: &mut AdminServiceClient<Channel>,
     r: pb::ListPendingRequest,
@@ -148,7 +131,7 @@ fn g(t: &str, k: &str, n: i64) -> (String, String, i64) {
 #[tokio::test]
 async fn list_pending_groups_orders_filters_and_pages() {
     for engine in &ENGINES {
-        let (mut s, url, _dir) = quiet(engine).await;
+        let (mut s, url, _dir) = quiet_on(engine).await;
         let mut ids: HashMap<(&str, &str), Vec<i64>> = HashMap::new();
         // One by one, so creation times follow ids.
         for (t, k, n) in [
@@ -402,7 +385,7 @@ async fn requeue(
 #[tokio::test]
 async fn requeue_by_ids_and_by_each_filter_with_dry_run_and_audit() {
     for engine in &ENGINES {
-        let (mut s, url, _dir) = quiet(engine).await;
+        let (mut s, url, _dir) = quiet_on(engine).await;
         let store = s.app.store.clone();
         let mut a = admin(s.app.addr).await;
         // Early failures.
@@ -645,7 +628,7 @@ async fn requeue_by_ids_and_by_each_filter_with_dry_run_and_audit() {
 #[tokio::test]
 async fn cancel_moves_pending_to_failed_with_the_reason() {
     for engine in &ENGINES {
-        let (mut s, _url, _dir) = quiet(engine).await;
+        let (mut s, _url, _dir) = quiet_on(engine).await;
         let store = s.app.store.clone();
         let mut a = admin(s.app.addr).await;
         let e1 = enqueue(&mut s.client, event("t", "k", b"1")).await;
@@ -742,7 +725,7 @@ async fn the_relay_publishes_requeued_events_in_order_and_cancel_unblocks_a_key(
     for engine in &ENGINES {
         // Phase 1, no relay: key "r" has three failed events, key "b" a blocked head
         // and two successors.
-        let (mut s, url, _dir) = quiet(engine).await;
+        let (mut s, url, _dir) = quiet_on(engine).await;
         let r: Vec<i64> = {
             let mut v = Vec::new();
             for i in 0..3 {
@@ -823,7 +806,7 @@ async fn the_relay_publishes_requeued_events_in_order_and_cancel_unblocks_a_key(
 #[tokio::test]
 async fn get_event_list_events_and_stats() {
     for engine in &ENGINES {
-        let (mut s, url, _dir) = quiet(engine).await;
+        let (mut s, url, _dir) = quiet_on(engine).await;
         let mut a = admin(s.app.addr).await;
         let mut ev = typed("orders", "o1", "created");
         ev.payload = b"hello".to_vec();
@@ -961,8 +944,7 @@ async fn get_event_list_events_and_stats() {
 async fn the_admin_token_guards_the_admin_service_only() {
     for engine in &ENGINES {
         let (url, _dir) = fresh_db(engine).await;
-        let mut c = config(&url);
-        c.relays = 0;
+        let mut c = quiet_config(&url);
         c.admin_token = Some("s3cret".into());
         let mut s = Service::start(c).await;
         // Producers need no admin token.
@@ -1017,45 +999,19 @@ async fn the_admin_token_guards_the_admin_service_only() {
     }
 }
 
-async fn cli(
-    addr: std::net::SocketAddr,
-    token: Option<&str>,
-    args: &[&str],
-) -> (bool, String, String) {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_mailroom"));
-    cmd.arg("admin")
-        .arg("--server")
-        .arg(format!("http://{addr}"));
-    if let Some(t) = token {
-        cmd.arg("--token").arg(t);
-    }
-    cmd.args(args).env_remove("MAILROOM_ADMIN_TOKEN");
-    let out = cmd.output().await.expect("run mailroom admin");
-    (
-        out.status.success(),
-        String::from_utf8(out.stdout).unwrap(),
-        String::from_utf8(out.stderr).unwrap(),
-    )
-}
-
 async fn cli_ok(addr: std::net::SocketAddr, args: &[&str]) -> String {
-    let (ok, out, err) = cli(addr, Some("tok"), args).await;
-    assert!(ok, "mailroom admin {args:?} failed: {err}");
-    out
+    admin_cli_ok(addr, Some("tok"), args).await
 }
 
 async fn cli_json(addr: std::net::SocketAddr, args: &[&str]) -> serde_json::Value {
-    let mut a = vec!["--json"];
-    a.extend_from_slice(args);
-    serde_json::from_str(&cli_ok(addr, &a).await).expect("--json prints JSON")
+    admin_cli_json(addr, Some("tok"), args).await
 }
 
 #[tokio::test]
 async fn the_cli_end_to_end() {
     for engine in &ENGINES {
         let (url, _dir) = fresh_db(engine).await;
-        let mut c = config(&url);
-        c.relays = 0;
+        let mut c = quiet_config(&url);
         c.admin_token = Some("tok".into());
         let mut s = Service::start(c).await;
         let addr = s.app.addr;
@@ -1075,7 +1031,7 @@ async fn the_cli_end_to_end() {
         mark(&url, k2, Mark::Failed("rejected by broker")).await;
 
         // Without the token: refused, non-zero exit.
-        let (ok, _, err) = cli(addr, None, &["stats"]).await;
+        let (ok, _, err) = admin_cli(addr, None, &["stats"]).await;
         assert!(!ok);
         assert!(err.contains("Unauthenticated"), "{err}");
 
@@ -1121,7 +1077,7 @@ async fn the_cli_end_to_end() {
         let j = cli_json(addr, &["get", &k1b.to_string()]).await;
         assert_eq!(j["id"], k1b);
         assert_eq!(j["payload_size"], 1);
-        let (ok, _, err) = cli(addr, Some("tok"), &["get", "99999"]).await;
+        let (ok, _, err) = admin_cli(addr, Some("tok"), &["get", "99999"]).await;
         assert!(!ok && err.contains("NotFound"), "{err}");
 
         // requeue: dry run unless --yes
@@ -1137,14 +1093,7 @@ async fn the_cli_end_to_end() {
             (Some(true), Some(1))
         );
         assert_eq!(
-            s.app
-                .store
-                .get_event(BoxKind::Outbox, k2)
-                .await
-                .unwrap()
-                .unwrap()
-                .status
-                .as_str(),
+            s.stored(BoxKind::Outbox, k2).await.status.as_str(),
             "failed"
         );
         let out = cli_ok(
@@ -1154,14 +1103,7 @@ async fn the_cli_end_to_end() {
         .await;
         assert!(out.starts_with("requeued 1 event(s)"), "{out}");
         assert_eq!(
-            s.app
-                .store
-                .get_event(BoxKind::Outbox, k2)
-                .await
-                .unwrap()
-                .unwrap()
-                .status
-                .as_str(),
+            s.stored(BoxKind::Outbox, k2).await.status.as_str(),
             "pending"
         );
 
@@ -1181,13 +1123,7 @@ async fn the_cli_end_to_end() {
             (Some(false), Some(1))
         );
         assert!(j["audit_id"].as_i64().unwrap() > 0);
-        let e = s
-            .app
-            .store
-            .get_event(BoxKind::Outbox, k1)
-            .await
-            .unwrap()
-            .unwrap();
+        let e = s.stored(BoxKind::Outbox, k1).await;
         assert_eq!(e.last_error.as_deref(), Some("cancelled: poison"));
 
         // stats

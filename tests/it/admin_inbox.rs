@@ -5,7 +5,6 @@
 //! held, and `mailroom admin --inbox`.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::support::*;
@@ -15,91 +14,60 @@ use mailroom::domain::{BoxKind, InboundMessage, Status};
 use mailroom::inbox::SubscriptionConfig;
 use mailroom::pb;
 use mailroom::pb::admin_service_client::AdminServiceClient;
-use mailroom::pb::handler_service_server::HandlerService;
 use mailroom::pb::inbox_service_client::InboxServiceClient;
-use mailroom::relay::backoff::RetryPolicy;
+use tonic::Code;
 use tonic::transport::Channel;
-use tonic::{Code, Request, Response, Status as GrpcStatus};
-use tonic_types::StatusExt;
 
 const ENGINES: [Engine; 2] = [Engine::Postgres, Engine::Sqlite];
 const INBOX: i32 = pb::Box::Inbox as i32;
 
-/// One call the test handler received.
-#[derive(Debug, Clone)]
-struct Call {
-    message_id: String,
-    key: String,
-    attempt: u32,
-}
-
 /// A subscriber whose answer depends on the payload: `reject-once` is rejected the first
 /// time its message id is seen and handled the next; `retry` asks for a counted retry;
 /// anything else is handled.
-#[derive(Clone, Default)]
-struct Handler {
-    calls: Arc<Mutex<Vec<Call>>>,
-}
+type Handler = Recorder<RejectOnce>;
+
+#[derive(Default)]
+struct RejectOnce;
 
 #[tonic::async_trait]
-impl HandlerService for Handler {
-    async fn handle(
-        &self,
-        request: Request<pb::HandleRequest>,
-    ) -> Result<Response<pb::HandleResponse>, GrpcStatus> {
+impl Script for RejectOnce {
+    async fn answer(&self, call: &Call, seen_before: bool) -> Answer {
         use pb::handle_response::Outcome;
-        let r = request.into_inner();
         // Messages pushed with Receive reach the handler as `rpc:<the producer's id>`.
-        let message_id = r
-            .message_id
-            .strip_prefix("rpc:")
-            .expect("a Receive id is rpc:<id>")
-            .to_string();
-        let seen_before = {
-            let mut calls = self.calls.lock().unwrap();
-            let seen = calls.iter().any(|c| c.message_id == message_id);
-            calls.push(Call {
-                message_id,
-                key: r.key.clone(),
-                attempt: r.attempt,
-            });
-            seen
-        };
-        let outcome = match r.payload.as_slice() {
-            b"reject-once" if !seen_before => Outcome::Reject(pb::HandleReject {
+        producer_id(call);
+        Ok(Some(match call.payload.as_str() {
+            "reject-once" if !seen_before => Outcome::Reject(pb::HandleReject {
                 reason: "not today".into(),
             }),
-            b"retry" => Outcome::Retry(pb::HandleRetry {
+            "retry" => Outcome::Retry(pb::HandleRetry {
                 not_before: None,
                 count_attempt: true,
                 reason: "busy".into(),
             }),
             _ => Outcome::Success(pb::HandleSuccess {}),
-        };
-        Ok(Response::new(pb::HandleResponse {
-            outcome: Some(outcome),
         }))
     }
 }
 
-impl Handler {
-    fn calls(&self) -> Vec<Call> {
-        self.calls.lock().unwrap().clone()
-    }
+/// The producer's id of a message pushed with Receive (`rpc:<id>` at the handler).
+fn producer_id(c: &Call) -> String {
+    let id = c.message_id.strip_prefix("rpc:");
+    id.expect("a Receive id is rpc:<id>").to_string()
+}
 
-    /// Message ids handled for `key`, in call order.
-    fn ids_for(&self, key: &str) -> Vec<String> {
-        self.calls()
-            .into_iter()
-            .filter(|c| c.key == key)
-            .map(|c| c.message_id)
-            .collect()
-    }
+/// The handler's calls, with the producer's message ids.
+fn calls(h: &Handler) -> Vec<Call> {
+    let by_producer = |c: Call| Call {
+        message_id: producer_id(&c),
+        ..c
+    };
+    h.calls().into_iter().map(by_producer).collect()
+}
 
-    /// Serves on 127.0.0.1:0; returns the URL.
-    async fn serve(&self) -> String {
-        serve_handler(self.clone()).await
-    }
+/// Message ids handled for `key`, in call order.
+fn ids_for(h: &Handler, key: &str) -> Vec<String> {
+    let of_key = calls(h).into_iter().filter(|c| c.key == key);
+    of_key.map(|c| c.message_id).collect()
 }
 
 /// A handler URL nobody listens on: delivery fails transiently, nothing is spent, the
@@ -110,20 +78,9 @@ fn down() -> String {
 
 fn subscription(name: &str, handler: &str) -> SubscriptionConfig {
     SubscriptionConfig {
-        name: name.into(),
-        topics: Vec::new(),
         group: format!("g-{name}"),
-        handler: handler.into(),
         handler_timeout: Duration::from_secs(2),
-        concurrency: 4,
-        retry: RetryPolicy {
-            base: Duration::from_secs(60),
-            cap: Duration::from_secs(600),
-            max_attempts: 5,
-        },
-        handler_tls: Default::default(),
-        handler_token: None,
-        handler_max_defer: Duration::from_secs(86_400),
+        ..crate::support::subscription(name, &[], handler)
     }
 }
 
@@ -133,8 +90,7 @@ async fn service(
     subs: Vec<SubscriptionConfig>,
 ) -> (Service, String, Option<tempfile::TempDir>) {
     let (url, dir) = fresh_db(engine).await;
-    let mut c: Config = config(&url);
-    c.relays = 0;
+    let mut c: Config = quiet_config(&url);
     c.subscriptions = subs;
     (Service::start(c).await, url, dir)
 }
@@ -143,41 +99,21 @@ async fn admin(s: &Service) -> AdminServiceClient<Channel> {
     AdminServiceClient::new(channel(s.app.addr).await)
 }
 
-async fn inbox(s: &Service) -> InboxServiceClient<Channel> {
-    InboxServiceClient::new(channel(s.app.addr).await)
+async fn inbox(s: &Service) -> Inbox {
+    inbox_client(s).await
 }
 
-async fn receive(
-    c: &mut InboxServiceClient<Channel>,
-    sub: &str,
-    id: &str,
-    key: &str,
-    payload: &str,
-) -> i64 {
-    let r = c
-        .receive(pb::ReceiveRequest {
-            subscription: sub.into(),
-            message_id: id.into(),
-            topic: "direct".into(),
-            key: key.into(),
-            payload: payload.as_bytes().to_vec(),
-            ..Default::default()
-        })
-        .await
-        .expect("receive")
-        .into_inner();
+type Inbox = InboxServiceClient<Channel>;
+
+/// A Receive that must store a new message; its id.
+async fn receive(c: &mut Inbox, sub: &str, id: &str, key: &str, payload: &str) -> i64 {
+    let r = crate::support::receive(c, sub, id, key, payload).await;
     assert!(!r.duplicate);
     r.id
 }
 
 async fn status(s: &Service, id: i64) -> (Status, u32, Option<String>) {
-    let e = s
-        .app
-        .store
-        .get_event(BoxKind::Inbox, id)
-        .await
-        .unwrap()
-        .expect("inbox message");
+    let e = s.found(BoxKind::Inbox, id).await.expect("inbox message");
     (e.status, e.attempts, e.last_error)
 }
 
@@ -200,14 +136,6 @@ fn groups(r: &pb::ListPendingResponse) -> Vec<(String, String, i64)> {
 
 fn g(sub: &str, key: &str, n: i64) -> (String, String, i64) {
     (sub.into(), key.into(), n)
-}
-
-fn field_of(err: &tonic::Status) -> String {
-    err.get_details_bad_request()
-        .expect("bad request details")
-        .field_violations[0]
-        .field
-        .clone()
 }
 
 #[tokio::test]
@@ -514,7 +442,7 @@ async fn requeued_inbox_messages_go_back_to_the_handler_in_order() {
         .await;
         let (_, _, err) = status(&s, r[0]).await;
         assert!(err.unwrap().contains("not today"));
-        assert_eq!(handler.ids_for("r").len(), 4);
+        assert_eq!(ids_for(&handler, "r").len(), 4);
 
         let mut a = admin(&s).await;
         let st = a
@@ -602,7 +530,7 @@ async fn requeued_inbox_messages_go_back_to_the_handler_in_order() {
         .await;
         // Each went to the handler a second time, in the original order, with the
         // attempts reset; the other subscription's message was left alone.
-        let second: Vec<Call> = handler.calls().into_iter().skip(5).collect();
+        let second: Vec<Call> = calls(&handler).into_iter().skip(5).collect();
         let again: Vec<&str> = second
             .iter()
             .filter(|c| c.key == "r")
@@ -725,7 +653,10 @@ async fn cancelling_an_inbox_head_unblocks_its_key() {
             (st, err.as_deref()),
             (Status::Failed, Some("cancelled: poison"))
         );
-        assert_eq!(handler.ids_for("b").last().map(String::as_str), Some("j-1"));
+        assert_eq!(
+            ids_for(&handler, "b").last().map(String::as_str),
+            Some("j-1")
+        );
         let audit = a
             .list_audit(pb::ListAuditRequest::default())
             .await
@@ -888,45 +819,18 @@ async fn keys_a_dispatcher_held_during_a_requeue_are_woken_once_released() {
 }
 
 async fn cli(addr: std::net::SocketAddr, args: &[&str]) -> (bool, String, String) {
-    cli_with(addr, Some("tok"), args).await
-}
-
-async fn cli_with(
-    addr: std::net::SocketAddr,
-    token: Option<&str>,
-    args: &[&str],
-) -> (bool, String, String) {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_mailroom"));
-    cmd.arg("admin")
-        .arg("--server")
-        .arg(format!("http://{addr}"));
-    if let Some(t) = token {
-        cmd.arg("--token").arg(t);
-    }
-    cmd.args(args).env_remove("MAILROOM_ADMIN_TOKEN");
-    let out = cmd.output().await.expect("run mailroom admin");
-    (
-        out.status.success(),
-        String::from_utf8(out.stdout).unwrap(),
-        String::from_utf8(out.stderr).unwrap(),
-    )
+    admin_cli(addr, Some("tok"), args).await
 }
 
 async fn cli_ok(addr: std::net::SocketAddr, args: &[&str]) -> String {
-    let (ok, out, err) = cli(addr, args).await;
-    assert!(ok, "mailroom admin {args:?} failed: {err}");
-    out
+    admin_cli_ok(addr, Some("tok"), args).await
 }
 
 /// Without a token (the servers here have none; the others send one, ignored).
 async fn cli_ok_open(addr: std::net::SocketAddr, args: &[&str]) -> String {
-    let (ok, out, err) = cli_with(addr, None, args).await;
-    assert!(ok, "mailroom admin {args:?} failed: {err}");
-    out
+    admin_cli_ok(addr, None, args).await
 }
 
 async fn cli_json(addr: std::net::SocketAddr, args: &[&str]) -> serde_json::Value {
-    let mut a = vec!["--json"];
-    a.extend_from_slice(args);
-    serde_json::from_str(&cli_ok(addr, &a).await).expect("--json prints JSON")
+    admin_cli_json(addr, Some("tok"), args).await
 }

@@ -87,13 +87,7 @@ async fn oversized_requests_are_refused_per_method_without_buffering_them() {
         })
         .await
         .expect_err("a 200 MiB Enqueue is refused");
-    println!("200 MiB Enqueue: {:?} {}", err.code(), err.message());
-    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
-    assert!(
-        err.message().contains("MAILROOM_MAX_PAYLOAD_BYTES"),
-        "the status names the limit: {}",
-        err.message()
-    );
+    refused_naming(&err, "200 MiB Enqueue", "MAILROOM_MAX_PAYLOAD_BYTES");
 
     // A 300 MiB batch: over MAILROOM_MAX_BATCH_BYTES (64 MiB by default).
     let err = client
@@ -104,13 +98,7 @@ async fn oversized_requests_are_refused_per_method_without_buffering_them() {
         })
         .await
         .expect_err("a 300 MiB batch is refused");
-    println!("300 MiB EnqueueBatch: {:?} {}", err.code(), err.message());
-    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
-    assert!(
-        err.message().contains("MAILROOM_MAX_BATCH_BYTES"),
-        "the status names the limit: {}",
-        err.message()
-    );
+    refused_naming(&err, "300 MiB EnqueueBatch", "MAILROOM_MAX_BATCH_BYTES");
 
     // The service still works, and never held anything like the refused requests.
     let ok = client
@@ -132,5 +120,16 @@ async fn oversized_requests_are_refused_per_method_without_buffering_them() {
         peak <= 2 * 64 * MIB,
         "peak RSS {} MiB exceeds twice the 64 MiB batch limit",
         peak / MIB
+    );
+}
+
+/// `err` is RESOURCE_EXHAUSTED and names the `limit` setting (`what`: the request).
+fn refused_naming(err: &tonic::Status, what: &str, limit: &str) {
+    println!("{what}: {:?} {}", err.code(), err.message());
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains(limit),
+        "the status names the limit: {}",
+        err.message()
     );
 }

@@ -13,24 +13,16 @@ use tonic_types::StatusExt;
 /// with no stubs finds OutboxService.Enqueue and calls it. grpcurl's `v1` works too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reflection_serves_v1_and_v1alpha() {
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    let s = Service::start(c).await;
-    let root = env!("CARGO_MANIFEST_DIR");
-    let out = tokio::process::Command::new("python3")
-        .arg(format!("{root}/tests/python/reflection_client.py"))
-        .arg(s.app.addr.to_string())
-        .output()
-        .await
-        .expect("python3 is required (scripts/test.sh installs grpcio-reflection)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "v1alpha reflection client failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let seen: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    let (_url, s) = quiet_pg().await;
+    let seen = run_json(
+        "python3",
+        "tests/python/reflection_client.py",
+        &[s.app.addr.to_string()],
+        &[],
+        "python3 is required (scripts/test.sh installs grpcio-reflection)",
+        "v1alpha reflection client",
+    )
+    .await;
     let services: Vec<&str> = seen["services"]
         .as_array()
         .unwrap()
@@ -46,13 +38,7 @@ async fn reflection_serves_v1_and_v1alpha() {
         assert!(services.contains(&want), "{want} not in {services:?}");
     }
     let id = seen["id"].as_i64().expect("an id from Enqueue");
-    let stored = s
-        .app
-        .store
-        .get_event(mailroom::domain::BoxKind::Outbox, id)
-        .await
-        .unwrap()
-        .unwrap();
+    let stored = s.stored(mailroom::domain::BoxKind::Outbox, id).await;
     assert_eq!(stored.topic, "reflected");
 
     // v1, as grpcurl and tonic's client speak it.
@@ -96,19 +82,10 @@ fn reason_of(s: &tonic::Status) -> String {
 /// retryable ones (`UNAVAILABLE`, `RESOURCE_EXHAUSTED` from load) carry `RetryInfo`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_carry_error_info_and_retry_info() {
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    let mut s = Service::start(c).await;
+    let (url, mut s) = quiet_pg().await;
 
     // INVALID_ARGUMENT: BadRequest and ErrorInfo.
-    let e = s
-        .client
-        .enqueue(pb::EnqueueRequest {
-            event: Some(event("bad topic", "", b"")),
-        })
-        .await
-        .unwrap_err();
+    let e = enqueue_err(&mut s.client, Some(event("bad topic", "", b""))).await;
     assert_eq!(e.code(), Code::InvalidArgument);
     assert_eq!(reason_of(&e), reason::INVALID_ARGUMENT);
     assert!(e.get_details_bad_request().is_some());
@@ -119,11 +96,7 @@ async fn errors_carry_error_info_and_retry_info() {
     first.idempotency_key = "idem-1".into();
     enqueue(&mut s.client, first.clone()).await;
     first.payload = b"two".to_vec();
-    let e = s
-        .client
-        .enqueue(pb::EnqueueRequest { event: Some(first) })
-        .await
-        .unwrap_err();
+    let e = enqueue_err(&mut s.client, Some(first)).await;
     assert_eq!(e.code(), Code::AlreadyExists);
     assert_eq!(reason_of(&e), reason::IDEMPOTENCY_KEY_REUSED);
     assert_eq!(
@@ -134,28 +107,17 @@ async fn errors_carry_error_info_and_retry_info() {
     // RESOURCE_EXHAUSTED for size: a reason, and no RetryInfo (the same request cannot
     // succeed later).
     let huge = event("conv", "k", &vec![0u8; 4 * 1024 * 1024]);
-    let e = s
-        .client
-        .enqueue(pb::EnqueueRequest { event: Some(huge) })
-        .await
-        .unwrap_err();
+    let e = enqueue_err(&mut s.client, Some(huge)).await;
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert_eq!(reason_of(&e), reason::REQUEST_TOO_LARGE);
     assert!(e.get_details_retry_info().is_none());
     s.app.stop().await.unwrap();
 
     // UNAVAILABLE from the server's request timeout: RetryInfo with a delay.
-    let mut c = config(&url);
-    c.relays = 0;
+    let mut c = quiet_config(&url);
     c.overload.rpc_timeout = Some(Duration::from_nanos(1));
     let mut s = Service::start(c).await;
-    let e = s
-        .client
-        .enqueue(pb::EnqueueRequest {
-            event: Some(event("conv", "slow", b"x")),
-        })
-        .await
-        .unwrap_err();
+    let e = enqueue_err(&mut s.client, Some(event("conv", "slow", b"x"))).await;
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
     assert_eq!(reason_of(&e), reason::SERVER_TIMEOUT);
     let delay = e.get_details_retry_info().unwrap().retry_delay.unwrap();
@@ -163,8 +125,7 @@ async fn errors_carry_error_info_and_retry_info() {
     s.app.stop().await.unwrap();
 
     // RESOURCE_EXHAUSTED from load: one RPC in flight at most, sixteen batches at once.
-    let mut c = config(&url);
-    c.relays = 0;
+    let mut c = quiet_config(&url);
     c.overload.max_concurrent_rpcs = 1;
     let s = Service::start(c).await;
     let mut seen_busy = None;

@@ -15,10 +15,8 @@ const ENGINES: [Engine; 2] = [Engine::Postgres, Engine::Sqlite];
 
 /// A service that only accepts (no relays), so rows stay as stored.
 async fn quiet_service(engine: &Engine) -> (Service, Option<tempfile::TempDir>) {
-    let (url, dir) = fresh_db(engine).await;
-    let mut c = config(&url);
-    c.relays = 0;
-    (Service::start(c).await, dir)
+    let (s, _url, dir) = quiet_on(engine).await;
+    (s, dir)
 }
 
 #[tokio::test]
@@ -45,13 +43,7 @@ async fn every_field_round_trips_byte_for_byte() {
             max_attempts: 9,
         };
         let id = enqueue(&mut s.client, ev.clone()).await;
-        let got = s
-            .app
-            .store
-            .get_event(BoxKind::Outbox, id)
-            .await
-            .unwrap()
-            .unwrap();
+        let got = s.stored(BoxKind::Outbox, id).await;
         assert_eq!(got.topic, ev.topic);
         assert_eq!(got.key.as_deref(), Some(ev.key.as_str()));
         assert_eq!(got.payload, payload);
@@ -69,13 +61,7 @@ async fn every_field_round_trips_byte_for_byte() {
         // An event without key, type or schedule stores NULLs and the default budget.
         let id2 = enqueue(&mut s.client, event("t", "", b"")).await;
         assert!(id2 > id, "ids increase in acceptance order");
-        let got = s
-            .app
-            .store
-            .get_event(BoxKind::Outbox, id2)
-            .await
-            .unwrap()
-            .unwrap();
+        let got = s.stored(BoxKind::Outbox, id2).await;
         assert_eq!(got.key, None);
         assert_eq!(got.event_type, None);
         assert_eq!(got.max_attempts, 6);
@@ -104,14 +90,7 @@ async fn a_batch_is_stored_whole_or_not_at_all() {
             .map(|v| v.field)
             .collect();
         assert_eq!(fields, vec!["events[1].topic"]);
-        assert_eq!(
-            s.app
-                .store
-                .count_events(BoxKind::Outbox, None)
-                .await
-                .unwrap(),
-            0
-        );
+        assert_eq!(s.outbox_count(None).await, 0);
 
         let events: Vec<pb::Event> = (0..1000)
             .map(|i| event("bulk", &format!("k{}", i % 10), format!("{i}").as_bytes()))
@@ -129,14 +108,7 @@ async fn a_batch_is_stored_whole_or_not_at_all() {
             "ids follow batch order"
         );
         assert!(res.iter().all(|r| !r.duplicate));
-        assert_eq!(
-            s.app
-                .store
-                .count_events(BoxKind::Outbox, None)
-                .await
-                .unwrap(),
-            1000
-        );
+        assert_eq!(s.outbox_count(None).await, 1000);
 
         let too_many = pb::EnqueueBatchRequest {
             events: (0..1001).map(|_| event("a", "", b"")).collect(),
@@ -147,14 +119,7 @@ async fn a_batch_is_stored_whole_or_not_at_all() {
             err.get_details_bad_request().unwrap().field_violations[0].field,
             "events"
         );
-        assert_eq!(
-            s.app
-                .store
-                .count_events(BoxKind::Outbox, None)
-                .await
-                .unwrap(),
-            1000
-        );
+        assert_eq!(s.outbox_count(None).await, 1000);
         s.app.stop().await.unwrap();
     }
 }
@@ -165,43 +130,16 @@ async fn idempotency_keys_make_retries_safe() {
         let (mut s, _dir) = quiet_service(engine).await;
         let mut ev = event("pay", "acct-1", b"debit 10");
         ev.idempotency_key = "req-77".into();
-        let first = s
-            .client
-            .enqueue(pb::EnqueueRequest {
-                event: Some(ev.clone()),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let first = enqueue_reply(&mut s.client, ev.clone()).await;
         assert!(!first.duplicate);
-        let again = s
-            .client
-            .enqueue(pb::EnqueueRequest {
-                event: Some(ev.clone()),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let again = enqueue_reply(&mut s.client, ev.clone()).await;
         assert_eq!(again.id, first.id);
         assert!(again.duplicate);
-        assert_eq!(
-            s.app
-                .store
-                .count_events(BoxKind::Outbox, None)
-                .await
-                .unwrap(),
-            1
-        );
+        assert_eq!(s.outbox_count(None).await, 1);
 
         let mut other = ev.clone();
         other.payload = b"debit 20".to_vec();
-        let err = s
-            .client
-            .enqueue(pb::EnqueueRequest {
-                event: Some(other.clone()),
-            })
-            .await
-            .unwrap_err();
+        let err = enqueue_err(&mut s.client, Some(other.clone())).await;
         assert_eq!(err.code(), Code::AlreadyExists);
 
         // In a batch, a conflict rolls back the whole batch; a duplicate does not.
@@ -212,14 +150,7 @@ async fn idempotency_keys_make_retries_safe() {
             s.client.enqueue_batch(batch).await.unwrap_err().code(),
             Code::AlreadyExists
         );
-        assert_eq!(
-            s.app
-                .store
-                .count_events(BoxKind::Outbox, None)
-                .await
-                .unwrap(),
-            1
-        );
+        assert_eq!(s.outbox_count(None).await, 1);
         let batch = pb::EnqueueBatchRequest {
             events: vec![event("pay", "acct-2", b"x"), ev],
         };
@@ -232,14 +163,7 @@ async fn idempotency_keys_make_retries_safe() {
             .results;
         assert!(!r[0].duplicate);
         assert_eq!((r[1].id, r[1].duplicate), (first.id, true));
-        assert_eq!(
-            s.app
-                .store
-                .count_events(BoxKind::Outbox, None)
-                .await
-                .unwrap(),
-            2
-        );
+        assert_eq!(s.outbox_count(None).await, 2);
 
         // Concurrent retries of one request store it once.
         let mut ev = event("pay", "acct-3", b"credit");
@@ -263,14 +187,7 @@ async fn idempotency_keys_make_retries_safe() {
         let ids: HashSet<i64> = answers.iter().map(|a| a.id).collect();
         assert_eq!(ids.len(), 1);
         assert_eq!(answers.iter().filter(|a| !a.duplicate).count(), 1);
-        assert_eq!(
-            s.app
-                .store
-                .count_events(BoxKind::Outbox, None)
-                .await
-                .unwrap(),
-            3
-        );
+        assert_eq!(s.outbox_count(None).await, 3);
         s.app.stop().await.unwrap();
     }
 }
@@ -299,23 +216,9 @@ async fn concurrent_enqueues_are_all_committed() {
         assert_eq!(ids.len(), 2000);
         let distinct: HashSet<i64> = ids.iter().copied().collect();
         assert_eq!(distinct.len(), 2000);
-        assert_eq!(
-            s.app
-                .store
-                .count_events(BoxKind::Outbox, None)
-                .await
-                .unwrap(),
-            2000
-        );
+        assert_eq!(s.outbox_count(None).await, 2000);
         for id in ids.iter().step_by(97) {
-            assert!(
-                s.app
-                    .store
-                    .get_event(BoxKind::Outbox, *id)
-                    .await
-                    .unwrap()
-                    .is_some()
-            );
+            assert!(s.found(BoxKind::Outbox, *id).await.is_some());
         }
         s.app.stop().await.unwrap();
     }
@@ -411,11 +314,7 @@ async fn invalid_input_names_the_field_and_stores_nothing() {
         ),
     ];
     for (field, ev) in cases {
-        let err = s
-            .client
-            .enqueue(pb::EnqueueRequest { event: Some(ev) })
-            .await
-            .unwrap_err();
+        let err = enqueue_err(&mut s.client, Some(ev)).await;
         assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err:?}");
         let v = err.get_details_bad_request().expect("field violations");
         assert!(
@@ -424,11 +323,7 @@ async fn invalid_input_names_the_field_and_stores_nothing() {
             v.field_violations
         );
     }
-    let err = s
-        .client
-        .enqueue(pb::EnqueueRequest { event: None })
-        .await
-        .unwrap_err();
+    let err = enqueue_err(&mut s.client, None).await;
     assert_eq!(err.code(), Code::InvalidArgument);
     let err = s
         .client
@@ -436,14 +331,7 @@ async fn invalid_input_names_the_field_and_stores_nothing() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert_eq!(
-        s.app
-            .store
-            .count_events(BoxKind::Outbox, None)
-            .await
-            .unwrap(),
-        0
-    );
+    assert_eq!(s.outbox_count(None).await, 0);
     s.app.stop().await.unwrap();
 }
 
@@ -456,9 +344,7 @@ async fn health_follows_the_database() {
     let pg_proxy = proxy::Proxy::start("127.0.0.1:5432".into()).await;
     let proxied = url.replacen("127.0.0.1:5432", &pg_proxy.addr(), 1);
     assert_ne!(proxied, url);
-    let mut c = config(&proxied);
-    c.relays = 0;
-    let s = Service::start(c).await;
+    let s = Service::start(quiet_config(&proxied)).await;
     let addr = s.app.addr;
     assert_eq!(health_status(addr, "").await, Some(SERVING));
     assert_eq!(
@@ -467,12 +353,8 @@ async fn health_follows_the_database() {
     );
 
     pg_proxy.cut();
-    eventually(
-        Duration::from_secs(10),
-        "NOT_SERVING while the database is gone",
-        || async { health_status(addr, "").await == Some(NOT_SERVING) },
-    )
-    .await;
+    let what = "NOT_SERVING while the database is gone";
+    wait_health(addr, NOT_SERVING, Duration::from_secs(10), what).await;
     assert_eq!(
         health_status(addr, "mailroom.v1.OutboxService").await,
         Some(NOT_SERVING)
@@ -488,12 +370,8 @@ async fn health_follows_the_database() {
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
 
     pg_proxy.restore();
-    eventually(
-        Duration::from_secs(15),
-        "SERVING once the database is back",
-        || async { health_status(addr, "").await == Some(SERVING) },
-    )
-    .await;
+    let what = "SERVING once the database is back";
+    wait_health(addr, SERVING, Duration::from_secs(15), what).await;
     enqueue(&mut client, event("t", "k", b"x")).await;
     s.app.stop().await.unwrap();
 }
@@ -502,8 +380,7 @@ async fn health_follows_the_database() {
 async fn shutdown_never_acknowledges_an_uncommitted_event() {
     for engine in &ENGINES {
         let (url, _dir) = fresh_db(engine).await;
-        let mut c = config(&url);
-        c.relays = 0;
+        let c = quiet_config(&url);
         let s = Service::start(c.clone()).await;
         let mut tasks = Vec::new();
         for w in 0..32 {

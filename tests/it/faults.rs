@@ -17,8 +17,7 @@ use crate::support::faults::*;
 use crate::support::proxy::Proxy;
 use crate::support::*;
 use mailroom::pb;
-use mailroom::pb::handler_service_server::{HandlerService, HandlerServiceServer};
-use tokio_stream::wrappers::TcpListenerStream;
+use mailroom::pb::handler_service_server::HandlerService;
 use tonic::Code;
 
 async fn sleep_ms(ms: u64) {
@@ -762,14 +761,7 @@ async fn inbox_survives_handler_faults_and_consumer_restarts() {
     };
     let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let real = hl.local_addr().unwrap().to_string();
-    let svc = HandlerServiceServer::new(handler.clone());
-    tokio::spawn(async move {
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(TcpListenerStream::new(hl))
-            .await
-            .unwrap();
-    });
+    serve_handler_on(hl, handler.clone());
     let junk = junk_server().await;
     let hproxy = Proxy::start(real.clone()).await;
     let dir = tempfile::tempdir().unwrap();

@@ -105,29 +105,16 @@ fn pb_event() -> impl Strategy<Value = pb::Event> {
         proptest::option::of(ts()),
         prop_oneof![0u32..5, 99u32..102, any::<u32>()],
     )
-        .prop_map(
-            |(
-                topic,
-                key,
-                payload,
-                headers,
-                r#type,
-                idempotency_key,
-                deliver_after,
-                max_attempts,
-            )| {
-                pb::Event {
-                    topic,
-                    key,
-                    payload,
-                    headers,
-                    r#type,
-                    idempotency_key,
-                    deliver_after,
-                    max_attempts,
-                }
-            },
-        )
+        .prop_map(|e| pb::Event {
+            topic: e.0,
+            key: e.1,
+            payload: e.2,
+            headers: e.3,
+            r#type: e.4,
+            idempotency_key: e.5,
+            deliver_after: e.6,
+            max_attempts: e.7,
+        })
 }
 
 /// The rules, stated independently of the implementation: the fields an event violates.
@@ -399,8 +386,7 @@ async fn check_enqueue(
 fn grpc_enqueue_answers_defined_statuses_and_stores_exactly_what_it_acknowledges() {
     let rt = runtime();
     let (url, _dir) = fresh_sqlite();
-    let mut c = config(&url);
-    c.relays = 0;
+    let mut c = quiet_config(&url);
     c.limits = limits();
     let s = rt.block_on(Service::start(c));
     let s = Arc::new(tokio::sync::Mutex::new(s));
@@ -431,10 +417,7 @@ fn grpc_enqueue_answers_defined_statuses_and_stores_exactly_what_it_acknowledges
 /// naming the field, or stored; never an internal error.
 #[tokio::test]
 async fn nul_characters_are_a_defined_answer_on_postgresql() {
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    let mut s = Service::start(c).await;
+    let (_url, mut s) = quiet_pg().await;
     let ok = || event("t", "k", b"p");
     let cases: Vec<(&str, pb::Event)> = vec![
         (
@@ -481,12 +464,7 @@ async fn nul_characters_are_a_defined_answer_on_postgresql() {
         ),
     ];
     for (field, e) in cases {
-        let before = s
-            .app
-            .store
-            .count_events(BoxKind::Outbox, None)
-            .await
-            .unwrap();
+        let before = s.outbox_count(None).await;
         match s
             .client
             .enqueue(pb::EnqueueRequest {
@@ -496,11 +474,8 @@ async fn nul_characters_are_a_defined_answer_on_postgresql() {
         {
             Ok(r) => {
                 let got = s
-                    .app
-                    .store
-                    .get_event(BoxKind::Outbox, r.into_inner().id)
+                    .found(BoxKind::Outbox, r.into_inner().id)
                     .await
-                    .unwrap()
                     .expect("acknowledged, so stored");
                 assert_eq!(got.payload, e.payload, "{field}");
                 assert_eq!(got.key.as_deref().unwrap_or(""), e.key, "{field}");
@@ -511,12 +486,7 @@ async fn nul_characters_are_a_defined_answer_on_postgresql() {
                     named_fields(&st).iter().any(|f| f == field),
                     "{field}: {st:?}"
                 );
-                let after = s
-                    .app
-                    .store
-                    .count_events(BoxKind::Outbox, None)
-                    .await
-                    .unwrap();
+                let after = s.outbox_count(None).await;
                 assert_eq!(after, before);
             }
         }
@@ -690,9 +660,7 @@ fn admin_expectation(r: &AdminReq) -> Option<bool> {
 fn admin_garbage_tokens_and_filters_are_invalid_argument() {
     let rt = runtime();
     let (url, _dir) = fresh_sqlite();
-    let mut c = config(&url);
-    c.relays = 0;
-    let mut s = rt.block_on(Service::start(c));
+    let mut s = rt.block_on(Service::start(quiet_config(&url)));
     // Something to list: a few events, one of them failed, and an audit entry.
     rt.block_on(async {
         for i in 0..5 {

@@ -2,59 +2,27 @@
 //! Python): end to end from the outbox, redelivery, every handler outcome, `Receive`.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::support::probe::*;
 use crate::support::*;
 use mailroom::config::Config;
 use mailroom::domain::{BoxKind, Status};
-use mailroom::inbox::SubscriptionConfig;
 use mailroom::pb;
-use mailroom::pb::handler_service_server::HandlerService;
-use mailroom::pb::inbox_service_client::InboxServiceClient;
-use mailroom::relay::backoff::RetryPolicy;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use tonic::{Code, Request, Response, Status as GrpcStatus};
-
-/// One call the test handler received.
-#[derive(Debug, Clone)]
-struct Call {
-    message_id: String,
-    key: String,
-    payload: String,
-    attempt: u32,
-    /// The `traceparent` gRPC metadata of the call.
-    traceparent: Option<String>,
-}
+use tonic::{Code, Status as GrpcStatus};
 
 /// A subscriber whose answer depends on the payload's first word.
-#[derive(Clone, Default)]
-struct ScriptedHandler {
-    calls: Arc<Mutex<Vec<Call>>>,
-}
+type ScriptedHandler = Recorder<FirstWord>;
+
+#[derive(Default)]
+struct FirstWord;
 
 #[tonic::async_trait]
-impl HandlerService for ScriptedHandler {
-    async fn handle(
-        &self,
-        request: Request<pb::HandleRequest>,
-    ) -> Result<Response<pb::HandleResponse>, GrpcStatus> {
+impl Script for FirstWord {
+    async fn answer(&self, call: &Call, _seen_before: bool) -> Answer {
         use pb::handle_response::Outcome;
-        let traceparent = request
-            .metadata()
-            .get("traceparent")
-            .map(|v| v.to_str().unwrap().to_string());
-        let r = request.into_inner();
-        let payload = String::from_utf8(r.payload.clone()).unwrap();
-        self.calls.lock().unwrap().push(Call {
-            message_id: r.message_id.clone(),
-            key: r.key.clone(),
-            payload: payload.clone(),
-            attempt: r.attempt,
-            traceparent,
-        });
-        let outcome = match payload.split(':').next().unwrap() {
+        let outcome = match call.payload.split(':').next().unwrap() {
             "retry-counted" => Some(Outcome::Retry(pb::HandleRetry {
                 not_before: None,
                 count_attempt: true,
@@ -78,62 +46,8 @@ impl HandlerService for ScriptedHandler {
             "error" => return Err(GrpcStatus::internal("handler bug")),
             _ => Some(Outcome::Success(pb::HandleSuccess {})),
         };
-        Ok(Response::new(pb::HandleResponse { outcome }))
+        Ok(outcome)
     }
-}
-
-impl ScriptedHandler {
-    fn calls(&self) -> Vec<Call> {
-        self.calls.lock().unwrap().clone()
-    }
-
-    /// Serves on 127.0.0.1:0; returns the URL.
-    async fn serve(&self) -> String {
-        serve_handler(self.clone()).await
-    }
-}
-
-fn subscription(name: &str, topics: &[&str], handler: &str) -> SubscriptionConfig {
-    SubscriptionConfig {
-        name: name.into(),
-        topics: topics.iter().map(|t| t.to_string()).collect(),
-        group: format!("g-{name}-{}", uuid::Uuid::new_v4().simple()),
-        handler: handler.into(),
-        handler_timeout: Duration::from_millis(300),
-        concurrency: 4,
-        retry: RetryPolicy {
-            base: Duration::from_secs(60),
-            cap: Duration::from_secs(600),
-            max_attempts: 5,
-        },
-        handler_tls: Default::default(),
-        handler_token: None,
-        handler_max_defer: Duration::from_secs(86_400),
-    }
-}
-
-async fn inbox_client(s: &Service) -> InboxServiceClient<tonic::transport::Channel> {
-    InboxServiceClient::new(channel(s.app.addr).await)
-}
-
-async fn receive(
-    c: &mut InboxServiceClient<tonic::transport::Channel>,
-    sub: &str,
-    id: &str,
-    key: &str,
-    payload: &str,
-) -> pb::ReceiveResponse {
-    c.receive(pb::ReceiveRequest {
-        subscription: sub.into(),
-        message_id: id.into(),
-        topic: "direct".into(),
-        key: key.into(),
-        payload: payload.as_bytes().to_vec(),
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-    .into_inner()
 }
 
 async fn inbox_count(s: &Service, status: Status) -> i64 {
@@ -305,8 +219,7 @@ async fn each_handler_outcome_lands_in_the_right_state() {
     let url = handler.serve().await;
     let down = format!("http://127.0.0.1:{}", free_port());
     let db = fresh_pg().await;
-    let mut c = config(&db);
-    c.relays = 0;
+    let mut c = quiet_config(&db);
     c.subscriptions = vec![
         subscription("outcomes", &[], &url),
         subscription("down", &[], &down),
@@ -417,8 +330,7 @@ async fn receive_deduplicates_by_message_id() {
     let handler = ScriptedHandler::default();
     let url = handler.serve().await;
     let db = fresh_pg().await;
-    let mut c = config(&db);
-    c.relays = 0;
+    let mut c = quiet_config(&db);
     c.relay.lease = Duration::from_secs(2);
     c.subscriptions = vec![subscription("hooks", &[], &url)];
     let quiet = quiet_window(&c);
@@ -488,19 +400,9 @@ async fn a_python_grpcio_handler_is_a_subscriber() {
         .kill_on_drop(true)
         .spawn()
         .expect("python3 is required (scripts/test.sh installs grpcio)");
-    eventually(
-        Duration::from_secs(30),
-        "python handler listening",
-        || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        },
-    )
-    .await;
+    wait_listening(port, "python handler listening").await;
     let db = fresh_pg().await;
-    let mut c = config(&db);
-    c.relays = 0;
+    let mut c = quiet_config(&db);
     c.subscriptions = vec![subscription("py", &[], &format!("http://127.0.0.1:{port}"))];
     let s = Service::start(c).await;
     let mut ic = inbox_client(&s).await;
@@ -528,13 +430,7 @@ async fn a_python_grpcio_handler_is_a_subscriber() {
             .iter()
             .all(|l| l["subscription"] == "py" && l["attempt"] == 1)
     );
-    let e = s
-        .app
-        .store
-        .get_event(BoxKind::Inbox, rejected)
-        .await
-        .unwrap()
-        .unwrap();
+    let e = s.stored(BoxKind::Inbox, rejected).await;
     assert!(e.last_error.unwrap().contains("python says no"));
     s.app.stop().await.unwrap();
     let _ = py.kill().await;

@@ -6,48 +6,21 @@ use mailroom::domain::BoxKind;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_grpcio_client_enqueues_and_checks_health() {
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    let s = Service::start(c).await;
-    let root = env!("CARGO_MANIFEST_DIR");
+    let (_url, s) = quiet_pg().await;
     let addr = s.app.addr.to_string();
-    let out = tokio::process::Command::new("python3")
-        .arg(format!("{root}/tests/python/outbox_client.py"))
-        .arg(&addr)
-        .arg(format!("{root}/proto"))
-        .output()
-        .await
-        .expect("python3 is required (scripts/test.sh installs grpcio)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "python client failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let seen: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    let args = [addr.clone(), repo_path("proto")];
+    let needs = "python3 is required (scripts/test.sh installs grpcio)";
+    let client = "tests/python/outbox_client.py";
+    let seen = run_json("python3", client, &args, &[], needs, "python client").await;
     let id = seen["id"].as_i64().unwrap();
-    let stored = s
-        .app
-        .store
-        .get_event(BoxKind::Outbox, id)
-        .await
-        .unwrap()
-        .unwrap();
+    let stored = s.stored(BoxKind::Outbox, id).await;
     assert_eq!(stored.topic, "py.orders");
     assert_eq!(stored.key.as_deref(), Some("py-key-1"));
     assert_eq!(stored.payload, (0..=255u8).collect::<Vec<u8>>());
     assert_eq!(stored.headers["note"], "héllo");
     assert_eq!(stored.event_type.as_deref(), Some("order.created"));
     // One row for the two identical requests, plus the batch of three.
-    assert_eq!(
-        s.app
-            .store
-            .count_events(BoxKind::Outbox, None)
-            .await
-            .unwrap(),
-        4
-    );
+    assert_eq!(s.outbox_count(None).await, 4);
     s.app.stop().await.unwrap();
 }
 
@@ -55,32 +28,14 @@ async fn a_python_grpcio_client_enqueues_and_checks_health() {
 /// and reads the `ErrorInfo` reason and `BadRequest` fields of a refused event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_producer_example_runs() {
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    let s = Service::start(c).await;
-    let root = env!("CARGO_MANIFEST_DIR");
-    let out = tokio::process::Command::new("python3")
-        .arg(format!("{root}/examples/python/producer.py"))
-        .arg(s.app.addr.to_string())
-        .arg(format!("{root}/proto"))
-        .output()
-        .await
-        .expect("python3 is required (scripts/test.sh installs grpcio-status)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "producer example failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let seen: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    let (_url, s) = quiet_pg().await;
+    let needs = "python3 is required (scripts/test.sh installs grpcio-status)";
+    let example = "examples/python/producer.py";
+    let args = [s.app.addr.to_string(), repo_path("proto")];
+    let seen = run_json("python3", example, &args, &[], needs, "producer example").await;
     let stored = s
-        .app
-        .store
-        .get_event(BoxKind::Outbox, seen["id"].as_i64().unwrap())
-        .await
-        .unwrap()
-        .unwrap();
+        .stored(BoxKind::Outbox, seen["id"].as_i64().unwrap())
+        .await;
     assert_eq!(stored.topic, "examples.orders");
     assert_eq!(seen["invalid"]["code"], "INVALID_ARGUMENT");
     assert_eq!(seen["invalid"]["reason"], "INVALID_ARGUMENT");
@@ -337,53 +292,25 @@ fn node_example_modules() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_node_producer_example_runs() {
     let modules = node_example_modules();
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    let s = Service::start(c).await;
-    let root = env!("CARGO_MANIFEST_DIR");
-    let out = tokio::process::Command::new("node")
-        .arg(format!("{root}/examples/node/producer.js"))
-        .arg(s.app.addr.to_string())
-        .arg(format!("{root}/proto"))
-        .env("NODE_PATH", &modules)
-        .output()
-        .await
-        .expect("node is required");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "node producer example failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let seen: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    let (_url, s) = quiet_pg().await;
+    let env = [("NODE_PATH", modules.as_str())];
+    let (example, what) = ("examples/node/producer.js", "node producer example");
+    let args = [s.app.addr.to_string(), repo_path("proto")];
+    let seen = run_json("node", example, &args, &env, "node is required", what).await;
     let id: i64 = seen["id"]
         .as_str()
         .expect("id as a string")
         .parse()
         .unwrap();
     assert_eq!(seen["duplicate_id"], seen["id"]);
-    let stored = s
-        .app
-        .store
-        .get_event(BoxKind::Outbox, id)
-        .await
-        .unwrap()
-        .unwrap();
+    let stored = s.stored(BoxKind::Outbox, id).await;
     assert_eq!(stored.topic, "examples.orders");
     assert_eq!(stored.key.as_deref(), Some("order-42"));
     assert_eq!(stored.payload, br#"{"total":10}"#);
     assert_eq!(stored.headers["content-type"], "application/json");
     assert_eq!(stored.event_type.as_deref(), Some("order.created"));
     // The retry with the same idempotency key stored nothing new.
-    assert_eq!(
-        s.app
-            .store
-            .count_events(BoxKind::Outbox, None)
-            .await
-            .unwrap(),
-        1
-    );
+    assert_eq!(s.outbox_count(None).await, 1);
     assert_eq!(seen["invalid"]["code"], "INVALID_ARGUMENT");
     assert_eq!(seen["invalid"]["reason"], "INVALID_ARGUMENT");
     assert_eq!(seen["invalid"]["domain"], "mailroom.v1");

@@ -70,8 +70,7 @@ scopes = ["admin"]
 #[tokio::test]
 async fn tokens_scopes_and_topics() {
     let (url, dir) = fresh_sqlite();
-    let mut c = config(&url);
-    c.relays = 0;
+    let mut c = quiet_config(&url);
     c.tokens = mailroom::api::auth::load_tokens(&token_file(dir.path())).unwrap();
     let mut s = Service::start(c).await;
     let mut admin = AdminServiceClient::new(channel(s.app.addr).await);
@@ -114,11 +113,7 @@ async fn tokens_scopes_and_topics() {
         Code::PermissionDenied
     );
     assert_eq!(
-        s.app
-            .store
-            .count_events(BoxKind::Outbox, None)
-            .await
-            .unwrap(),
+        s.outbox_count(None).await,
         2,
         "only the two allowed enqueues stored anything"
     );
@@ -138,12 +133,7 @@ async fn tokens_scopes_and_topics() {
         assert_eq!(got, want, "admin with {token:?}");
     }
     // The audit log names the token, not the secret.
-    let id = s
-        .app
-        .store
-        .count_events(BoxKind::Outbox, Some(Status::Pending))
-        .await
-        .unwrap();
+    let id = s.outbox_count(Some(Status::Pending)).await;
     assert_eq!(id, 2);
     let cancel = pb::CancelEventsRequest {
         ids: vec![1],
@@ -189,8 +179,7 @@ fn rss_kib() -> u64 {
 #[tokio::test]
 async fn overload_sheds_fast_and_loses_nothing() {
     let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
+    let mut c = quiet_config(&url);
     c.overload.max_concurrent_rpcs = 8;
     c.intake.queue_depth = 16;
     c.intake.writers = 2;
@@ -265,12 +254,7 @@ async fn overload_sheds_fast_and_loses_nothing() {
     assert_eq!(distinct.len(), ok_ids.len());
     for id in &ok_ids {
         assert!(
-            s.app
-                .store
-                .get_event(BoxKind::Outbox, *id)
-                .await
-                .unwrap()
-                .is_some(),
+            s.found(BoxKind::Outbox, *id).await.is_some(),
             "acknowledged event {id} is missing"
         );
     }
@@ -287,8 +271,7 @@ async fn overload_sheds_fast_and_loses_nothing() {
 async fn exhausted_pool_is_unavailable_quickly() {
     use sqlx::Connection;
     let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
+    let mut c = quiet_config(&url);
     c.database_max_connections = 2;
     c.database_acquire_timeout = Duration::from_millis(300);
     c.overload.rpc_timeout = Some(Duration::from_millis(1500));
@@ -341,33 +324,19 @@ async fn exhausted_pool_is_unavailable_quickly() {
 #[tokio::test]
 async fn oversized_messages_are_refused_by_the_transport() {
     let (url, _dir) = fresh_sqlite();
-    let mut c = config(&url);
-    c.relays = 0;
+    let mut c = quiet_config(&url);
     c.limits.max_payload_bytes = 1024;
     c.limits.max_batch = 1;
     let mut s = Service::start(c).await;
     let big = vec![1u8; 4 * 1024 * 1024];
     let t = Instant::now();
-    let err = s
-        .client
-        .enqueue(pb::EnqueueRequest {
-            event: Some(event("t", "k", &big)),
-        })
-        .await
-        .unwrap_err();
+    let err = enqueue_err(&mut s.client, Some(event("t", "k", &big))).await;
     assert!(
         matches!(err.code(), Code::OutOfRange | Code::ResourceExhausted),
         "{err:?}"
     );
     assert!(t.elapsed() < Duration::from_secs(5));
-    assert_eq!(
-        s.app
-            .store
-            .count_events(BoxKind::Outbox, None)
-            .await
-            .unwrap(),
-        0
-    );
+    assert_eq!(s.outbox_count(None).await, 0);
     s.app.stop().await.unwrap();
 }
 
@@ -547,8 +516,7 @@ async fn retention_removes_only_what_it_should() {
     for engine in &ENGINES {
         let (url, _dir) = fresh_db(engine).await;
         let pg = url.starts_with("postgres");
-        let mut c = config(&url);
-        c.relays = 0;
+        let mut c = quiet_config(&url);
         c.retention.interval = None;
         let mut s = Service::start(c).await;
         // ids 1..=12: old-done (1-3), new-done (4-5), old-failed (6-7), new-failed (8),
@@ -615,12 +583,7 @@ async fn retention_removes_only_what_it_should() {
         assert_eq!(left(url.clone()).await, 8);
         for id in [4, 5, 6, 7, 8, 9, 10, 11] {
             assert!(
-                s.app
-                    .store
-                    .get_event(BoxKind::Outbox, id)
-                    .await
-                    .unwrap()
-                    .is_some(),
+                s.found(BoxKind::Outbox, id).await.is_some(),
                 "event {id} must survive"
             );
         }
@@ -651,14 +614,7 @@ async fn retention_removes_only_what_it_should() {
         let r = run_round(s.app.store.as_ref(), &cfg, &stop).await.unwrap();
         assert_eq!((r.completed, r.failed, r.keys), (0, 2, 0), "{r:?}");
         assert_eq!(left(url.clone()).await, 6);
-        assert!(
-            s.app
-                .store
-                .get_event(BoxKind::Outbox, 8)
-                .await
-                .unwrap()
-                .is_some()
-        );
+        assert!(s.found(BoxKind::Outbox, 8).await.is_some());
 
         // A pruned key comes back with its next event, and requeue of a failed event on
         // a pruned key works.
@@ -696,8 +652,7 @@ async fn retention_removes_only_what_it_should() {
 #[tokio::test]
 async fn retention_runs_in_the_background() {
     let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
+    let mut c = quiet_config(&url);
     c.retention = RetentionConfig {
         completed: Some(Duration::from_secs(3600)),
         failed: None,
@@ -825,8 +780,7 @@ async fn tls_and_mutual_tls() {
 
     // TLS: a client trusting the CA gets through; plaintext does not.
     let (url, _d) = fresh_sqlite();
-    let mut c = config(&url);
-    c.relays = 0;
+    let mut c = quiet_config(&url);
     c.tls = Some(mailroom::tls::ServerTls {
         cert: cert.clone(),
         key: key.clone(),
@@ -856,8 +810,7 @@ async fn tls_and_mutual_tls() {
 
     // mTLS: a client certificate from the CA is required.
     let (url, _d) = fresh_sqlite();
-    let mut c = config(&url);
-    c.relays = 0;
+    let mut c = quiet_config(&url);
     c.tls = Some(mailroom::tls::ServerTls {
         cert,
         key,

@@ -51,9 +51,7 @@ fn relay_config(base: Duration) -> RelayConfig {
 /// A PostgreSQL-backed service that only accepts; the test drives relays by hand.
 async fn accept_only() -> Service {
     let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    Service::start(c).await
+    Service::start(quiet_config(&url)).await
 }
 
 /// Fails chosen events a number of times with a chosen failure, then passes them on.
@@ -174,14 +172,7 @@ async fn a_transient_failure_on_the_head_keeps_the_key_in_order() {
     }
     broker.resume();
     let mut cycles = 0;
-    while s
-        .app
-        .store
-        .count_events(BoxKind::Outbox, Some(Status::Pending))
-        .await
-        .unwrap()
-        > 0
-    {
+    while s.outbox_count(Some(Status::Pending)).await > 0 {
         relay.cycle().await.unwrap();
         cycles += 1;
         assert!(cycles < 30, "did not drain after the broker came back");
@@ -441,12 +432,7 @@ async fn a_broker_outage_costs_no_attempts_and_drains_by_itself() {
         let r = relay.cycle().await.unwrap();
         assert!(r.transient && r.delivered == 0, "{r:?}");
     }
-    let all = s
-        .app
-        .store
-        .count_events(BoxKind::Outbox, None)
-        .await
-        .unwrap();
+    let all = s.outbox_count(None).await;
     assert_eq!(all, 20);
     for id in 1..=20 {
         let e = ev(&s.app.store, id).await;
@@ -552,14 +538,7 @@ async fn one_deep_key_drains_in_runs_and_claims_cost_the_same_at_any_depth() {
         relay_config(Duration::ZERO),
     );
     let stats = relay.stats();
-    while s
-        .app
-        .store
-        .count_events(BoxKind::Outbox, Some(Status::Pending))
-        .await
-        .unwrap()
-        > 0
-    {
+    while s.outbox_count(Some(Status::Pending)).await > 0 {
         relay.cycle().await.unwrap();
         assert!(
             stats.cycles.load(Ordering::Relaxed) <= 10,
@@ -683,19 +662,6 @@ fn spawn_mailroom(
         .expect("spawn mailroom")
 }
 
-async fn wait_port(port: u16) {
-    eventually(
-        Duration::from_secs(30),
-        "mailroom listening",
-        || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        },
-    )
-    .await;
-}
-
 fn check_order(per_key: &HashMap<String, Vec<i64>>) -> usize {
     per_key
         .values()
@@ -705,8 +671,8 @@ fn check_order(per_key: &HashMap<String, Vec<i64>>) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stand_test_four_relays_two_processes_random_faults() {
-    let broker = Broker::start();
     let url = fresh_pg().await;
+    let broker = Broker::start();
     // Process 1: in this test process, 2 relays behind a fault-injecting sink.
     let mut c = config(&url);
     kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(3));
@@ -722,7 +688,7 @@ async fn stand_test_four_relays_two_processes_random_faults() {
     // Process 2: the binary, 2 more relays, same faults.
     let port = free_port();
     let mut other = spawn_mailroom(port, &url, &broker.addr(), (0.05, 0.03), 2);
-    wait_port(port).await;
+    wait_listening(port, "mailroom listening").await;
 
     // Two writers; each owns its keys, so per key the acceptance order is the send order.
     let mut writers = Vec::new();
@@ -780,7 +746,7 @@ async fn a_killed_process_loses_nothing_and_keeps_order() {
     let port = free_port();
     // Accept the backlog first (no relays), so the kill below lands mid-publish.
     let mut p = spawn_mailroom(port, &url, &broker.addr(), (0.0, 0.0), 0);
-    wait_port(port).await;
+    wait_listening(port, "mailroom listening").await;
     let mut c = client(format!("127.0.0.1:{port}").parse().unwrap()).await;
     let mut acked = HashSet::new();
     let total = 20_000i64;
@@ -827,7 +793,7 @@ async fn a_killed_process_loses_nothing_and_keeps_order() {
         "killed too late to test anything ({done_at_kill} done)"
     );
     let mut p = spawn_mailroom(port, &url, &broker.addr(), (0.0, 0.0), 2);
-    wait_port(port).await;
+    wait_listening(port, "mailroom listening").await;
     eventually(
         Duration::from_secs(120),
         "backlog drained after restart",
@@ -877,10 +843,11 @@ async fn readiness_drops_while_the_broker_is_down_longer_than_allowed() {
     assert_eq!(health_status(addr, "").await, Some(SERVING));
     broker.stop();
     enqueue(&mut s.client, event("ready", "k", b"x")).await;
-    eventually(
+    wait_health(
+        addr,
+        NOT_SERVING,
         Duration::from_secs(30),
         "NOT_SERVING while the broker is down",
-        || async { health_status(addr, "").await == Some(NOT_SERVING) },
     )
     .await;
     assert_eq!(
@@ -889,20 +856,14 @@ async fn readiness_drops_while_the_broker_is_down_longer_than_allowed() {
         "liveness stays on"
     );
     broker.resume();
-    eventually(
+    wait_health(
+        addr,
+        SERVING,
         Duration::from_secs(60),
         "SERVING once the broker is back",
-        || async { health_status(addr, "").await == Some(SERVING) },
     )
     .await;
-    assert_eq!(
-        s.app
-            .store
-            .count_events(BoxKind::Outbox, Some(Status::Completed))
-            .await
-            .unwrap(),
-        1
-    );
+    assert_eq!(s.outbox_count(Some(Status::Completed)).await, 1);
     s.app.stop().await.unwrap();
 }
 
@@ -918,26 +879,26 @@ async fn readiness_drops_while_the_backlog_is_older_than_allowed() {
     let addr = s.app.addr;
     assert_eq!(health_status(addr, "").await, Some(SERVING));
     let id = enqueue(&mut s.client, event("lag", "k", b"x")).await;
-    eventually(
+    wait_health(
+        addr,
+        NOT_SERVING,
         Duration::from_secs(20),
         "NOT_SERVING once the backlog is too old",
-        || async { health_status(addr, "").await == Some(NOT_SERVING) },
     )
     .await;
     // The operator cancels the stuck event: no backlog, ready again.
     let mut admin = pb::admin_service_client::AdminServiceClient::new(channel(addr).await);
-    admin
-        .cancel_events(pb::CancelEventsRequest {
-            ids: vec![id],
-            reason: "test".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    eventually(
+    let cancel = pb::CancelEventsRequest {
+        ids: vec![id],
+        reason: "test".into(),
+        ..Default::default()
+    };
+    admin.cancel_events(cancel).await.unwrap();
+    wait_health(
+        addr,
+        SERVING,
         Duration::from_secs(20),
         "SERVING without a backlog",
-        || async { health_status(addr, "").await == Some(SERVING) },
     )
     .await;
     s.app.stop().await.unwrap();
@@ -1213,10 +1174,7 @@ async fn a_dead_topic_does_not_slow_the_healthy_ones() {
         alone.push(drain_live(&s, sink, live).await.0);
         s.app.stop().await.unwrap();
 
-        let url = fresh_pg().await;
-        let mut c = config(&url);
-        c.relays = 0;
-        let mut s = Service::start(c).await;
+        let (url, mut s) = quiet_pg().await;
         enqueue_keys(&mut s, "dead", 100, 5).await;
         enqueue_keys(&mut s, "live", keys, per_key).await;
         let sink = Arc::new(DeadTopicSink {

@@ -364,10 +364,7 @@ async fn concurrent_transactions_on_one_key_publish_in_commit_order() {
 /// The same content fingerprint, idempotency answers and pending counts as gRPC Enqueue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idempotency_and_pending_counts_match_grpc() {
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    let mut s = Service::start(c).await;
+    let (url, mut s) = quiet_pg().await;
     let (_role, pool) = app_role(&url).await;
 
     // The SQL fingerprint is Rust's, for every content field.
@@ -440,23 +437,12 @@ async fn idempotency_and_pending_counts_match_grpc() {
         }),
         max_attempts: 0,
     };
-    let r = s
-        .client
-        .enqueue(pb::EnqueueRequest {
-            event: Some(grpc_event.clone()),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let r = enqueue_reply(&mut s.client, grpc_event.clone()).await;
     assert_eq!((r.id, r.duplicate), (sql_id, true));
     // gRPC with other content: ALREADY_EXISTS.
     let mut other = grpc_event.clone();
     other.payload = vec![9];
-    let e = s
-        .client
-        .enqueue(pb::EnqueueRequest { event: Some(other) })
-        .await
-        .unwrap_err();
+    let e = enqueue_err(&mut s.client, Some(other)).await;
     assert_eq!(e.code(), tonic::Code::AlreadyExists);
     // SQL again: same content is the original id; other content is MR020 and stores nothing.
     let again: i64 = sqlx::query_scalar(
@@ -552,13 +538,7 @@ async fn idempotency_and_pending_counts_match_grpc() {
     let k1 = counts.iter().find(|c| c.0 == "k1").unwrap();
     assert_eq!(k1.2, 2, "idem-1 once, plus the batch's plain event");
     // The stored event has the content and the resolved defaults.
-    let stored = s
-        .app
-        .store
-        .get_event(BoxKind::Outbox, sql_id)
-        .await
-        .unwrap()
-        .unwrap();
+    let stored = s.stored(BoxKind::Outbox, sql_id).await;
     assert_eq!(stored.payload, vec![1, 2]);
     assert_eq!(stored.max_attempts, 6);
     assert_eq!(stored.event_type.as_deref(), Some("ty"));
@@ -570,10 +550,7 @@ async fn idempotency_and_pending_counts_match_grpc() {
 /// Every rule has its SQLSTATE and names its argument; a refused call stores nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn validation_errors_have_documented_sqlstates_and_store_nothing() {
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    let s = Service::start(c).await;
+    let (url, s) = quiet_pg().await;
     let (_role, pool) = app_role(&url).await;
     let long = |n: usize| format!("'{}'", "x".repeat(n));
     let cases: Vec<(String, &str, &str)> = vec![
@@ -705,9 +682,7 @@ async fn the_producer_role_may_only_call_the_functions() {
         .await;
     let base = admin_url.rsplit_once('/').unwrap().0;
     let owner_url = as_user(&format!("{base}/{db}"), &owner);
-    let mut c = config(&owner_url);
-    c.relays = 0;
-    let s = Service::start(c).await;
+    let s = Service::start(quiet_config(&owner_url)).await;
     let url = format!("{base}/{db}");
     let (_app, pool) = app_role(&url).await;
 
@@ -831,12 +806,7 @@ async fn a_commit_wakes_the_relays_and_a_rollback_wakes_nobody() {
     let n = tokio::time::timeout(Duration::from_secs(1), listener.recv()).await;
     assert!(n.is_err(), "notify=false still notified");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let done = s
-        .app
-        .store
-        .count_events(BoxKind::Outbox, Some(Status::Completed))
-        .await
-        .unwrap();
+    let done = s.outbox_count(Some(Status::Completed)).await;
     assert_eq!(done, 1, "without NOTIFY the relay slept through the commit");
     wait_completed(&s.app.store, 2, Duration::from_secs(15)).await;
     let seen: Vec<Vec<u8>> = sink
@@ -1027,10 +997,7 @@ async fn a_python_psycopg_caller_and_the_orders_example() {
 /// key, or a relay's claim or settle, does that too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_idempotent_retries_wait_for_the_first_transaction() {
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    let s = Service::start(c).await;
+    let (url, s) = quiet_pg().await;
     let (_role, pool) = app_role(&url).await;
     const CALL: &str = "SELECT mailroom.enqueue('t', 'k', 'same'::bytea, idempotency_key => $1)";
 

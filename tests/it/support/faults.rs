@@ -176,10 +176,7 @@ impl Mailroom {
 
     /// SIGKILL: no shutdown, no release of leases, in-flight RPCs cut.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        super::reap(&mut self.child);
     }
 }
 
@@ -195,27 +192,8 @@ impl Broker {
     /// the advertised address for every request past the first metadata call, so a
     /// proxy on the path must be the advertised address.
     pub fn start_advertising(port: u16, advertised: &str) -> Broker {
-        let listen = format!("tcp://127.0.0.1:{port}");
-        let advertised = format!("tcp://{advertised}");
-        let child = Command::new(super::tansu_bin())
-            .args([
-                "broker",
-                "--listener-url",
-                &listen,
-                "--advertised-listener-url",
-                &advertised,
-                "--storage-engine",
-                "memory://tansu/",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn tansu");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "tansu did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let child = super::spawn_tansu(port, &format!("tcp://{advertised}"));
+        super::wait_tansu(port);
         Broker {
             port,
             child: Some(child),

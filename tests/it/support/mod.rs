@@ -2,10 +2,15 @@
 //! and mailroom started in-process on 127.0.0.1:0. Missing infrastructure fails the
 //! test (it is never skipped): run the suite through `scripts/test.sh`.
 
+pub mod cli;
 pub mod faults;
+pub mod handler;
 pub mod pki;
 pub mod probe;
 pub mod proxy;
+
+pub use cli::*;
+pub use handler::*;
 
 use std::collections::HashMap;
 use std::net::TcpListener as StdListener;
@@ -15,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use mailroom::app::App;
 use mailroom::config::{Config, Settings};
+use mailroom::domain::{BoxKind, StoredEvent};
 use mailroom::pb;
 use mailroom::pb::outbox_service_client::OutboxServiceClient;
 use mailroom::sink::Sink;
@@ -39,15 +45,19 @@ fn unique(prefix: &str) -> String {
     )
 }
 
-/// Creates a fresh, empty PostgreSQL database and returns its URL.
-pub async fn fresh_pg() -> String {
+/// The PostgreSQL server's URL and a connection to it.
+async fn pg_admin() -> (String, sqlx::PgConnection) {
     use sqlx::Connection;
     let admin = pg_admin_url();
-    let mut conn = sqlx::PgConnection::connect(&admin)
-        .await
-        .unwrap_or_else(|e| {
-            panic!("PostgreSQL at {admin} is required (scripts/test.sh starts it): {e}")
-        });
+    match sqlx::PgConnection::connect(&admin).await {
+        Ok(conn) => (admin, conn),
+        Err(e) => panic!("PostgreSQL at {admin} is required (scripts/test.sh starts it): {e}"),
+    }
+}
+
+/// Creates a fresh, empty PostgreSQL database and returns its URL.
+pub async fn fresh_pg() -> String {
+    let (admin, mut conn) = pg_admin().await;
     let name = unique("mailroom_test");
     sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
         .execute(&mut conn)
@@ -61,13 +71,7 @@ pub async fn fresh_pg() -> String {
 /// (where `'a' < 'B'`, the reverse of byte order), as many managed services default to.
 /// Returns its URL and its name (for `pg_stat_database`).
 pub async fn fresh_pg_icu() -> (String, String) {
-    use sqlx::Connection;
-    let admin = pg_admin_url();
-    let mut conn = sqlx::PgConnection::connect(&admin)
-        .await
-        .unwrap_or_else(|e| {
-            panic!("PostgreSQL at {admin} is required (scripts/test.sh starts it): {e}")
-        });
+    let (admin, mut conn) = pg_admin().await;
     let name = unique("mailroom_icu");
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' \
@@ -170,6 +174,27 @@ fn tansu_bin() -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
+/// Spawns a tansu broker (memory storage) on 127.0.0.1:`port` that advertises
+/// `advertised` (a `tcp://` URL); does not wait for it.
+fn spawn_tansu(port: u16, advertised: &str) -> Child {
+    let listen = format!("tcp://127.0.0.1:{port}");
+    let mut cmd = Command::new(tansu_bin());
+    cmd.args(["broker", "--listener-url", &listen])
+        .args(["--advertised-listener-url", advertised])
+        .args(["--storage-engine", "memory://tansu/"]);
+    let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn();
+    child.expect("spawn tansu")
+}
+
+/// Waits (10 s at most) until the tansu broker on `port` accepts connections.
+fn wait_tansu(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "tansu did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A private tansu broker (memory storage) that a test may stop and start.
 pub struct Broker {
     pub port: u16,
@@ -194,40 +219,27 @@ impl Broker {
     pub fn resume(&mut self) {
         assert!(self.child.is_none(), "broker already running");
         let url = format!("tcp://127.0.0.1:{}", self.port);
-        let child = Command::new(tansu_bin())
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-                "--storage-engine",
-                "memory://tansu/",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn tansu");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(Instant::now() < deadline, "tansu did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.child = Some(spawn_tansu(self.port, &url));
+        wait_tansu(self.port);
     }
 
     /// Kills the broker (memory storage: everything it held is gone).
     pub fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        reap(&mut self.child);
     }
 }
 
 impl Drop for Broker {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Kills the child process, if there is one, and waits for it.
+pub fn reap(child: &mut Option<Child>) {
+    if let Some(mut c) = child.take() {
+        let _ = c.kill();
+        let _ = c.wait();
     }
 }
 
@@ -243,6 +255,27 @@ pub fn config(db_url: &str) -> Config {
     c.shutdown_grace = Duration::from_secs(10);
     c.relay.poll_interval = Duration::from_millis(50);
     c
+}
+
+/// [`config`] without outbox relays, so rows stay as the test leaves them.
+pub fn quiet_config(db_url: &str) -> Config {
+    let mut c = config(db_url);
+    c.relays = 0;
+    c
+}
+
+/// A fresh PostgreSQL database and a service on it without outbox relays.
+pub async fn quiet_pg() -> (String, Service) {
+    let url = fresh_pg().await;
+    let s = Service::start(quiet_config(&url)).await;
+    (url, s)
+}
+
+/// A fresh database of `engine` and a service on it without outbox relays; the guard
+/// keeps a SQLite file alive.
+pub async fn quiet_on(engine: &Engine) -> (Service, String, Option<tempfile::TempDir>) {
+    let (url, dir) = fresh_db(engine).await;
+    (Service::start(quiet_config(&url)).await, url, dir)
 }
 
 pub fn kafka_sink_config(c: &mut Config, brokers: &str, message_timeout: Duration) {
@@ -278,6 +311,31 @@ impl Service {
     }
 }
 
+impl Service {
+    /// How many outbox events the store holds (`status`: only those in it).
+    pub async fn outbox_count(&self, status: Option<mailroom::domain::Status>) -> i64 {
+        let outbox = BoxKind::Outbox;
+        self.app.store.count_events(outbox, status).await.unwrap()
+    }
+
+    /// The stored event (or inbox message) `id`, if there is one.
+    pub async fn found(&self, kind: BoxKind, id: i64) -> Option<StoredEvent> {
+        self.app.store.get_event(kind, id).await.unwrap()
+    }
+
+    /// The stored event (or inbox message) `id`, which must exist.
+    pub async fn stored(&self, kind: BoxKind, id: i64) -> StoredEvent {
+        self.found(kind, id).await.expect("the event exists")
+    }
+}
+
+/// The field the first violation of a refusal's `BadRequest` details names.
+pub fn field_of(err: &tonic::Status) -> String {
+    use tonic_types::StatusExt;
+    let details = err.get_details_bad_request().expect("bad request details");
+    details.field_violations[0].field.clone()
+}
+
 pub async fn channel(addr: std::net::SocketAddr) -> Channel {
     Channel::from_shared(format!("http://{addr}"))
         .unwrap()
@@ -300,11 +358,24 @@ pub fn event(topic: &str, key: &str, payload: &[u8]) -> pb::Event {
 }
 
 pub async fn enqueue(c: &mut OutboxServiceClient<Channel>, e: pb::Event) -> i64 {
-    c.enqueue(pb::EnqueueRequest { event: Some(e) })
-        .await
-        .expect("enqueue")
-        .into_inner()
-        .id
+    enqueue_reply(c, e).await.id
+}
+
+/// An `Enqueue` of `event` that must be refused; the refusal.
+pub async fn enqueue_err(
+    c: &mut OutboxServiceClient<Channel>,
+    event: Option<pb::Event>,
+) -> tonic::Status {
+    c.enqueue(pb::EnqueueRequest { event }).await.unwrap_err()
+}
+
+/// An `Enqueue` that must succeed; its whole answer (id and `duplicate`).
+pub async fn enqueue_reply(
+    c: &mut OutboxServiceClient<Channel>,
+    e: pb::Event,
+) -> pb::EnqueueResponse {
+    let request = pb::EnqueueRequest { event: Some(e) };
+    c.enqueue(request).await.expect("enqueue").into_inner()
 }
 
 /// A record read back from a topic.
@@ -411,15 +482,19 @@ where
 {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let svc = mailroom::pb::handler_service_server::HandlerServiceServer::new(handler);
-    tokio::spawn(async move {
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
-            .await
-            .unwrap();
-    });
+    serve_handler_on(listener, handler);
     format!("http://{addr}")
+}
+
+/// Serves a subscriber's `HandlerService` on `listener`, in the background.
+pub fn serve_handler_on<H>(listener: tokio::net::TcpListener, handler: H)
+where
+    H: mailroom::pb::handler_service_server::HandlerService,
+{
+    let svc = mailroom::pb::handler_service_server::HandlerServiceServer::new(handler);
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let server = tonic::transport::Server::builder().add_service(svc);
+    tokio::spawn(async move { server.serve_with_incoming(incoming).await.unwrap() });
 }
 
 /// Waits until `n` outbox events are completed.
@@ -428,19 +503,17 @@ pub async fn wait_completed(
     n: i64,
     timeout: Duration,
 ) {
-    use mailroom::domain::{BoxKind, Status};
+    use mailroom::domain::Status;
     let what = format!("{n} events completed");
-    eventually(timeout, &what, || {
-        let store = store.clone();
-        async move {
-            store
-                .count_events(BoxKind::Outbox, Some(Status::Completed))
-                .await
-                .unwrap()
-                == n
-        }
-    })
-    .await;
+    let completed = Some(Status::Completed);
+    let done = move || async move {
+        store
+            .count_events(BoxKind::Outbox, completed)
+            .await
+            .unwrap()
+            == n
+    };
+    eventually(timeout, &what, done).await;
 }
 
 /// No relay published an event after an earlier event of its key failed in the same run

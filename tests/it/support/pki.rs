@@ -19,15 +19,19 @@ pub struct Pki {
 
 pub fn pki() -> Pki {
     use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = |name: &str| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        let cert = params.self_signed(&key).unwrap();
+        (cert, params, key)
+    };
     // Distinct names: with rcgen's default name on both, OpenSSL (librdkafka) takes the
     // leaf for a self-signed certificate and refuses it.
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "mailroom test CA");
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let (ca_cert, ca_params, ca_key) = ca("mailroom test CA");
     let issuer = Issuer::new(ca_params, ca_key);
     let leaf = |names: Vec<String>| {
         let key = KeyPair::generate().unwrap();
@@ -40,13 +44,7 @@ pub fn pki() -> Pki {
     };
     let (server, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
     let (client, client_key) = leaf(vec!["mailroom".into()]);
-    let other_key = KeyPair::generate().unwrap();
-    let mut other_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    other_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    other_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "another CA");
-    let other = other_params.self_signed(&other_key).unwrap();
+    let (other, _, _) = ca("another CA");
 
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, text: String| {

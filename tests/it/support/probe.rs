@@ -12,6 +12,18 @@ pub async fn health_status(addr: std::net::SocketAddr, service: &str) -> Option<
     .map(|r| r.into_inner().status)
 }
 
+/// Waits (`timeout` at most; `what` names it in the failure) until the server's overall
+/// health is `want`.
+pub async fn wait_health(
+    addr: std::net::SocketAddr,
+    want: i32,
+    timeout: std::time::Duration,
+    what: &str,
+) {
+    let reached = || async move { health_status(addr, "").await == Some(want) };
+    super::eventually(timeout, what, reached).await;
+}
+
 /// GETs `/metrics` with a bare HTTP/1.1 request.
 pub async fn scrape(addr: std::net::SocketAddr) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
