@@ -93,6 +93,24 @@ impl Shape {
         if self.inbox { "subscription, " } else { "" }
     }
 
+    /// The subscription fragments of the backlog statement, `param` naming the
+    /// subscription filter's parameter (`$9`, `?9`): the key row's subscription column,
+    /// the join of events to it, the filter on it, the same column and filter over the
+    /// result, and the `GROUP BY` column.
+    pub fn backlog_parts(
+        &self,
+        param: &str,
+    ) -> (String, String, String, String, String, &'static str) {
+        (
+            self.sub("k.subscription"),
+            self.same_sub("e", "k"),
+            self.sub_filter("k.subscription", param),
+            self.sub("subscription"),
+            self.sub_filter("subscription", param),
+            self.group_sub(),
+        )
+    }
+
     /// The event filter as SQL conditions over parameters `first..first+6` (the
     /// subscription last), in the order of `admin_flow::filter_params`.
     pub fn filter(&self, first: usize) -> String {

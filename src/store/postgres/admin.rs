@@ -43,6 +43,7 @@ fn detail_columns(shape: &Shape, with_payload: &str) -> String {
 fn pending_sql(sh: &Shape, order: PendingOrder) -> String {
     let (events, keys) = (sh.events, sh.keys);
     let order = Shape::pending_order(order);
+    let (k_sub, same_sub, k_filter, sub, filter, group_sub) = sh.backlog_parts("$9");
     format!(
         "WITH h AS MATERIALIZED (
             SELECT {k_sub} AS subscription, k.topic, k.event_key AS key, k.pending,
@@ -81,13 +82,7 @@ fn pending_sql(sh: &Shape, order: PendingOrder) -> String {
               AND ($5::timestamptz IS NULL
                    OR (created_at, subscription, topic, key)
                       > ($5, $10::text, $6::text, $7::text))
-            ORDER BY {order} LIMIT $8) p ON true",
-        k_sub = sh.sub("k.subscription"),
-        same_sub = sh.same_sub("e", "k"),
-        k_filter = sh.sub_filter("k.subscription", "$9"),
-        sub = sh.sub("subscription"),
-        filter = sh.sub_filter("subscription", "$9"),
-        group_sub = sh.group_sub(),
+            ORDER BY {order} LIMIT $8) p ON true"
     )
 }
 
