@@ -14,7 +14,6 @@ use mailroom::store::Store;
 use tonic::Code;
 use tonic::transport::Channel;
 
-const ENGINES: [Engine; 2] = [Engine::Postgres, Engine::Sqlite];
 const HOUR: Duration = Duration::from_secs(3600);
 
 async fn admin(addr: std::net::SocketAddr) -> AdminServiceClient<Channel> {

@@ -18,7 +18,6 @@ use mailroom::pb::inbox_service_client::InboxServiceClient;
 use tonic::Code;
 use tonic::transport::Channel;
 
-const ENGINES: [Engine; 2] = [Engine::Postgres, Engine::Sqlite];
 const INBOX: i32 = pb::Box::Inbox as i32;
 
 /// A subscriber whose answer depends on the payload: `reject-once` is rejected the first

@@ -11,8 +11,6 @@ use mailroom::pb;
 use tonic::Code;
 use tonic_types::StatusExt;
 
-const ENGINES: [Engine; 2] = [Engine::Postgres, Engine::Sqlite];
-
 /// A service that only accepts (no relays), so rows stay as stored.
 async fn quiet_service(engine: &Engine) -> (Service, Option<tempfile::TempDir>) {
     let (s, _url, dir) = quiet_on(engine).await;

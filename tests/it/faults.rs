@@ -6,7 +6,7 @@
 //! (`MAILROOM_SOAK=N`: by N). Each test prints its figures (`eprintln!`, shown with
 //! `--nocapture`) and its random seed (`MAILROOM_FAULT_SEED` replays it).
 //! Scenario 7 (hostile input) is `tests/it/hostile.rs`; scenario 6 (overload) is
-//! `tests/it/production.rs::overload_sheds_fast_and_loses_nothing`.
+//! `tests/it/overload.rs::overload_sheds_fast_and_loses_nothing`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};

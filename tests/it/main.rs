@@ -8,6 +8,7 @@
 
 mod support;
 
+mod access;
 mod admin;
 mod admin_inbox;
 mod byte_budgets;
@@ -18,10 +19,12 @@ mod enqueue;
 mod faults;
 mod hostile;
 mod inbox;
+mod metrics;
 mod otlp;
+mod overload;
 mod polyglot;
-mod production;
 mod relay;
+mod retention;
 mod security;
 mod sql_api;
 mod store;

@@ -545,3 +545,24 @@ pub fn quiet_window(c: &Config) -> Duration {
         .unwrap_or(c.relay.lease);
     2 * c.relay.poll_interval.max(dispatch)
 }
+
+/// A request carrying `token` as its bearer token, if any.
+pub fn with_token<T>(msg: T, token: Option<&str>) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Some(t) = token {
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {t}").parse().unwrap());
+    }
+    r
+}
+
+/// The gRPC code of an answer: `OK` or the status's.
+pub fn code<T>(r: Result<T, tonic::Status>) -> tonic::Code {
+    match r {
+        Ok(_) => tonic::Code::Ok,
+        Err(e) => e.code(),
+    }
+}
+
+/// Both engines, for tests that run on each.
+pub const ENGINES: [Engine; 2] = [Engine::Postgres, Engine::Sqlite];

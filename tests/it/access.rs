@@ -1,0 +1,440 @@
+//! Who may call, and what leaks: tokens and scopes, TLS and mutual TLS, and secrets
+//! kept out of logs and errors (issue 7), against real PostgreSQL and SQLite.
+
+use std::time::{Duration, Instant};
+
+use crate::support::*;
+use mailroom::domain::{BoxKind, Status};
+use mailroom::pb;
+use mailroom::pb::admin_service_client::AdminServiceClient;
+use mailroom::pb::outbox_service_client::OutboxServiceClient;
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+use tonic::transport::Channel;
+
+const PRODUCER: &str = "producer-orders-0123456789";
+
+const PRODUCER_ANY: &str = "producer-any-topic-0123456789";
+
+const ADMIN: &str = "admin-operator-0123456789";
+
+struct Pki {
+    ca: String,
+    server_cert: String,
+    server_key: String,
+    client_cert: String,
+    client_key: String,
+    other_client_cert: String,
+    other_client_key: String,
+}
+
+#[tokio::test]
+async fn tokens_scopes_and_topics() {
+    let (url, dir) = fresh_sqlite();
+    let mut c = quiet_config(&url);
+    c.tokens = mailroom::api::auth::load_tokens(&token_file(dir.path())).unwrap();
+    let mut s = Service::start(c).await;
+    let mut admin = AdminServiceClient::new(channel(s.app.addr).await);
+    let enq = |topic: &str| pb::EnqueueRequest {
+        event: Some(event(topic, "k", b"x")),
+    };
+
+    // Enqueue: missing or wrong token, a token of the wrong scope, a topic outside the list.
+    let cases: [(Option<&str>, &str, Code); 7] = [
+        (None, "orders", Code::Unauthenticated),
+        (
+            Some("not-a-token-at-all-000"),
+            "orders",
+            Code::Unauthenticated,
+        ),
+        (Some(ADMIN), "orders", Code::PermissionDenied),
+        (Some(PRODUCER), "payments", Code::PermissionDenied),
+        (Some(PRODUCER), "orders", Code::Ok),
+        (Some(PRODUCER_ANY), "payments", Code::Ok),
+        (
+            Some(&PRODUCER[..PRODUCER.len() - 1]),
+            "orders",
+            Code::Unauthenticated,
+        ),
+    ];
+    for (token, topic, want) in cases {
+        let got = code(s.client.enqueue(with_token(enq(topic), token)).await);
+        assert_eq!(got, want, "token {token:?} topic {topic}");
+    }
+    // A batch with one forbidden topic is refused whole.
+    let batch = pb::EnqueueBatchRequest {
+        events: vec![event("orders", "k", b"1"), event("refunds", "k", b"2")],
+    };
+    assert_eq!(
+        code(
+            s.client
+                .enqueue_batch(with_token(batch, Some(PRODUCER)))
+                .await
+        ),
+        Code::PermissionDenied
+    );
+    assert_eq!(
+        s.outbox_count(None).await,
+        2,
+        "only the two allowed enqueues stored anything"
+    );
+
+    // Admin: only the admin scope.
+    for (token, want) in [
+        (None, Code::Unauthenticated),
+        (Some(PRODUCER_ANY), Code::PermissionDenied),
+        (Some("Bearer-looking-garbage-0000"), Code::Unauthenticated),
+        (Some(ADMIN), Code::Ok),
+    ] {
+        let got = code(
+            admin
+                .get_stats(with_token(pb::GetStatsRequest::default(), token))
+                .await,
+        );
+        assert_eq!(got, want, "admin with {token:?}");
+    }
+    // The audit log names the token, not the secret.
+    let id = s.outbox_count(Some(Status::Pending)).await;
+    assert_eq!(id, 2);
+    let cancel = pb::CancelEventsRequest {
+        ids: vec![1],
+        reason: "test".into(),
+        operator: "alice".into(),
+        ..Default::default()
+    };
+    admin
+        .cancel_events(with_token(cancel, Some(ADMIN)))
+        .await
+        .unwrap();
+    let audit = admin
+        .list_audit(with_token(pb::ListAuditRequest::default(), Some(ADMIN)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(audit.entries[0].actor, "alice (token ops)");
+
+    // Health stays open for probes.
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel(s.app.addr).await);
+    health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap();
+    s.app.stop().await.unwrap();
+}
+
+fn token_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let p = dir.join("tokens.toml");
+    std::fs::write(
+        &p,
+        format!(
+            r#"
+[[token]]
+name = "checkout"
+token = "{PRODUCER}"
+scopes = ["enqueue"]
+topics = ["orders"]
+
+[[token]]
+name = "firehose"
+token = "{PRODUCER_ANY}"
+scopes = ["enqueue"]
+
+[[token]]
+name = "ops"
+token = "{ADMIN}"
+scopes = ["admin"]
+"#
+        ),
+    )
+    .unwrap();
+    p
+}
+
+fn pki() -> Pki {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf = |names: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names)
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
+    let (client_cert, client_key) = leaf(vec!["client".into()]);
+    // A client certificate from another CA.
+    let other_key = KeyPair::generate().unwrap();
+    let other = CertificateParams::new(vec!["intruder".to_string()])
+        .unwrap()
+        .self_signed(&other_key)
+        .unwrap();
+    Pki {
+        ca: ca_cert.pem(),
+        server_cert,
+        server_key,
+        client_cert,
+        client_key,
+        other_client_cert: other.pem(),
+        other_client_key: other_key.serialize_pem(),
+    }
+}
+
+async fn tls_client(
+    addr: std::net::SocketAddr,
+    ca: &str,
+    identity: Option<(&str, &str)>,
+) -> Result<OutboxServiceClient<Channel>, tonic::transport::Error> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca))
+        .domain_name("localhost");
+    if let Some((c, k)) = identity {
+        tls = tls.identity(Identity::from_pem(c, k));
+    }
+    let ch = Channel::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)?
+        .connect()
+        .await?;
+    Ok(OutboxServiceClient::new(ch))
+}
+
+async fn try_enqueue(
+    client: Result<OutboxServiceClient<Channel>, tonic::transport::Error>,
+) -> bool {
+    match client {
+        Err(_) => false,
+        Ok(mut c) => c
+            .enqueue(pb::EnqueueRequest {
+                event: Some(event("tls", "k", b"x")),
+            })
+            .await
+            .is_ok(),
+    }
+}
+
+#[tokio::test]
+async fn tls_and_mutual_tls() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, pem: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, pem).unwrap();
+        p
+    };
+    let cert = write("server.pem", &pki.server_cert);
+    let key = write("server.key", &pki.server_key);
+    let ca = write("ca.pem", &pki.ca);
+
+    // TLS: a client trusting the CA gets through; plaintext does not.
+    let (url, _d) = fresh_sqlite();
+    let mut c = quiet_config(&url);
+    c.tls = Some(mailroom::tls::ServerTls {
+        cert: cert.clone(),
+        key: key.clone(),
+        client_ca: None,
+    });
+    let app = mailroom::app::App::start(c, CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(try_enqueue(tls_client(app.addr, &pki.ca, None).await).await);
+    let plain = Channel::from_shared(format!("http://{}", app.addr))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(3))
+        .connect()
+        .await;
+    let plain_ok = match plain {
+        Err(_) => false,
+        Ok(ch) => OutboxServiceClient::new(ch)
+            .enqueue(pb::EnqueueRequest {
+                event: Some(event("tls", "k", b"x")),
+            })
+            .await
+            .is_ok(),
+    };
+    assert!(!plain_ok, "plaintext must not reach a TLS port");
+    app.stop().await.unwrap();
+
+    // mTLS: a client certificate from the CA is required.
+    let (url, _d) = fresh_sqlite();
+    let mut c = quiet_config(&url);
+    c.tls = Some(mailroom::tls::ServerTls {
+        cert,
+        key,
+        client_ca: Some(ca),
+    });
+    let app = mailroom::app::App::start(c, CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(
+        try_enqueue(tls_client(app.addr, &pki.ca, Some((&pki.client_cert, &pki.client_key))).await)
+            .await
+    );
+    assert!(!try_enqueue(tls_client(app.addr, &pki.ca, None).await).await);
+    assert!(
+        !try_enqueue(
+            tls_client(
+                app.addr,
+                &pki.ca,
+                Some((&pki.other_client_cert, &pki.other_client_key))
+            )
+            .await
+        )
+        .await
+    );
+    assert_eq!(
+        app.store.count_events(BoxKind::Outbox, None).await.unwrap(),
+        1
+    );
+    app.stop().await.unwrap();
+}
+
+/// Runs the binary with secrets in its settings until it exits or `run_for` passes
+/// (then SIGTERM); returns stdout and stderr together.
+async fn run_binary(envs: &[(&str, &str)], args: &[&str], run_for: Duration) -> String {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_mailroom"));
+    cmd.args(args)
+        .env_remove("RUST_LOG")
+        .env("RUST_LOG", "debug")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let child = cmd.spawn().unwrap();
+    let pid = child.id().unwrap();
+    let waiter = tokio::spawn(child.wait_with_output());
+    tokio::time::sleep(run_for).await;
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let out = tokio::time::timeout(Duration::from_secs(30), waiter)
+        .await
+        .expect("the binary stops on SIGTERM")
+        .unwrap()
+        .unwrap();
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[tokio::test]
+async fn secrets_never_reach_logs_or_errors() {
+    const DB_PW: &str = "PgPassw0rd-7f3a";
+    const SASL_PW: &str = "SaslPassw0rd-91c2";
+    const ADMIN_TOKEN: &str = "AdminT0ken-55e1-long-enough";
+    let secrets = [DB_PW, SASL_PW, ADMIN_TOKEN, PRODUCER, PRODUCER_ANY, ADMIN];
+    let check = |what: &str, out: &str| {
+        for s in secrets {
+            assert!(!out.contains(s), "{what}: secret {s:?} leaked:\n{out}");
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = token_file(dir.path());
+    let kafka_props = format!(
+        "security.protocol=SASL_PLAINTEXT,sasl.mechanism=PLAIN,sasl.username=mailroom,sasl.password={SASL_PW}"
+    );
+
+    // 1. The database refuses: the start-up error names the URL without its password.
+    let port = free_port();
+    let bad_db = format!("postgres://mailroom:{DB_PW}@127.0.0.1:{port}/mailroom");
+    let out = run_binary(
+        &[
+            ("MAILROOM_DATABASE_URL", bad_db.as_str()),
+            ("MAILROOM_KAFKA_BROKERS", "127.0.0.1:1"),
+            ("MAILROOM_KAFKA_PROPERTIES", kafka_props.as_str()),
+            ("MAILROOM_ADMIN_TOKEN", ADMIN_TOKEN),
+            ("MAILROOM_TOKENS_FILE", tokens.to_str().unwrap()),
+            ("MAILROOM_LISTEN", "127.0.0.1:0"),
+        ],
+        &[],
+        Duration::from_secs(3),
+    )
+    .await;
+    check("failing database", &out);
+    assert!(out.contains("postgres://mailroom:***@127.0.0.1"), "{out}");
+
+    // 2. A running service (PostgreSQL accepts any password here: trust) whose broker
+    //    is unreachable, with debug logs, a bad token and a relay failing to publish.
+    let db = fresh_pg().await;
+    let with_pw = db.replacen(
+        "postgres://postgres@",
+        &format!("postgres://postgres:{DB_PW}@"),
+        1,
+    );
+    assert_ne!(with_pw, db);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let broker_port = free_port().to_string();
+    let envs = [
+        ("MAILROOM_DATABASE_URL", with_pw.as_str()),
+        (
+            "MAILROOM_KAFKA_BROKERS",
+            &format!("127.0.0.1:{broker_port}"),
+        ),
+        ("MAILROOM_KAFKA_PROPERTIES", kafka_props.as_str()),
+        ("MAILROOM_KAFKA_MESSAGE_TIMEOUT_MS", "1000"),
+        ("MAILROOM_RELAY_LEASE_MS", "7000"),
+        ("MAILROOM_ADMIN_TOKEN", ADMIN_TOKEN),
+        ("MAILROOM_TOKENS_FILE", tokens.to_str().unwrap()),
+        ("MAILROOM_LISTEN", listen.as_str()),
+    ];
+    let addr: std::net::SocketAddr = listen.parse().unwrap();
+    let poke = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let ch = loop {
+            if let Ok(ch) = Channel::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .connect()
+                .await
+            {
+                break ch;
+            }
+            assert!(Instant::now() < deadline, "the service did not start");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let mut c = OutboxServiceClient::new(ch.clone());
+        let ok = c
+            .enqueue(with_token(
+                pb::EnqueueRequest {
+                    event: Some(event("orders", "k", b"x")),
+                },
+                Some(PRODUCER),
+            ))
+            .await;
+        assert!(ok.is_ok(), "{ok:?}");
+        let bad = c
+            .enqueue(with_token(
+                pb::EnqueueRequest {
+                    event: Some(event("orders", "k", b"x")),
+                },
+                Some(&format!("{PRODUCER}x")),
+            ))
+            .await;
+        assert_eq!(code(bad), Code::Unauthenticated);
+        let mut a = AdminServiceClient::new(ch);
+        let denied = a
+            .get_stats(with_token(pb::GetStatsRequest::default(), Some(PRODUCER)))
+            .await;
+        assert_eq!(code(denied), Code::PermissionDenied);
+    });
+    let out = run_binary(&envs, &[], Duration::from_secs(6)).await;
+    poke.await.unwrap();
+    check("running service", &out);
+    assert!(out.contains("mailroom serving"), "{out}");
+
+    // 3. --help with the secrets in the environment.
+    let out = run_binary(&envs, &["--help"], Duration::from_millis(500)).await;
+    check("--help", &out);
+    assert!(out.contains("MAILROOM_DATABASE_URL"), "{out}");
+}

@@ -1,0 +1,142 @@
+//! The Prometheus exposition follows the events: counters, gauges and histograms.
+
+use std::time::Duration;
+
+use crate::support::probe::*;
+use crate::support::*;
+use mailroom::pb;
+use mailroom::pb::admin_service_client::AdminServiceClient;
+
+#[tokio::test]
+async fn metrics_follow_the_events() {
+    let url = fresh_pg().await;
+    let dir = tempfile::tempdir().unwrap();
+
+    // 1. Published events.
+    let mut c = config(&url);
+    c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.metrics_stats_interval = Duration::from_millis(100);
+    c.sink = mailroom::sink::SinkConfig::Local {
+        path: Some(dir.path().join("out.jsonl")),
+    };
+    let mut s = Service::start(c).await;
+    let maddr = s.app.metrics_addr.expect("metrics address");
+    for i in 0..5 {
+        enqueue(
+            &mut s.client,
+            event("metrics.a", "secret-key-42", format!("{i}").as_bytes()),
+        )
+        .await;
+    }
+    let mut dup = event("metrics.a", "secret-key-42", b"d");
+    dup.idempotency_key = "idem".into();
+    enqueue(&mut s.client, dup.clone()).await;
+    enqueue(&mut s.client, dup).await;
+    eventually(Duration::from_secs(10), "published counter", || async {
+        sample(&scrape(maddr).await, "mailroom_outbox_published_total") >= 6.0
+    })
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "pending gauge back to 0",
+        || async {
+            let t = scrape(maddr).await;
+            sample_opt(&t, "mailroom_outbox_oldest_pending_age_seconds") == Some(0.0)
+                && !t.contains("mailroom_outbox_pending{topic=\"metrics.a\"} 1")
+        },
+    )
+    .await;
+    let text = scrape(maddr).await;
+    assert_eq!(
+        sample(&text, "mailroom_outbox_enqueued_total{topic=\"metrics.a\"}"),
+        6.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "mailroom_outbox_duplicates_total{topic=\"metrics.a\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "mailroom_grpc_requests_total{method=\"/mailroom.v1.OutboxService/Enqueue\",code=\"OK\"}"
+        ),
+        7.0
+    );
+    assert!(sample(&text, "mailroom_relay_cycle_seconds_count") >= 1.0);
+    assert_eq!(
+        sample(&text, "mailroom_relay_delivered_after_failure_total"),
+        0.0
+    );
+    assert_eq!(sample(&text, "mailroom_relay_leases_lost_total"), 0.0);
+    assert!(sample(&text, "mailroom_relay_publish_seconds_count") >= 1.0);
+    // Every histogram is cumulative once: buckets never decrease, +Inf equals _count.
+    let checked =
+        mailroom::metrics::check_histograms(body(&text)).unwrap_or_else(|p| panic!("{p:#?}"));
+    assert!(checked >= 3, "{checked} histogram series");
+    assert!(!text.contains("secret-key-42"), "keys are never labels");
+    // An invalid request is counted under its code.
+    let _ = s
+        .client
+        .enqueue(pb::EnqueueRequest {
+            event: Some(event("bad topic", "", b"")),
+        })
+        .await;
+    let text = scrape(maddr).await;
+    assert_eq!(
+        sample(
+            &text,
+            "mailroom_grpc_requests_total{method=\"/mailroom.v1.OutboxService/Enqueue\",code=\"INVALID_ARGUMENT\"}"
+        ),
+        1.0
+    );
+    s.app.stop().await.unwrap();
+
+    // 2. Counted failures, failed events, requeue (every delivery fails).
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.metrics_stats_interval = Duration::from_millis(100);
+    c.faults = (1.0, 0.0);
+    c.relay.retry.base = Duration::ZERO;
+    c.relay.retry.cap = Duration::ZERO;
+    c.sink = mailroom::sink::SinkConfig::Local {
+        path: Some(dir.path().join("out2.jsonl")),
+    };
+    let mut s = Service::start(c).await;
+    let maddr = s.app.metrics_addr.unwrap();
+    for i in 0..3 {
+        let mut e = event("metrics.b", &format!("k{i}"), b"x");
+        e.max_attempts = 2;
+        enqueue(&mut s.client, e).await;
+    }
+    eventually(Duration::from_secs(15), "failed events", || async {
+        let t = scrape(maddr).await;
+        sample(&t, "mailroom_outbox_failed_total") == 3.0
+            && sample_opt(&t, "mailroom_outbox_failed_events{topic=\"metrics.b\"}") == Some(3.0)
+    })
+    .await;
+    let text = scrape(maddr).await;
+    assert_eq!(
+        sample(&text, "mailroom_outbox_retried_total{class=\"counted\"}"),
+        3.0
+    );
+    assert_eq!(sample(&text, "mailroom_outbox_published_total"), 0.0);
+    let mut admin = AdminServiceClient::new(channel(s.app.addr).await);
+    admin
+        .requeue_failed(pb::RequeueFailedRequest {
+            filter: Some(pb::EventFilter {
+                topic: "metrics.b".into(),
+                ..Default::default()
+            }),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let text = scrape(maddr).await;
+    assert_eq!(sample(&text, "mailroom_outbox_requeued_total"), 3.0);
+    s.app.stop().await.unwrap();
+}
