@@ -27,6 +27,8 @@
 //! - `telemetry` — logs, optional OTLP trace export, joining producers' traces.
 //! - `retention` — batched deletion of completed (and expired failed) events, idle keys.
 
+#![warn(clippy::cast_possible_truncation)]
+
 pub mod admin;
 pub mod api;
 pub mod app;
