@@ -43,6 +43,8 @@ pub struct Admin {
 }
 
 impl Admin {
+    /// The operator surface over `store`; held keys are woken for up to `relay_lease`
+    /// plus five seconds.
     pub fn new(store: Arc<dyn Store>, relay_lease: Duration) -> Self {
         Admin {
             store,
@@ -50,26 +52,33 @@ impl Admin {
         }
     }
 
+    /// The store it runs against.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
     }
 
+    /// One page of a box's backlog, grouped by key.
     pub async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> Result<PendingPage, Error> {
         Ok(self.store.list_pending(b, q).await?)
     }
 
+    /// Puts failed events back in line (see `AdminStore::requeue_failed`), then wakes the
+    /// keys a relay held meanwhile once it lets go.
     pub async fn requeue(&self, b: BoxKind, r: &RequeueRequest) -> Result<RequeueOutcome, Error> {
         let out = self.store.requeue_failed(b, r).await?;
         self.wake_later(b, out.leased_keys.clone());
         Ok(out)
     }
 
+    /// Fails pending events with the operator's reason (see `AdminStore::cancel_events`), then
+    /// wakes the keys a relay held meanwhile once it lets go.
     pub async fn cancel(&self, b: BoxKind, r: &CancelRequest) -> Result<CancelOutcome, Error> {
         let out = self.store.cancel_events(b, r).await?;
         self.wake_later(b, out.leased_keys.clone());
         Ok(out)
     }
 
+    /// One event, with its payload if asked for; `NotFound` if there is no such event.
     pub async fn get_event(
         &self,
         b: BoxKind,
@@ -82,10 +91,13 @@ impl Admin {
             .ok_or_else(|| Error::NotFound(format!("event {id}")))
     }
 
+    /// One page of a box's events, newest first, without payloads.
     pub async fn list_events(&self, b: BoxKind, q: &EventsQuery) -> Result<EventsPage, Error> {
         Ok(self.store.list_events(b, q).await?)
     }
 
+    /// One page of the audit log (both boxes), newest first: up to `page_size` entries with
+    /// ids below `before_id` (`None`: from the newest).
     pub async fn list_audit(
         &self,
         page_size: u32,
@@ -94,6 +106,7 @@ impl Admin {
         Ok(self.store.list_audit(page_size, before_id).await?)
     }
 
+    /// Counts of a box; `subscription` narrows the inbox to one subscription.
     pub async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> Result<Stats, Error> {
         Ok(self.store.stats(b, subscription).await?)
     }

@@ -7,11 +7,14 @@ use crate::store::StoreError;
 /// One offending field of a request, reported as a google.rpc.BadRequest violation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FieldViolation {
+    /// The field's path, e.g. `events[3].topic`.
     pub field: String,
+    /// What is wrong with it.
     pub description: String,
 }
 
 impl FieldViolation {
+    /// A violation of `field`.
     pub fn new(field: impl Into<String>, description: impl Into<String>) -> Self {
         FieldViolation {
             field: field.into(),
@@ -20,25 +23,37 @@ impl FieldViolation {
     }
 }
 
+/// The service's errors; `api::status` maps each to a gRPC status.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The request is invalid; every offending field is named (`INVALID_ARGUMENT`).
     #[error("invalid argument: {}", .0.iter().map(|v| format!("{}: {}", v.field, v.description)).collect::<Vec<_>>().join("; "))]
     InvalidArgument(Vec<FieldViolation>),
+    /// The idempotency key was already used for other content (`ALREADY_EXISTS`).
     #[error("idempotency key {key:?} was already used for different content")]
-    AlreadyExists { key: String },
+    AlreadyExists {
+        /// The idempotency key.
+        key: String,
+    },
+    /// What the request names does not exist; the message says what (`NOT_FOUND`).
     #[error("not found: {0}")]
     NotFound(String),
+    /// The request does not fit the current state, e.g. events not in the state the action
+    /// needs (`FAILED_PRECONDITION`).
     #[error("failed precondition: {0}")]
     FailedPrecondition(String),
     /// The queue in front of the database is full: the caller should back off.
     #[error("overloaded: {0}")]
     Overloaded(String),
+    /// Storage cannot be reached, or the service is stopping; the message is logged, not
+    /// sent (`UNAVAILABLE`).
     #[error("unavailable: {0}")]
     Unavailable(String),
     /// The database cancelled the request's statement after its statement timeout;
     /// nothing was changed.
     #[error("deadline exceeded: {0}")]
     DeadlineExceeded(String),
+    /// The token is missing or invalid (`UNAUTHENTICATED`).
     #[error("unauthenticated")]
     Unauthenticated,
     /// The caller's token may not do this: it lacks `required_scope` (e.g. an
@@ -46,14 +61,19 @@ pub enum Error {
     /// its lists.
     #[error("permission denied: {message}")]
     PermissionDenied {
+        /// What the caller is told.
         message: String,
+        /// The scope the call needs, sent as `required_scope` metadata; `None` for a topic or
+        /// subscription outside the token's lists.
         required_scope: Option<&'static str>,
     },
+    /// Anything else; the message is logged, never sent (`INTERNAL`).
     #[error("internal error")]
     Internal(String),
 }
 
 impl Error {
+    /// `InvalidArgument` with one violation.
     pub fn invalid(field: impl Into<String>, description: impl Into<String>) -> Self {
         Error::InvalidArgument(vec![FieldViolation::new(field, description)])
     }

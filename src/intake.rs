@@ -100,17 +100,21 @@ pub struct Wakeup {
 }
 
 impl Wakeup {
+    /// Adds a local outbox relay's waker.
     pub fn register(&self, n: Arc<Notify>) {
         self.relays.lock().expect("wakeup lock").push(n);
     }
+    /// Sets the trigger of the PostgreSQL notifier, which tells other processes.
     pub fn set_remote(&self, n: Arc<Notify>) {
         *self.remote.lock().expect("wakeup lock") = Some(n);
     }
+    /// Wakes the local relays only (e.g. on a notification from another process).
     pub fn wake_local(&self) {
         for n in self.relays.lock().expect("wakeup lock").iter() {
             n.notify_one();
         }
     }
+    /// Wakes the local relays and, if set, the notifier.
     pub fn wake(&self) {
         self.wake_local();
         if let Some(n) = self.remote.lock().expect("wakeup lock").as_ref() {
@@ -197,7 +201,9 @@ async fn run_committer(
     mut rx: mpsc::Receiver<Job>,
     wakeup: Wakeup,
 ) {
-    let writers = Arc::new(Semaphore::new(config.writers.max(1)));
+    // `acquire_many` (at the end) takes a u32: saturate the writer count, for both.
+    let n_writers = u32::try_from(config.writers.max(1)).unwrap_or(u32::MAX);
+    let writers = Arc::new(Semaphore::new(n_writers as usize));
     let mut carry: Option<Job> = None;
     loop {
         // Wait for a free writer first: while all are busy, requests pile up in the
@@ -241,7 +247,7 @@ async fn run_committer(
         });
     }
     // Wait for the last transactions before the committer ends.
-    let _ = writers.acquire_many(config.writers.max(1) as u32).await;
+    let _ = writers.acquire_many(n_writers).await;
 }
 
 /// Whether a queued job joins a group of `bytes` bytes so far: a job with a transaction

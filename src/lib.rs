@@ -36,6 +36,8 @@
 //!   assembled from each subsystem's own types; nothing imports it but `app`.
 //! - `app`     — wires everything; owns the one cancellation token that drives shutdown.
 
+#![warn(clippy::cast_possible_truncation)]
+
 pub mod admin;
 pub mod api;
 pub mod app;

@@ -32,6 +32,7 @@ pub struct Telemetry {
 }
 
 impl Telemetry {
+    /// Flushes the buffered spans and stops the exporter; a failure is printed to stderr.
     pub fn shutdown(self) {
         if let Some(p) = self.provider
             && let Err(e) = p.shutdown()

@@ -71,7 +71,9 @@ impl Scope {
 pub struct TokenEntry {
     /// Who holds it: logged and written to the audit log, unlike the token.
     pub name: String,
+    /// The secret, sent as `authorization: Bearer <token>`; never logged.
     pub token: String,
+    /// What it may do.
     pub scopes: Vec<Scope>,
     /// Enqueue only to these topics; absent: any topic.
     #[serde(default)]
@@ -182,6 +184,7 @@ pub struct Principal {
 }
 
 impl Principal {
+    /// A caller without a token: no name and no scopes (topics and subscriptions unlimited).
     pub fn anonymous() -> Self {
         Principal {
             name: None,
@@ -218,6 +221,7 @@ impl Principal {
         }
     }
 
+    /// Whether a token was checked (the caller has a name).
     pub fn authenticated(&self) -> bool {
         self.name.is_some()
     }

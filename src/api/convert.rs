@@ -191,6 +191,7 @@ pub fn attach_trace(event: &mut NewEvent, traceparent: Option<&str>, tracestate:
 /// The W3C trace context header name.
 pub const TRACEPARENT: &str = "traceparent";
 
+/// Validates an `Enqueue` request: its one event, required.
 pub fn enqueue_request(req: pb::EnqueueRequest, limits: &Limits) -> Result<NewEvent, Error> {
     let ev = req
         .event
@@ -198,6 +199,7 @@ pub fn enqueue_request(req: pb::EnqueueRequest, limits: &Limits) -> Result<NewEv
     new_event(ev, "event", limits).map_err(Error::InvalidArgument)
 }
 
+/// Validates an `EnqueueBatch` request: 1..=`max_batch` events, every violation named.
 pub fn enqueue_batch_request(
     req: pb::EnqueueBatchRequest,
     limits: &Limits,

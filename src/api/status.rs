@@ -24,7 +24,10 @@ pub mod reason {
     pub const INVALID_ARGUMENT: &str = "INVALID_ARGUMENT";
     /// The idempotency key was already used for different content.
     pub const IDEMPOTENCY_KEY_REUSED: &str = "IDEMPOTENCY_KEY_REUSED";
+    /// What the request names does not exist.
     pub const NOT_FOUND: &str = "NOT_FOUND";
+    /// The request does not fit the current state (e.g. events not in the state the
+    /// action needs).
     pub const FAILED_PRECONDITION: &str = "FAILED_PRECONDITION";
     /// The intake queue in front of the database is full.
     pub const INTAKE_FULL: &str = "INTAKE_FULL";
@@ -39,11 +42,13 @@ pub mod reason {
     /// The database cancelled the statement after the statement timeout of its query
     /// class; nothing was changed.
     pub const STATEMENT_TIMEOUT: &str = "STATEMENT_TIMEOUT";
+    /// The token is missing or invalid.
     pub const UNAUTHENTICATED: &str = "UNAUTHENTICATED";
     /// The token is valid but may not make this call: a scope it lacks (named in the
     /// `required_scope` metadata, e.g. `admin` for an `admin_read` token's requeue), or a
     /// topic or subscription outside its lists.
     pub const PERMISSION_DENIED: &str = "PERMISSION_DENIED";
+    /// An unexpected server error; details are in the server's log only.
     pub const INTERNAL: &str = "INTERNAL";
 }
 

@@ -36,6 +36,7 @@ pub enum PendingOrder {
 pub struct PendingCursor {
     /// The order the token was made for; a token is only valid with it.
     pub order: PendingOrder,
+    /// The group's pending count.
     pub pending: i64,
     /// Microseconds since the epoch of the group's oldest pending event.
     pub oldest_us: i64,
@@ -43,19 +44,28 @@ pub struct PendingCursor {
     /// inbox existed).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub subscription: String,
+    /// The group's topic.
     pub topic: String,
+    /// The group's key; `""` for unkeyed events.
     pub key: String,
 }
 
+/// A validated ListPending request: filters, order and page.
 #[derive(Debug, Clone)]
 pub struct PendingQuery {
     /// Inbox only: one subscription.
     pub subscription: Option<String>,
+    /// Only this topic (exact).
     pub topic: Option<String>,
+    /// Only keys starting with this prefix; unkeyed groups are left out when set.
     pub key_prefix: Option<String>,
+    /// Only groups whose head is blocked (see `KeyBacklog::blocked`).
     pub only_blocked: bool,
+    /// How the groups are sorted.
     pub order: PendingOrder,
+    /// Groups per page; at least 1 (the API accepts 1..=1000).
     pub page_size: u32,
+    /// Continue after this cursor (the previous page's `next`); `None` for the first page.
     pub after: Option<PendingCursor>,
 }
 
@@ -65,25 +75,38 @@ pub struct PendingQuery {
 pub struct KeyBacklog {
     /// The inbox's subscription; `""` for the outbox.
     pub subscription: String,
+    /// The group's topic.
     pub topic: String,
+    /// The group's key; `""` for the topic's unkeyed events.
     pub key: String,
+    /// Pending events in the group.
     pub pending: i64,
     /// The oldest pending event is the key's head: ids follow acceptance order.
     pub oldest_created_at: DateTime<Utc>,
+    /// The head's id: the group's lowest pending id.
     pub head_id: EventId,
+    /// Delivery attempts the head has used so far.
     pub head_attempts: u32,
+    /// When the head is next due (its `scheduled_at`).
     pub head_next_attempt_at: DateTime<Utc>,
+    /// The head's last error; `None` if it has none.
     pub head_last_error: Option<String>,
+    /// The head has been tried (or carries an error) and its retry is not due yet.
     pub blocked: bool,
 }
 
+/// One page of the ListPending backlog.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PendingPage {
+    /// This page's groups, in the query's order.
     pub keys: Vec<KeyBacklog>,
+    /// Cursor for the next page; `None` on the last page.
     pub next: Option<PendingCursor>,
     /// Totals over the topic and key-prefix filters (not `only_blocked`, not the page).
     pub total_pending: i64,
+    /// Groups over the same filters.
     pub total_keys: i64,
+    /// Blocked groups over the same filters.
     pub total_blocked_keys: i64,
 }
 
@@ -93,10 +116,13 @@ pub struct EventFilter {
     /// Inbox only: the subscription, exact.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub subscription: Option<String>,
+    /// The topic, exact.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub topic: Option<String>,
+    /// The key, exact.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
+    /// The event type, exact.
     #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
     pub event_type: Option<String>,
     /// Last update at or after.
@@ -114,15 +140,23 @@ pub struct EventFilter {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Selection {
+    /// These events, by id: each must exist and be failed, else nothing changes.
     Ids(Vec<EventId>),
+    /// Failed events matching the filter, in id order, up to the request's `limit`.
     Filter(EventFilter),
 }
 
+/// A validated RequeueFailed request.
 #[derive(Debug, Clone)]
 pub struct RequeueRequest {
+    /// The failed events to put back in line.
     pub selection: Selection,
+    /// Most events a filter takes (1..=`MAX_REQUEUE`; `DEFAULT_REQUEUE` when the caller gives
+    /// none); a list of ids may not be longer.
     pub limit: u32,
+    /// Only count and sample the selection: nothing changes, no audit entry is written.
     pub dry_run: bool,
+    /// Who acts, as the audit entry records it: the operator the caller names, with its token.
     pub actor: String,
     /// The authenticated token name, recorded apart from the claimed operator.
     pub principal: Option<String>,
@@ -130,10 +164,15 @@ pub struct RequeueRequest {
     pub request_id: Option<String>,
 }
 
+/// What a requeue did (or, on dry run, would do).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequeueOutcome {
+    /// Events requeued; on dry run, selected; on replay, requeued the first time.
     pub count: i64,
+    /// The first `SAMPLE_IDS` ids of the selection; empty on replay.
     pub sample_ids: Vec<EventId>,
+    /// The audit entry written (or the earlier one, on replay); `None` on dry run or when
+    /// nothing matched.
     pub audit_id: Option<i64>,
     /// Keys a relay held at the time: its release may overwrite their readiness, so
     /// they are woken again once released.
@@ -148,15 +187,22 @@ pub struct RequeueOutcome {
 pub struct AdminKey {
     /// `None` for the outbox.
     pub subscription: Option<String>,
+    /// The key's topic.
     pub topic: String,
+    /// The key itself (keyed events only: unkeyed events have no key row).
     pub key: String,
 }
 
+/// A validated CancelEvents request.
 #[derive(Debug, Clone)]
 pub struct CancelRequest {
+    /// The pending events to cancel: each must exist and be pending, else nothing changes.
     pub ids: Vec<EventId>,
+    /// Why, kept as each event's last error (`cancelled: <reason>`) and in the audit entry.
     pub reason: String,
+    /// Only check the ids: nothing changes, no audit entry is written.
     pub dry_run: bool,
+    /// Who acts, as the audit entry records it: the operator the caller names, with its token.
     pub actor: String,
     /// The authenticated token name, recorded apart from the claimed operator.
     pub principal: Option<String>,
@@ -164,10 +210,14 @@ pub struct CancelRequest {
     pub request_id: Option<String>,
 }
 
+/// What a cancel did (or, on dry run, would do).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CancelOutcome {
+    /// The events cancelled (on replay: as recorded the first time).
     pub ids: Vec<EventId>,
+    /// The audit entry written (or the earlier one, on replay); `None` on dry run.
     pub audit_id: Option<i64>,
+    /// Keys a relay held at the time; they are woken again once released.
     pub leased_keys: Vec<AdminKey>,
     /// The request_id named an action already done; nothing changed.
     pub replayed: bool,
@@ -176,63 +226,99 @@ pub struct CancelOutcome {
 /// One event with what an operator needs; the payload only on request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EventDetail {
+    /// The event and its delivery state; the payload is empty unless asked for.
     pub event: StoredEvent,
+    /// The payload's size in bytes, whether or not the payload is included.
     pub payload_size: i64,
     /// Inbox messages: the subscription and the message id (dedup key).
     pub subscription: Option<String>,
+    /// The inbox message id (dedup key); `None` in the outbox.
     pub message_id: Option<String>,
 }
 
+/// A validated ListEvents request.
 #[derive(Debug, Clone)]
 pub struct EventsQuery {
+    /// Only events in this status; `None` for every status.
     pub status: Option<Status>,
+    /// Only events matching this filter.
     pub filter: EventFilter,
+    /// Events per page; at least 1 (the API accepts 1..=1000).
     pub page_size: u32,
     /// Ids strictly below this one (pages go newest first).
     pub before_id: Option<EventId>,
 }
 
+/// One page of ListEvents, newest first.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EventsPage {
+    /// This page's events, without payloads.
     pub events: Vec<EventDetail>,
+    /// `before_id` for the next page; `None` on the last page.
     pub next_before_id: Option<EventId>,
 }
 
+/// One entry of the admin audit log: a requeue or cancel that changed something.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AuditEntry {
+    /// The entry's id; entries are listed newest (highest id) first.
     pub id: i64,
+    /// When the action was recorded, by the database's clock.
     pub at: DateTime<Utc>,
+    /// Who acted: the operator the caller named, with its token.
     pub actor: String,
+    /// `"requeue"` or `"cancel"`.
     pub action: String,
+    /// The box the action applied to.
     pub box_kind: BoxKind,
+    /// The selection as JSON text: `{"ids": [...]}` (with `"reason"` for a cancel) or
+    /// `{"filter": {...}, "limit": n}`.
     pub selection: String,
+    /// Events changed.
     pub count: i64,
+    /// The authenticated token name; `None` without one.
     pub principal: Option<String>,
+    /// The caller's request id, if it gave one.
     pub request_id: Option<String>,
 }
 
+/// One page of the audit log, newest first.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AuditPage {
+    /// This page's entries.
     pub entries: Vec<AuditEntry>,
+    /// `before_id` for the next page; `None` on the last page.
     pub next_before_id: Option<i64>,
 }
 
+/// Event counts of one topic (for the inbox, of one subscription's topic) by status.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct TopicStats {
     /// The inbox's subscription; `""` for the outbox.
     pub subscription: String,
+    /// The topic.
     pub topic: String,
+    /// Pending events.
     pub pending: i64,
+    /// Completed events.
     pub completed: i64,
+    /// Failed events.
     pub failed: i64,
 }
 
+/// Counts over a box (or one inbox subscription).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stats {
+    /// Pending events in all.
     pub pending: i64,
+    /// Completed events in all.
     pub completed: i64,
+    /// Failed events in all.
     pub failed: i64,
+    /// Age of the oldest pending event, by the database's clock; `None` when nothing is pending.
     pub oldest_pending_age: Option<Duration>,
+    /// Keys whose head is blocked (see `KeyBacklog::blocked`).
     pub blocked_keys: i64,
+    /// Per-topic counts, sorted by (subscription, topic).
     pub topics: Vec<TopicStats>,
 }

@@ -14,11 +14,14 @@ pub type EventId = i64;
 /// are written once and pointed at either box.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BoxKind {
+    /// Events producers enqueue, published to Kafka.
     Outbox,
+    /// Messages received for subscriptions, dispatched to their handlers.
     Inbox,
 }
 
 impl BoxKind {
+    /// `"outbox"` or `"inbox"`, as stored and logged.
     pub fn as_str(self) -> &'static str {
         match self {
             BoxKind::Outbox => "outbox",
@@ -31,11 +34,17 @@ impl BoxKind {
 /// and settles are scoped to it, so each subscription's dispatcher sees only its messages.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Queue {
+    /// The whole outbox.
     Outbox,
-    Inbox { subscription: String },
+    /// One subscription's part of the inbox.
+    Inbox {
+        /// The subscription's name.
+        subscription: String,
+    },
 }
 
 impl Queue {
+    /// The box this queue is part of.
     pub fn box_kind(&self) -> BoxKind {
         match self {
             Queue::Outbox => BoxKind::Outbox,
@@ -43,6 +52,7 @@ impl Queue {
         }
     }
 
+    /// The inbox subscription; `None` for the outbox.
     pub fn subscription(&self) -> Option<&str> {
         match self {
             Queue::Outbox => None,
@@ -55,12 +65,16 @@ impl Queue {
 /// terminal until an operator requeues it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Status {
+    /// Waiting for delivery: due now, or scheduled for later (a delay or a retry).
     Pending,
+    /// Delivered: published to Kafka, or handled, in the inbox.
     Completed,
+    /// Out of attempts, rejected, or cancelled by an operator.
     Failed,
 }
 
 impl Status {
+    /// `"pending"`, `"completed"` or `"failed"`, as stored.
     pub fn as_str(self) -> &'static str {
         match self {
             Status::Pending => "pending",
@@ -69,6 +83,7 @@ impl Status {
         }
     }
 
+    /// The status stored as `s`; `None` for any other text.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "pending" => Some(Status::Pending),
@@ -82,14 +97,20 @@ impl Status {
 /// A validated event as a producer handed it over, before it has an id.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewEvent {
+    /// The Kafka topic (see `check_topic`).
     pub topic: String,
     /// `None`: unordered.
     pub key: Option<String>,
+    /// The payload, opaque to mailroom.
     pub payload: Vec<u8>,
     /// Sorted, so the stored JSON and the idempotency fingerprint are canonical.
     pub headers: BTreeMap<String, String>,
+    /// The producer's event type; `None` if it gave none.
     pub event_type: Option<String>,
+    /// Makes a retried enqueue with the same content return the stored event instead of
+    /// storing another (scoped to the topic); `None`: no deduplication.
     pub idempotency_key: Option<String>,
+    /// Not delivered before this time; `None`: at once.
     pub deliver_after: Option<DateTime<Utc>>,
     /// Resolved attempt budget (the server default when the client sent none).
     pub max_attempts: u32,
@@ -244,11 +265,17 @@ pub struct InboundMessage {
     /// Deduplication identity, namespaced by origin (`src/inbox/identity.rs`):
     /// `ce:…` (ce_source and ce_id), `kafka:topic:partition:offset`, or `rpc:<id>`.
     pub message_id: String,
+    /// The message's topic.
     pub topic: String,
+    /// `None`: unkeyed, so unordered.
     pub key: Option<String>,
+    /// The payload, opaque to mailroom.
     pub payload: Vec<u8>,
+    /// The message's headers, sorted.
     pub headers: BTreeMap<String, String>,
+    /// The message's event type, if any.
     pub event_type: Option<String>,
+    /// Attempt budget of the handler deliveries.
     pub max_attempts: u32,
     /// Set when the message must be stored as `failed` at once (a Kafka record over the
     /// inbox limits, or refused by the database): the reason, kept as its last error.
@@ -258,17 +285,20 @@ pub struct InboundMessage {
 /// What storing one event did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {
+    /// Stored by this call, with this id.
     Inserted(EventId),
     /// An earlier request with the same idempotency key and content stored it.
     Duplicate(EventId),
 }
 
 impl Enqueued {
+    /// The stored event's id, new or earlier.
     pub fn id(self) -> EventId {
         match self {
             Enqueued::Inserted(id) | Enqueued::Duplicate(id) => id,
         }
     }
+    /// Whether an earlier request had already stored it.
     pub fn is_duplicate(self) -> bool {
         matches!(self, Enqueued::Duplicate(_))
     }
@@ -277,32 +307,54 @@ impl Enqueued {
 /// An event as stored, with its delivery state.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredEvent {
+    /// Server-assigned id.
     pub id: EventId,
+    /// The Kafka topic (the origin topic, in the inbox).
     pub topic: String,
+    /// `None`: unkeyed, so unordered.
     pub key: Option<String>,
+    /// The payload; empty when a query leaves it out.
     pub payload: Vec<u8>,
+    /// Headers, sorted, with any trace context stored (`traceparent`, `tracestate`).
     pub headers: BTreeMap<String, String>,
+    /// The event type, if any.
     pub event_type: Option<String>,
+    /// The idempotency key it was enqueued with, if any.
     pub idempotency_key: Option<String>,
+    /// Where it is in its lifecycle.
     pub status: Status,
+    /// Delivery attempts counted so far.
     pub attempts: u32,
+    /// Attempt budget: a counted failure that reaches it fails the event.
     pub max_attempts: u32,
+    /// When it is next due (for a pending event).
     pub scheduled_at: DateTime<Utc>,
+    /// When it was accepted.
     pub created_at: DateTime<Utc>,
+    /// When it last changed.
     pub updated_at: DateTime<Utc>,
+    /// When it completed; `None` until then.
     pub published_at: Option<DateTime<Utc>>,
+    /// The last delivery error, gap note or cancel reason; `None` if there is none.
     pub last_error: Option<String>,
 }
 
 /// Request limits, from the configuration.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
+    /// Largest payload per event, in bytes.
     pub max_payload_bytes: usize,
+    /// Most headers per event.
     pub max_headers: usize,
+    /// Bytes of header names and values per event, in all.
     pub max_header_bytes: usize,
+    /// Largest key, in bytes.
     pub max_key_bytes: usize,
+    /// Most events per `EnqueueBatch`.
     pub max_batch: usize,
+    /// Largest `max_attempts` a producer may ask for.
     pub max_attempts_cap: u32,
+    /// Attempt budget of an event that asks for none (`max_attempts` 0).
     pub default_max_attempts: u32,
 }
 

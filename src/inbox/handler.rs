@@ -37,6 +37,7 @@ pub const HANDLE_SPAN: &str = "mailroom.v1.HandlerService/Handle";
 /// Wait before an uncounted retry that named no time.
 const DEFER_DEFAULT: Duration = Duration::from_secs(1);
 
+/// Delivers a subscription's inbox messages to its `HandlerService` over gRPC.
 pub struct HandlerSink {
     client: HandlerServiceClient<Channel>,
     subscription: String,

@@ -102,7 +102,7 @@ mod tests {
         let expected = [(5, 10), (10, 20), (20, 40), (40, 80), (80, 160)];
         for (made, (lo, hi)) in expected.into_iter().enumerate() {
             for _ in 0..200 {
-                let d = p.delay(made as u32, &mut rng);
+                let d = p.delay(u32::try_from(made).expect("five attempts"), &mut rng);
                 assert!(
                     d >= Duration::from_secs(lo) && d <= Duration::from_secs(hi),
                     "attempt {made}: {d:?} outside [{lo}, {hi}]"

@@ -12,6 +12,7 @@ use crate::domain::admin::{
 };
 use crate::domain::{BoxKind, EventId};
 
+/// The store's operator queries and actions, for both boxes.
 #[async_trait::async_trait]
 pub trait AdminStore: Send + Sync {
     /// One page of the backlog grouped by (topic, key) — (subscription, topic, key) for

@@ -4,6 +4,7 @@
 
 use crate::domain::{EventId, Status};
 
+/// An error of the store.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The database cannot be reached or refused the connection: retry later.
@@ -26,11 +27,15 @@ pub enum StoreError {
     /// Explicit ids that name no event; nothing was changed. The message names at most
     /// a few of them (`some_of`).
     #[error("no event with id {}; nothing was changed", some_of(ids))]
-    Missing { ids: Vec<EventId> },
+    Missing {
+        /// Every id asked for that names no event.
+        ids: Vec<EventId>,
+    },
     /// Explicitly named events that are not in the state the action needs (`wanted`);
     /// nothing was changed.
     #[error("only {} events can be {action}: {}; nothing was changed", wanted.as_str(), some_of(found))]
     WrongState {
+        /// The state the action needs.
         wanted: Status,
         /// The action in the past tense: "requeued", "cancelled".
         action: &'static str,
@@ -41,10 +46,12 @@ pub enum StoreError {
     /// same transaction: it was rolled back, nothing was changed.
     #[error("some selected events changed state meanwhile; nothing was changed, try again")]
     ChangedMeanwhile,
+    /// Anything else the database or a row decode reported.
     #[error("database error: {0}")]
     Other(String),
 }
 
+/// A store call's result.
 pub type StoreResult<T> = Result<T, StoreError>;
 
 /// A value an error message may name: an id, or an id with its state.

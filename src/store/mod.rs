@@ -33,7 +33,10 @@ pub use error::{StoreError, StoreResult};
 /// The outcome for one event of an enqueue call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Admission {
+    /// Stored, with its new id.
     Inserted(EventId),
+    /// Already stored (same idempotency key and content, or the same inbox message id):
+    /// the stored event's id.
     Duplicate(EventId),
     /// The idempotency key is taken by an event with other content.
     Conflict,
@@ -42,7 +45,9 @@ pub enum Admission {
 /// The identity of an ordered line: one (topic, key).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LineKey {
+    /// The topic.
     pub topic: String,
+    /// The key; unkeyed events have no line.
     pub key: String,
 }
 
@@ -54,8 +59,11 @@ pub struct LineKey {
 /// the window, so more may follow.
 #[derive(Debug, Clone)]
 pub struct KeyWindow {
+    /// The key whose line this is.
     pub line: LineKey,
+    /// The window's events, in id order.
     pub rows: Vec<StoredEvent>,
+    /// A limit cut the window: more of the line may follow.
     pub full: bool,
     /// The earliest schedule of the never-tried delayed events before the window's end
     /// (of all of them when the window is not full): when the key must be looked at again.
@@ -84,9 +92,11 @@ pub fn fit_in_budget(sizes: impl IntoIterator<Item = u64>, budget: u64) -> usize
 /// succeeds only while the claim's lease is still held.
 #[derive(Debug, Clone)]
 pub struct Claim {
+    /// The token passed to `claim`, for `settle` and `renew`.
     pub token: i64,
     /// The database's clock when the claim was made; planning compares schedules to it.
     pub now: DateTime<Utc>,
+    /// One window per leased key.
     pub keyed: Vec<KeyWindow>,
     /// Due events without a key, each claimed individually.
     pub unkeyed: Vec<StoredEvent>,
@@ -95,7 +105,9 @@ pub struct Claim {
 impl ClaimLimits {
     /// Rows to read per key when `leased` keys share the budget.
     pub fn per_key(&self, leased: usize) -> u32 {
-        (self.max_events / leased.max(1) as u32).clamp(1, self.max_run.max(1))
+        // Saturate: past `u32::MAX` keys, each gets one row either way (the clamp).
+        let leased = u32::try_from(leased.max(1)).unwrap_or(u32::MAX);
+        (self.max_events / leased).clamp(1, self.max_run.max(1))
     }
 }
 
@@ -120,45 +132,63 @@ pub struct ClaimLimits {
 /// A change to one claimed event, decided by the relay engine.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EventUpdate {
+    /// Delivered (published, or handled in the inbox).
     Completed {
+        /// The event.
         id: EventId,
     },
     /// Published, but after an earlier event of its key failed in the same run: the
     /// broker may hold it ahead of that event. `note` is kept as the event's last error,
     /// so `GetEvent` shows it.
     CompletedAfterGap {
+        /// The event.
         id: EventId,
+        /// Kept as the event's last error.
         note: String,
     },
     /// A counted failure with budget left: `attempts` is the new count, the event is due
     /// again `delay` after the settle.
     Retry {
+        /// The event.
         id: EventId,
+        /// The new attempt count.
         attempts: u32,
+        /// From the settle until the event is due again.
         delay: Duration,
+        /// The failure, kept as the event's last error.
         error: String,
     },
-    /// An explicit retry time (inbox handlers); `counted` spends an attempt.
+    /// A retry at a time the destination named (a sink or inbox handler); it may or may
+    /// not spend an attempt.
     RetryAt {
+        /// The event.
         id: EventId,
+        /// The new attempt count; unchanged when the retry spends no attempt.
         attempts: u32,
+        /// When the event is due again.
         at: DateTime<Utc>,
+        /// The failure, kept as the event's last error.
         error: String,
     },
     /// Out of attempts (or rejected): terminal until requeued.
     Failed {
+        /// The event.
         id: EventId,
+        /// The final attempt count.
         attempts: u32,
+        /// Why, kept as the event's last error.
         error: String,
     },
     /// Claimed but not reached (unkeyed events only; a keyed line is released with its
     /// key): back in line at once, untouched.
     Release {
+        /// The event.
         id: EventId,
     },
 }
 
 impl EventUpdate {
+    /// The event this update is for.
     pub fn id(&self) -> EventId {
         match self {
             EventUpdate::Completed { id }
@@ -185,6 +215,7 @@ pub struct Readiness {
 }
 
 impl Readiness {
+    /// Ready at once.
     pub fn now() -> Self {
         Readiness {
             after: Some(Duration::ZERO),
@@ -196,7 +227,9 @@ impl Readiness {
 /// The release of one leased key with its next readiness.
 #[derive(Debug, Clone)]
 pub struct KeyRelease {
+    /// The leased key to release.
     pub line: LineKey,
+    /// When it may next have something to publish.
     pub ready: Readiness,
 }
 

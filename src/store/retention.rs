@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use super::StoreResult;
 
+/// The store's retention calls: bounded deletes of old outbox events and idle key rows.
 #[async_trait::async_trait]
 pub trait RetentionStore: Send + Sync {
     /// Deletes up to `limit` outbox events that were completed (published) more than

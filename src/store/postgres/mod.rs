@@ -31,6 +31,7 @@ use super::{
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
+/// The PostgreSQL engine: a `Store` over three connection pools (see `PgPools`).
 pub struct PgStore {
     /// Enqueues, receives and health checks.
     pool: PgPool,
@@ -45,8 +46,11 @@ pub struct PgStore {
 /// The service's connection pools, one per query class so that each carries the
 /// `statement_timeout` of its class (`config::DatabaseTimeouts`).
 pub struct PgPools {
+    /// Enqueues, receives and health checks.
     pub enqueue: PgPool,
+    /// Claims, settles, renewals and retention.
     pub relay: PgPool,
+    /// Admin reads and actions.
     pub admin: PgPool,
 }
 
@@ -74,6 +78,7 @@ impl PgStore {
         })
     }
 
+    /// A store over the given pools, one per query class.
     pub fn from_pools(pools: PgPools) -> Self {
         PgStore {
             pool: pools.enqueue,

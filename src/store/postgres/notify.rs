@@ -16,6 +16,7 @@ use sqlx::postgres::{PgListener, PgPool};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+/// The `LISTEN`/`NOTIFY` channel of the wake-ups after enqueue commits.
 pub const CHANNEL: &str = "mailroom_outbox";
 
 /// The first pause after a failure; it doubles with each further failure.
@@ -100,7 +101,7 @@ async fn reconnecting<F, Fut, S, SFut>(
             backoff.reset();
         }
         let pause = backoff.next_pause();
-        tracing::warn!(error = %e, pause_ms = pause.as_millis() as u64,
+        tracing::warn!(error = %e, pause_ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
             "LISTEN failed or its connection was lost; reconnecting after a pause");
         tokio::select! {
             biased;
@@ -120,6 +121,7 @@ pub struct Backoff {
 }
 
 impl Backoff {
+    /// A backoff whose first ceiling is `first`, doubling per failure up to `cap`.
     pub fn new(first: Duration, cap: Duration) -> Self {
         Backoff {
             first,
@@ -136,7 +138,9 @@ impl Backoff {
             .min(self.cap);
         self.failures = self.failures.saturating_add(1);
         let half = ceiling / 2;
-        let jitter = rand::RngExt::random_range(&mut rand::rng(), 0..=half.as_millis() as u64);
+        // Saturates rather than wraps for a cap beyond u64::MAX ms (no real cap is).
+        let half_ms = u64::try_from(half.as_millis()).unwrap_or(u64::MAX);
+        let jitter = rand::RngExt::random_range(&mut rand::rng(), 0..=half_ms);
         half + Duration::from_millis(jitter)
     }
 
@@ -180,8 +184,8 @@ mod tests {
             Err(sqlx::Error::PoolTimedOut)
         };
         let sleep = |pause: Duration| {
-            let total = waited_ms.fetch_add(pause.as_millis() as u64, Ordering::SeqCst)
-                + pause.as_millis() as u64;
+            let ms = u64::try_from(pause.as_millis()).expect("pauses are at most 30 s");
+            let total = waited_ms.fetch_add(ms, Ordering::SeqCst) + ms;
             if total > 60_000 {
                 shutdown.cancel();
             }

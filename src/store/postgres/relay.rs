@@ -228,7 +228,9 @@ impl PgStore {
                 at.push(t);
                 error.push(e);
             }
-            applied = q(&sql.settle_events)
+            // `as usize` fits: the statement changes at most one row per update.
+            #[allow(clippy::cast_possible_truncation)]
+            let changed = q(&sql.settle_events)
                 .bind(&ids)
                 .bind(&kind)
                 .bind(&attempts)
@@ -239,6 +241,7 @@ impl PgStore {
                 .execute(&mut *tx)
                 .await?
                 .rows_affected() as usize;
+            applied = changed;
         }
         if !releases.is_empty() {
             let n = releases.len();
@@ -289,7 +292,9 @@ impl PgStore {
         if !lines.is_empty() {
             let topics: Vec<&str> = lines.iter().map(|l| l.topic.as_str()).collect();
             let names: Vec<&str> = lines.iter().map(|l| l.key.as_str()).collect();
-            held += scoped(
+            // `as usize` fits: at most one key row per line.
+            #[allow(clippy::cast_possible_truncation)]
+            let changed = scoped(
                 q(&sql.renew_keys)
                     .bind(topics)
                     .bind(names)
@@ -300,9 +305,12 @@ impl PgStore {
             .execute(&self.relay_pool)
             .await?
             .rows_affected() as usize;
+            held += changed;
         }
         if !unkeyed.is_empty() {
-            held += scoped(
+            // `as usize` fits: at most one row per id in `unkeyed`.
+            #[allow(clippy::cast_possible_truncation)]
+            let changed = scoped(
                 q(&sql.renew_unkeyed)
                     .bind(unkeyed)
                     .bind(token)
@@ -312,6 +320,7 @@ impl PgStore {
             .execute(&self.relay_pool)
             .await?
             .rows_affected() as usize;
+            held += changed;
         }
         Ok(held)
     }

@@ -34,6 +34,7 @@ const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers, event_type,
 /// "Idle": later than any real time.
 const NEVER: i64 = i64::MAX;
 
+/// The SQLite engine: a `Store` over one database file and one connection.
 pub struct SqliteStore {
     pool: SqlitePool,
 }
@@ -77,7 +78,8 @@ impl Cols for SqliteRow {
         Ok(self.try_get(col)?)
     }
     fn count(&self, col: &str) -> StoreResult<u32> {
-        Ok(self.try_get::<i64, _>(col)? as u32)
+        let n: i64 = self.try_get(col)?;
+        u32::try_from(n).map_err(|_| StoreError::Other(format!("{col} = {n} is not a count")))
     }
     fn flag(&self, col: &str) -> StoreResult<bool> {
         Ok(self.try_get(col)?)
@@ -112,6 +114,7 @@ impl SqliteStore {
         Ok(SqliteStore { pool })
     }
 
+    /// The store's pool (one connection).
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
     }
@@ -366,7 +369,9 @@ impl Store for SqliteStore {
                     } => ("failed", Some(*attempts as i64), None, Some(error)),
                     EventUpdate::Release { .. } => ("pending", None, None, None),
                 };
-            applied += sqlx::query(AssertSqlSafe(update_sql.as_str()))
+            // `as usize` fits: the update names one event by id, so 0 or 1 rows.
+            #[allow(clippy::cast_possible_truncation)]
+            let changed = sqlx::query(AssertSqlSafe(update_sql.as_str()))
                 .bind(u.id())
                 .bind(status)
                 .bind(attempts)
@@ -378,6 +383,7 @@ impl Store for SqliteStore {
                 .execute(&mut *tx)
                 .await?
                 .rows_affected() as usize;
+            applied += changed;
         }
         let release_sql = format!(
             "UPDATE {keys} SET lease_token = NULL, lease_until = NULL,
@@ -436,7 +442,9 @@ impl Store for SqliteStore {
              WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3{key_scope}"
         );
         for l in lines {
-            held += sqlx::query(AssertSqlSafe(key_sql.as_str()))
+            // `as usize` fits: one key row at most.
+            #[allow(clippy::cast_possible_truncation)]
+            let changed = sqlx::query(AssertSqlSafe(key_sql.as_str()))
                 .bind(&l.topic)
                 .bind(&l.key)
                 .bind(token)
@@ -445,13 +453,16 @@ impl Store for SqliteStore {
                 .execute(&mut *tx)
                 .await?
                 .rows_affected() as usize;
+            held += changed;
         }
         let event_sql = format!(
             "UPDATE {events} SET claimed_until = ?3
              WHERE id = ?1 AND claim_token = ?2 AND status = 'pending'{event_scope}"
         );
         for id in unkeyed {
-            held += sqlx::query(AssertSqlSafe(event_sql.as_str()))
+            // `as usize` fits: one event by id, so 0 or 1 rows.
+            #[allow(clippy::cast_possible_truncation)]
+            let changed = sqlx::query(AssertSqlSafe(event_sql.as_str()))
                 .bind(id)
                 .bind(token)
                 .bind(until)
@@ -459,6 +470,7 @@ impl Store for SqliteStore {
                 .execute(&mut *tx)
                 .await?
                 .rows_affected() as usize;
+            held += changed;
         }
         tx.commit().await?;
         Ok(held)
