@@ -28,3 +28,4 @@ mod retention;
 mod security;
 mod sql_api;
 mod store;
+mod tls;
