@@ -223,17 +223,7 @@ async fn a_handlers_deferral_is_capped_and_visible_in_list_pending() {
         c.subscriptions = vec![sub];
         let s = Service::start(c).await;
         let mut inbox = InboxServiceClient::new(channel(s.app.addr).await);
-        inbox
-            .receive(pb::ReceiveRequest {
-                subscription: "parked".into(),
-                message_id: "d-1".into(),
-                topic: "orders".into(),
-                key: "k-1".into(),
-                payload: b"x".to_vec(),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        receive_on(&mut inbox, "parked", "d-1", "orders", "k-1", b"x").await;
         let mut admin =
             pb::admin_service_client::AdminServiceClient::new(channel(s.app.addr).await);
         let mut page = pb::ListPendingResponse::default();

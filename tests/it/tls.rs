@@ -14,7 +14,6 @@ use crate::support::pki::{Pki, pki};
 use crate::support::*;
 use mailroom::api::auth::Scope;
 use mailroom::config::{Config, Settings};
-use mailroom::pb;
 use mailroom::pb::handler_service_server::HandlerServiceServer;
 use mailroom::pb::inbox_service_client::InboxServiceClient;
 use mailroom::sink::SinkConfig;
@@ -99,16 +98,7 @@ async fn https_handler_with_mtls_gets_a_bearer_token_and_a_deadline() {
     let name = c.subscriptions[0].name.clone();
     let s = Service::start(c).await;
     let mut inbox = InboxServiceClient::new(channel(s.app.addr).await);
-    inbox
-        .receive(pb::ReceiveRequest {
-            subscription: name,
-            message_id: "tls-1".into(),
-            topic: "orders".into(),
-            payload: b"over tls".to_vec(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    receive_on(&mut inbox, &name, "tls-1", "orders", "", b"over tls").await;
     eventually(
         Duration::from_secs(15),
         "the https handler is called",
@@ -138,16 +128,7 @@ async fn https_handler_with_mtls_gets_a_bearer_token_and_a_deadline() {
     c.subscriptions = vec![sub];
     let s = Service::start(c).await;
     let mut inbox = InboxServiceClient::new(channel(s.app.addr).await);
-    inbox
-        .receive(pb::ReceiveRequest {
-            subscription: "nocert".into(),
-            message_id: "tls-2".into(),
-            topic: "orders".into(),
-            payload: b"x".to_vec(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    receive_on(&mut inbox, "nocert", "tls-2", "orders", "", b"x").await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(seen2.payloads.lock().unwrap().is_empty());
     s.app.stop().await.unwrap();

@@ -98,12 +98,24 @@ pub async fn receive(
     key: &str,
     payload: &str,
 ) -> pb::ReceiveResponse {
+    receive_on(c, sub, id, "direct", key, payload.as_bytes()).await
+}
+
+/// Receives `payload` for `sub` under message id `id`, on `topic` with `key` (`""`: none).
+pub async fn receive_on(
+    c: &mut InboxServiceClient<Channel>,
+    sub: &str,
+    id: &str,
+    topic: &str,
+    key: &str,
+    payload: &[u8],
+) -> pb::ReceiveResponse {
     let request = pb::ReceiveRequest {
         subscription: sub.into(),
         message_id: id.into(),
-        topic: "direct".into(),
+        topic: topic.into(),
         key: key.into(),
-        payload: payload.as_bytes().to_vec(),
+        payload: payload.to_vec(),
         ..Default::default()
     };
     c.receive(request).await.expect("receive").into_inner()
