@@ -24,6 +24,7 @@ mod otlp;
 mod overload;
 mod polyglot;
 mod relay;
+mod relay_under_load;
 mod retention;
 mod security;
 mod sql_api;
