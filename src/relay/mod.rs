@@ -29,7 +29,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::domain::{EventId, Queue};
 use crate::sink::{Delivery, Sink};
-use crate::store::{Claim, ClaimLimits, KeyRelease, LineKey, Readiness, Store, StoreError};
+use crate::store::{
+    Claim, ClaimLimits, KeyRelease, LineKey, Readiness, Renewal, Store, StoreError,
+};
 use backoff::{ProbeBackoff, RetryPolicy};
 use domains::{Domains, Gate};
 use plan::{LinePlan, Stop, plan_line, plan_single};
@@ -356,7 +358,13 @@ impl Shared {
         }
         for (wait, ids) in &held_unkeyed {
             self.store
-                .renew(&self.queue, token, &[], ids, *wait)
+                .renew(Renewal {
+                    queue: &self.queue,
+                    token,
+                    lines: &[],
+                    unkeyed: ids,
+                    lease: *wait,
+                })
                 .await?;
         }
         if out.is_empty() {
@@ -522,7 +530,13 @@ impl Shared {
         let asked = lines.len() + unkeyed.len();
         match self
             .store
-            .renew(&self.queue, token, &lines, &unkeyed, self.config.lease)
+            .renew(Renewal {
+                queue: &self.queue,
+                token,
+                lines: &lines,
+                unkeyed: &unkeyed,
+                lease: self.config.lease,
+            })
             .await
         {
             Ok(held) => {

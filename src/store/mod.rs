@@ -290,14 +290,7 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
     /// Extends the lease of keys and unkeyed events a claim still holds while their
     /// deliveries are in flight. Returns how many it still held (a key or event another
     /// relay has taken since is not renewed).
-    async fn renew(
-        &self,
-        queue: &Queue,
-        token: i64,
-        lines: &[LineKey],
-        unkeyed: &[EventId],
-        lease: Duration,
-    ) -> StoreResult<usize>;
+    async fn renew(&self, renewal: Renewal<'_>) -> StoreResult<usize>;
 
     /// One event by id.
     async fn get_event(&self, box_kind: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>>;
@@ -319,4 +312,19 @@ mod tests {
         assert_eq!(fit_in_budget([0, 0, 5], 0), 2);
         assert_eq!(fit_in_budget([u64::MAX, 1], u64::MAX - 1), 1, "no overflow");
     }
+}
+
+/// A lease renewal: what one claim still has in flight, and for how long.
+#[derive(Debug, Clone, Copy)]
+pub struct Renewal<'a> {
+    /// The box (and subscription) the claim is in.
+    pub queue: &'a Queue,
+    /// The claim's lease token.
+    pub token: i64,
+    /// Keys whose lines are still being delivered.
+    pub lines: &'a [LineKey],
+    /// Unkeyed events still being delivered.
+    pub unkeyed: &'a [EventId],
+    /// The new lease, counted from now.
+    pub lease: Duration,
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::support::*;
 use mailroom::app::open_store;
 use mailroom::domain::{BoxKind, NewEvent, Queue, Status};
-use mailroom::store::{Admission, ClaimLimits, EventUpdate, KeyRelease, Readiness, Store};
+use mailroom::store::{Admission, ClaimLimits, EventUpdate, KeyRelease, Readiness, Renewal, Store};
 
 fn new_event(key: Option<&str>, payload: &str) -> NewEvent {
     NewEvent {
@@ -194,13 +194,13 @@ async fn leases_renew_and_the_token_alone_fences_a_settle() {
         let line = c1.keyed[0].line.clone();
         // Renewed for 30 s: after the original 300 ms, nothing can be taken.
         let held = store
-            .renew(
-                q,
-                1,
-                std::slice::from_ref(&line),
-                &[unkeyed],
-                Duration::from_secs(30),
-            )
+            .renew(Renewal {
+                queue: q,
+                token: 1,
+                lines: std::slice::from_ref(&line),
+                unkeyed: &[unkeyed],
+                lease: Duration::from_secs(30),
+            })
             .await
             .unwrap();
         assert_eq!(held, 2);
@@ -217,13 +217,13 @@ async fn leases_renew_and_the_token_alone_fences_a_settle() {
         // Let the renewed lease run out (renew for 1 ms): no one takes it, the late
         // settle is still applied.
         store
-            .renew(
-                q,
-                1,
-                std::slice::from_ref(&line),
-                &[unkeyed],
-                Duration::from_millis(1),
-            )
+            .renew(Renewal {
+                queue: q,
+                token: 1,
+                lines: std::slice::from_ref(&line),
+                unkeyed: &[unkeyed],
+                lease: Duration::from_millis(1),
+            })
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -265,13 +265,13 @@ async fn leases_renew_and_the_token_alone_fences_a_settle() {
             .unwrap();
         assert_eq!(c4.keyed.len(), 1, "an expired lease is taken over");
         let held = store
-            .renew(
-                q,
-                3,
-                std::slice::from_ref(&line),
-                &[],
-                Duration::from_secs(30),
-            )
+            .renew(Renewal {
+                queue: q,
+                token: 3,
+                lines: std::slice::from_ref(&line),
+                unkeyed: &[],
+                lease: Duration::from_secs(30),
+            })
             .await
             .unwrap();
         assert_eq!(held, 0, "a lease taken over is not renewed");

@@ -26,7 +26,7 @@ use sqlx::{AssertSqlSafe, Row};
 use self::sql::Sql;
 use super::rows::{Cols, decode_event};
 use super::{
-    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, LineKey, SettleReport, Store,
+    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, LineKey, Renewal, SettleReport, Store,
     StoreError, StoreResult,
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
@@ -271,15 +271,8 @@ impl Store for PgStore {
         retry_aborted(|| self.settle_once(queue, token, updates, releases)).await
     }
 
-    async fn renew(
-        &self,
-        queue: &Queue,
-        token: i64,
-        lines: &[LineKey],
-        unkeyed: &[EventId],
-        lease: Duration,
-    ) -> StoreResult<usize> {
-        retry_aborted(|| self.renew_once(queue, token, lines, unkeyed, lease)).await
+    async fn renew(&self, renewal: Renewal<'_>) -> StoreResult<usize> {
+        retry_aborted(|| self.renew_once(renewal)).await
     }
 
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {

@@ -2,7 +2,6 @@
 //! claim due unkeyed events), settle and renew.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::Row;
@@ -10,8 +9,8 @@ use sqlx::Row;
 use super::{PgStore, decode_event, millis, q, scoped};
 use crate::domain::{EventId, Queue};
 use crate::store::{
-    Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport, StoreError,
-    StoreResult, fit_in_budget,
+    Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, Renewal, SettleReport,
+    StoreError, StoreResult, fit_in_budget,
 };
 
 impl PgStore {
@@ -279,14 +278,8 @@ impl PgStore {
         })
     }
 
-    pub(super) async fn renew_once(
-        &self,
-        queue: &Queue,
-        token: i64,
-        lines: &[LineKey],
-        unkeyed: &[EventId],
-        lease: Duration,
-    ) -> Result<usize, sqlx::Error> {
+    pub(super) async fn renew_once(&self, r: Renewal<'_>) -> Result<usize, sqlx::Error> {
+        let (queue, token, lines, unkeyed, lease) = (r.queue, r.token, r.lines, r.unkeyed, r.lease);
         let sql = self.sql(queue.box_kind());
         let mut held = 0;
         if !lines.is_empty() {

@@ -22,8 +22,8 @@ use sqlx::{AssertSqlSafe, Row};
 
 use super::rows::{Cols, decode_event};
 use super::{
-    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, SettleReport,
-    Store, StoreError, StoreResult, fit_in_budget,
+    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, Renewal,
+    SettleReport, Store, StoreError, StoreResult, fit_in_budget,
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
@@ -420,14 +420,8 @@ impl Store for SqliteStore {
         })
     }
 
-    async fn renew(
-        &self,
-        queue: &Queue,
-        token: i64,
-        lines: &[LineKey],
-        unkeyed: &[EventId],
-        lease: Duration,
-    ) -> StoreResult<usize> {
+    async fn renew(&self, r: Renewal<'_>) -> StoreResult<usize> {
+        let (queue, token, lines, unkeyed, lease) = (r.queue, r.token, r.lines, r.unkeyed, r.lease);
         let (events, keys) = tables(queue.box_kind());
         let sub = queue.subscription();
         let key_scope = scope(queue, "subscription = ?5");
