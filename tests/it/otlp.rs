@@ -123,16 +123,7 @@ async fn one_traced_enqueue(env: &[(&str, String)], trace_id: &str) {
         cmd.env(k, v);
     }
     let mut child = cmd.spawn().unwrap();
-    eventually(
-        Duration::from_secs(30),
-        "mailroom listening",
-        || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        },
-    )
-    .await;
+    wait_listening(port, "mailroom listening").await;
     let mut c = client(format!("127.0.0.1:{port}").parse().unwrap()).await;
     let mut req = tonic::Request::new(pb::EnqueueRequest {
         event: Some(event("traced", "k", b"x")),
@@ -297,16 +288,7 @@ async fn kafka_publishes_get_producer_spans() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    eventually(
-        Duration::from_secs(30),
-        "mailroom listening",
-        || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        },
-    )
-    .await;
+    wait_listening(port, "mailroom listening").await;
     let trace_id = "0af7651916cd43dd8448eb211c80319c";
     let caller_span = "b7ad6b7169203331";
     let mut c = client(format!("127.0.0.1:{port}").parse().unwrap()).await;
@@ -431,16 +413,7 @@ async fn handler_calls_get_client_spans() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    eventually(
-        Duration::from_secs(30),
-        "mailroom listening",
-        || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        },
-    )
-    .await;
+    wait_listening(port, "mailroom listening").await;
     let trace_id = "5b8efff798038103d269b633813fc60c";
     let producer_span = "eee19b7ec3c1b174";
     let mut inbox = pb::inbox_service_client::InboxServiceClient::new(
