@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::support::*;
 use mailroom::api::status::{DOMAIN, reason};
 use mailroom::pb;
+use sqlx::Connection as _;
 use tonic::Code;
 use tonic_types::StatusExt;
 
@@ -113,11 +114,21 @@ async fn errors_carry_error_info_and_retry_info() {
     assert!(e.get_details_retry_info().is_none());
     s.app.stop().await.unwrap();
 
-    // UNAVAILABLE from the server's request timeout: RetryInfo with a delay.
+    // UNAVAILABLE from the server's request timeout: RetryInfo with a delay. The enqueue
+    // is held past the timeout for certain: another transaction holds its key row (a
+    // timeout of a nanosecond alone lost the race to a fast commit on a quiet machine).
     let mut c = quiet_config(&url);
-    c.overload.rpc_timeout = Some(Duration::from_nanos(1));
+    c.overload.rpc_timeout = Some(Duration::from_millis(300));
     let mut s = Service::start(c).await;
+    enqueue(&mut s.client, event("conv", "slow", b"first")).await;
+    let mut locker = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
+    sqlx::query("SELECT 1 FROM outbox_keys WHERE topic = 'conv' AND event_key = 'slow' FOR UPDATE")
+        .fetch_one(&mut locker)
+        .await
+        .unwrap();
     let e = enqueue_err(&mut s.client, Some(event("conv", "slow", b"x"))).await;
+    sqlx::query("ROLLBACK").execute(&mut locker).await.unwrap();
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
     assert_eq!(reason_of(&e), reason::SERVER_TIMEOUT);
     let delay = e.get_details_retry_info().unwrap().retry_delay.unwrap();
