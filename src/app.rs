@@ -308,18 +308,18 @@ impl App {
         if let Some(listen) = config.console_listen {
             let (l, addr) = bind(listen, "console").await?;
             console_addr = Some(addr);
-            let console = crate::console::Console::new(
-                Admin::new(store.clone(), config.relay.lease),
-                auth.clone(),
-                config.console_read_only,
-                config
+            let console = crate::console::Console::new(crate::console::ConsoleParts {
+                admin: Admin::new(store.clone(), config.relay.lease),
+                auth: auth.clone(),
+                read_only: config.console_read_only,
+                subscriptions: config
                     .subscriptions
                     .iter()
                     .map(|s| s.name.clone())
                     .collect(),
-                relay_stats.clone(),
-                inbox_handles.clone(),
-            );
+                relays: relay_stats.clone(),
+                inbox: inbox_handles.clone(),
+            });
             tasks.push(tokio::spawn(console.serve(l, background.clone())));
         }
         let tls = match &config.tls {

@@ -18,6 +18,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::store::retention::Finished;
 use crate::store::{Store, StoreResult};
 
 /// What retention deletes, and how often.
@@ -88,13 +89,13 @@ pub async fn run_round(
     let mut r = RoundReport::default();
     if let Some(age) = config.completed {
         r.completed = drain(config.batch, shutdown, || {
-            store.purge_completed(age, config.batch)
+            store.purge(Finished::Completed, age, config.batch)
         })
         .await?;
     }
     if let Some(age) = config.failed {
         r.failed = drain(config.batch, shutdown, || {
-            store.purge_failed(age, config.batch)
+            store.purge(Finished::Failed, age, config.batch)
         })
         .await?;
     }

@@ -10,8 +10,9 @@ use tonic::{Request, Response, Status};
 use super::auth::{LEGACY_ADMIN_TOKEN, Principal};
 use crate::admin::{Admin, decode_token, encode_token};
 use crate::domain::admin::{
-    AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter, EventsQuery, KeyBacklog,
-    MAX_CANCEL, MAX_REQUEUE, PendingCursor, PendingOrder, PendingQuery, RequeueRequest, Selection,
+    ActionContext, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter,
+    EventsQuery, KeyBacklog, MAX_CANCEL, MAX_REQUEUE, PendingCursor, PendingOrder, PendingQuery,
+    RequeueRequest, Selection,
 };
 use crate::domain::{BoxKind, Status as EventStatus, check_topic};
 use crate::error::{Error, FieldViolation};
@@ -45,6 +46,14 @@ impl Caller {
             None => name.to_string(),
             Some(LEGACY_ADMIN_TOKEN) => format!("{name} (token)"),
             Some(token) => format!("{name} (token {token})"),
+        }
+    }
+
+    /// The caller acting as `operator`; the request fills in the dry run and request id.
+    fn context(&self, operator: &str) -> ActionContext {
+        ActionContext {
+            principal: self.principal.name.clone(),
+            ..ActionContext::by(self.actor(operator))
         }
     }
 }
@@ -228,11 +237,11 @@ fn request_id(v: String) -> Result<Option<String>, Error> {
     Ok(Some(v))
 }
 
-/// Validates a `RequeueFailed` request; `actor` is the authenticated caller.
+/// Validates a `RequeueFailed` request; `context` names the authenticated caller.
 pub fn requeue_request(
     b: BoxKind,
     r: pb::RequeueFailedRequest,
-    actor: String,
+    context: ActionContext,
 ) -> Result<RequeueRequest, Error> {
     let filter = event_filter(b, r.filter, "filter")?;
     let limit = match r.limit {
@@ -275,15 +284,19 @@ pub fn requeue_request(
     Ok(RequeueRequest {
         selection,
         limit,
-        dry_run: r.dry_run,
-        actor,
-        principal: None,
-        request_id: request_id(r.request_id)?,
+        context: ActionContext {
+            dry_run: r.dry_run,
+            request_id: request_id(r.request_id)?,
+            ..context
+        },
     })
 }
 
-/// Validates a `CancelEvents` request; `actor` is the authenticated caller.
-pub fn cancel_request(r: pb::CancelEventsRequest, actor: String) -> Result<CancelRequest, Error> {
+/// Validates a `CancelEvents` request; `context` names the authenticated caller.
+pub fn cancel_request(
+    r: pb::CancelEventsRequest,
+    context: ActionContext,
+) -> Result<CancelRequest, Error> {
     let request_id = request_id(r.request_id.clone())?;
     let mut v = Vec::new();
     if r.ids.is_empty() {
@@ -316,10 +329,11 @@ pub fn cancel_request(r: pb::CancelEventsRequest, actor: String) -> Result<Cance
     Ok(CancelRequest {
         ids,
         reason,
-        dry_run: r.dry_run,
-        actor,
-        principal: None,
-        request_id,
+        context: ActionContext {
+            dry_run: r.dry_run,
+            request_id,
+            ..context
+        },
     })
 }
 
@@ -442,12 +456,11 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let caller = self.authorize(request.extensions())?;
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
-        let actor = caller.actor(&r.operator);
-        let mut req = requeue_request(b, r, actor)?;
-        req.principal = caller.principal.name.clone();
+        let context = caller.context(&r.operator);
+        let req = requeue_request(b, r, context)?;
         let out = self.admin.requeue(b, &req).await?;
         if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
-            tracing::info!(audit_id = id, count = out.count, actor = %req.actor, "requeued failed events");
+            tracing::info!(audit_id = id, count = out.count, actor = %req.context.actor, "requeued failed events");
             if let Some(m) = &self.metrics {
                 m.requeued(out.count.max(0) as u64);
             }
@@ -455,7 +468,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         Ok(Response::new(pb::RequeueFailedResponse {
             count: out.count,
             sample_ids: out.sample_ids,
-            dry_run: req.dry_run,
+            dry_run: req.context.dry_run,
             audit_id: out.audit_id.unwrap_or(0),
             replayed: out.replayed,
         }))
@@ -501,12 +514,11 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let caller = self.authorize(request.extensions())?;
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
-        let actor = caller.actor(&r.operator);
-        let mut req = cancel_request(r, actor)?;
-        req.principal = caller.principal.name.clone();
+        let context = caller.context(&r.operator);
+        let req = cancel_request(r, context)?;
         let out = self.admin.cancel(b, &req).await?;
         if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
-            tracing::info!(audit_id = id, count = out.ids.len(), actor = %req.actor, "cancelled events");
+            tracing::info!(audit_id = id, count = out.ids.len(), actor = %req.context.actor, "cancelled events");
             if let Some(m) = &self.metrics {
                 m.cancelled(out.ids.len() as u64);
             }
@@ -589,7 +601,7 @@ mod tests {
             }),
             ..Default::default()
         };
-        match requeue_request(BoxKind::Inbox, r, "x".into()) {
+        match requeue_request(BoxKind::Inbox, r, ActionContext::by("x")) {
             Err(Error::InvalidArgument(v)) => assert_eq!(v[0].field, "ids"),
             other => panic!("{other:?}"),
         }

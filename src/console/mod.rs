@@ -30,8 +30,8 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::{Admin, decode_token, encode_token};
 use crate::api::auth::{Auth, LEGACY_ADMIN_TOKEN, Scope};
 use crate::domain::admin::{
-    CancelRequest, DEFAULT_REQUEUE, EventFilter, EventsQuery, PendingOrder, PendingQuery,
-    RequeueRequest, Selection,
+    ActionContext, CancelRequest, DEFAULT_REQUEUE, EventFilter, EventsQuery, PendingOrder,
+    PendingQuery, RequeueRequest, Selection,
 };
 use crate::domain::{BoxKind, EventId, Status};
 use crate::error::Error;
@@ -142,35 +142,41 @@ pub struct Console {
     inner: Arc<Inner>,
 }
 
+/// What the console reads and acts through.
+pub struct ConsoleParts {
+    /// The admin middle layer every page and action goes through.
+    pub admin: Admin,
+    /// Checks the token a visitor signs in with.
+    pub auth: Auth,
+    /// Refuse every action (pages only).
+    pub read_only: bool,
+    /// The inbox subscriptions, for the inbox pages.
+    pub subscriptions: Vec<String>,
+    /// The relays' counters, for the rate chart.
+    pub relays: Vec<Arc<RelayStats>>,
+    /// Wakes an inbox dispatcher after an action on its subscription.
+    pub inbox: InboxHandles,
+}
+
 struct Inner {
-    admin: Admin,
-    auth: Auth,
-    read_only: bool,
-    subscriptions: Vec<String>,
-    relays: Vec<Arc<RelayStats>>,
-    inbox: InboxHandles,
+    parts: ConsoleParts,
     sessions: Mutex<HashMap<String, Session>>,
     samples: Mutex<VecDeque<Sample>>,
 }
 
+impl std::ops::Deref for Inner {
+    type Target = ConsoleParts;
+    fn deref(&self) -> &ConsoleParts {
+        &self.parts
+    }
+}
+
 impl Console {
-    /// The console over the admin middle layer, checking callers against `auth`; `read_only` refuses every action.
-    pub fn new(
-        admin: Admin,
-        auth: Auth,
-        read_only: bool,
-        subscriptions: Vec<String>,
-        relays: Vec<Arc<RelayStats>>,
-        inbox: InboxHandles,
-    ) -> Console {
+    /// The console over its parts; `parts.read_only` refuses every action.
+    pub fn new(parts: ConsoleParts) -> Console {
         let c = Console {
             inner: Arc::new(Inner {
-                admin,
-                auth,
-                read_only,
-                subscriptions,
-                relays,
-                inbox,
+                parts,
                 sessions: Mutex::new(HashMap::new()),
                 samples: Mutex::new(VecDeque::new()),
             }),

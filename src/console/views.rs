@@ -349,6 +349,11 @@ pub(super) async fn page_post(
     let confirm = param(&fields, "confirm") == Some("yes");
     let action = param(&fields, "action").unwrap_or("");
     let filter = EventsFilter::parse(&fields);
+    let context = ActionContext {
+        dry_run: !confirm,
+        principal: access.name.clone(),
+        ..ActionContext::by(access.actor())
+    };
     let r = match action {
         "requeue" | "requeue-filter" => {
             let selection = if action == "requeue" {
@@ -365,10 +370,7 @@ pub(super) async fn page_post(
             let req = RequeueRequest {
                 selection,
                 limit: DEFAULT_REQUEUE,
-                dry_run: !confirm,
-                actor: access.actor(),
-                principal: access.name.clone(),
-                request_id: None,
+                context,
             };
             c.inner
                 .admin
@@ -386,16 +388,11 @@ pub(super) async fn page_post(
             if ids.is_empty() {
                 return error_page(Some(&nav), &Error::invalid("id", "select events first"));
             }
-            let reason = param(&fields, "reason")
-                .unwrap_or("cancelled in the console")
-                .to_string();
+            let reason = param(&fields, "reason").unwrap_or("cancelled in the console");
             let req = CancelRequest {
                 ids: ids.clone(),
-                reason,
-                dry_run: !confirm,
-                actor: access.actor(),
-                principal: access.name.clone(),
-                request_id: None,
+                reason: reason.to_string(),
+                context,
             };
             c.inner
                 .admin

@@ -146,6 +146,31 @@ pub enum Selection {
     Filter(EventFilter),
 }
 
+/// Who runs an admin action (requeue, cancel) and how: what its audit entry records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActionContext {
+    /// Only check the selection: nothing changes, no audit entry is written.
+    pub dry_run: bool,
+    /// Who acts, as the audit entry records it: the operator the caller names, with its token.
+    pub actor: String,
+    /// The authenticated token name, recorded apart from the claimed operator.
+    pub principal: Option<String>,
+    /// A repeated id (per action and box) acts once.
+    pub request_id: Option<String>,
+}
+
+impl ActionContext {
+    /// An action for real by `actor`, with no token name and no request id.
+    pub fn by(actor: impl Into<String>) -> Self {
+        ActionContext {
+            dry_run: false,
+            actor: actor.into(),
+            principal: None,
+            request_id: None,
+        }
+    }
+}
+
 /// A validated RequeueFailed request.
 #[derive(Debug, Clone)]
 pub struct RequeueRequest {
@@ -154,14 +179,8 @@ pub struct RequeueRequest {
     /// Most events a filter takes (1..=`MAX_REQUEUE`; `DEFAULT_REQUEUE` when the caller gives
     /// none); a list of ids may not be longer.
     pub limit: u32,
-    /// Only count and sample the selection: nothing changes, no audit entry is written.
-    pub dry_run: bool,
-    /// Who acts, as the audit entry records it: the operator the caller names, with its token.
-    pub actor: String,
-    /// The authenticated token name, recorded apart from the claimed operator.
-    pub principal: Option<String>,
-    /// A repeated id (per action and box) acts once.
-    pub request_id: Option<String>,
+    /// Who acts, and whether for real.
+    pub context: ActionContext,
 }
 
 /// What a requeue did (or, on dry run, would do).
@@ -200,14 +219,8 @@ pub struct CancelRequest {
     pub ids: Vec<EventId>,
     /// Why, kept as each event's last error (`cancelled: <reason>`) and in the audit entry.
     pub reason: String,
-    /// Only check the ids: nothing changes, no audit entry is written.
-    pub dry_run: bool,
-    /// Who acts, as the audit entry records it: the operator the caller names, with its token.
-    pub actor: String,
-    /// The authenticated token name, recorded apart from the claimed operator.
-    pub principal: Option<String>,
-    /// A repeated id (per action and box) acts once.
-    pub request_id: Option<String>,
+    /// Who acts, and whether for real.
+    pub context: ActionContext,
 }
 
 /// What a cancel did (or, on dry run, would do).

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use crate::domain::{EventId, Queue};
 use crate::sink::{Delivery, Sink};
 use crate::store::{
-    Claim, ClaimLimits, KeyRelease, LineKey, Readiness, Renewal, Store, StoreError,
+    Claim, ClaimLimits, KeyRelease, LineKey, Readiness, Renewal, Settlement, Store, StoreError,
 };
 use backoff::{ProbeBackoff, RetryPolicy};
 use domains::{Domains, Gate};
@@ -354,7 +354,9 @@ impl Shared {
         // Keys with nothing to publish go back at once, not after the delivery; unkeyed
         // events of a topic that is down stay claimed until it is due for a probe.
         if !idle.is_empty() {
-            self.store.settle(&self.queue, token, &[], &idle).await?;
+            self.store
+                .settle(Settlement::new(&self.queue, token, &[], &idle))
+                .await?;
         }
         for (wait, ids) in &held_unkeyed {
             self.store
@@ -488,7 +490,7 @@ impl Shared {
         }
         let settled = self
             .store
-            .settle(&self.queue, token, &updates, &releases)
+            .settle(Settlement::new(&self.queue, token, &updates, &releases))
             .await?;
         report.stale += settled.stale;
         report.delivered_after_failure += out_of_order;

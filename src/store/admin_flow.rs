@@ -15,8 +15,8 @@ use super::admin_sql::{AdminSql, Param, Query, Read, Shared, Stmt, query};
 use super::rows::{Candidate, Cols, admin_key, decode_audit, decode_candidate, decode_detail};
 use super::{StoreError, StoreResult};
 use crate::domain::admin::{
-    AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter, EventsPage,
-    EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
+    ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter,
+    EventsPage, EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
     RequeueOutcome, RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicStats,
 };
 use crate::domain::{BoxKind, EventId, Status};
@@ -168,9 +168,7 @@ async fn wake_keys_of<E: AdminSql>(
 
 /// An audit entry to record.
 struct NewAudit<'a> {
-    actor: &'a str,
-    principal: Option<&'a str>,
-    request_id: Option<&'a str>,
+    context: &'a ActionContext,
     action: &'static str,
     box_kind: BoxKind,
     selection: serde_json::Value,
@@ -180,13 +178,13 @@ struct NewAudit<'a> {
 async fn insert_audit<E: AdminSql>(e: &E, tx: &mut E::Tx, a: &NewAudit<'_>) -> StoreResult<i64> {
     let selection = a.selection.to_string();
     let params = vec![
-        Param::Text(Some(a.actor)),
+        Param::Text(Some(&a.context.actor)),
         Param::Text(Some(a.action)),
         Param::Text(Some(a.box_kind.as_str())),
         Param::Text(Some(&selection)),
         Param::Int(Some(a.count)),
-        Param::Text(a.principal),
-        Param::Text(a.request_id),
+        Param::Text(a.context.principal.as_deref()),
+        Param::Text(a.context.request_id.as_deref()),
         Param::Now,
     ];
     let rows = rows_in(e, tx, a.box_kind, query(Stmt::InsertAudit, params)).await?;
@@ -195,14 +193,37 @@ async fn insert_audit<E: AdminSql>(e: &E, tx: &mut E::Tx, a: &NewAudit<'_>) -> S
         .int("id")
 }
 
+/// What requeue and cancel share once the selection is checked: wake the keys a relay
+/// holds, change exactly the candidates with `change` (or nothing: another writer got
+/// there first), record the audit entry and commit. Returns the entry and the held keys.
+async fn act<E: AdminSql>(
+    e: &E,
+    mut tx: E::Tx,
+    cands: &[Candidate],
+    params: &[Param<'_>],
+    change: Shared,
+    audit: NewAudit<'_>,
+) -> StoreResult<(i64, Vec<AdminKey>)> {
+    let b = audit.box_kind;
+    let leased_keys = wake_keys_of(e, &mut tx, b, cands).await?;
+    let sql = e.sql(b, Stmt::Shared(change));
+    if e.execute_in(&mut tx, &sql, params).await? != cands.len() as u64 {
+        return Err(StoreError::ChangedMeanwhile);
+    }
+    let audit_id = insert_audit(e, &mut tx, &audit).await?;
+    e.commit(tx).await?;
+    Ok((audit_id, leased_keys))
+}
+
 async fn requeue<E: AdminSql>(
     e: &E,
     b: BoxKind,
     r: &RequeueRequest,
 ) -> StoreResult<RequeueOutcome> {
     let mut tx = e.begin().await?;
-    if !r.dry_run
-        && let Some(rep) = replayed(e, &mut tx, "requeue", b, r.request_id.as_deref()).await?
+    if !r.context.dry_run
+        && let Some(rep) =
+            replayed(e, &mut tx, "requeue", b, r.context.request_id.as_deref()).await?
     {
         e.rollback(tx).await?;
         return Ok(RequeueOutcome {
@@ -237,7 +258,7 @@ async fn requeue<E: AdminSql>(
     };
     let ids: Vec<EventId> = cands.iter().map(|c| c.id).collect();
     let sample_ids: Vec<EventId> = ids.iter().take(SAMPLE_IDS).copied().collect();
-    if r.dry_run || ids.is_empty() {
+    if r.context.dry_run || ids.is_empty() {
         e.rollback(tx).await?;
         return Ok(RequeueOutcome {
             count: ids.len() as i64,
@@ -247,29 +268,19 @@ async fn requeue<E: AdminSql>(
             replayed: false,
         });
     }
-    let leased_keys = wake_keys_of(e, &mut tx, b, &cands).await?;
-    let sql = e.sql(b, Stmt::Shared(Shared::Requeue));
-    let changed = e
-        .execute_in(&mut tx, &sql, &[Param::Ids(&ids), Param::Now])
-        .await?;
-    if changed != ids.len() as u64 {
-        return Err(StoreError::ChangedMeanwhile);
-    }
     let selection = match &r.selection {
         Selection::Ids(ids) => serde_json::json!({ "ids": ids }),
         Selection::Filter(f) => serde_json::json!({ "filter": f, "limit": r.limit }),
     };
     let audit = NewAudit {
-        actor: &r.actor,
-        principal: r.principal.as_deref(),
-        request_id: r.request_id.as_deref(),
+        context: &r.context,
         action: "requeue",
         box_kind: b,
         selection,
         count: ids.len() as i64,
     };
-    let audit_id = insert_audit(e, &mut tx, &audit).await?;
-    e.commit(tx).await?;
+    let params = [Param::Ids(&ids), Param::Now];
+    let (audit_id, leased_keys) = act(e, tx, &cands, &params, Shared::Requeue, audit).await?;
     Ok(RequeueOutcome {
         count: ids.len() as i64,
         sample_ids,
@@ -281,8 +292,9 @@ async fn requeue<E: AdminSql>(
 
 async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResult<CancelOutcome> {
     let mut tx = e.begin().await?;
-    if !r.dry_run
-        && let Some(rep) = replayed(e, &mut tx, "cancel", b, r.request_id.as_deref()).await?
+    if !r.context.dry_run
+        && let Some(rep) =
+            replayed(e, &mut tx, "cancel", b, r.context.request_id.as_deref()).await?
     {
         e.rollback(tx).await?;
         let ids = serde_json::from_str::<serde_json::Value>(&rep.selection)
@@ -305,7 +317,7 @@ async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResul
     let found: Vec<(EventId, Status)> = cands.iter().map(|c| (c.id, c.status)).collect();
     check_ids(&r.ids, &found, Status::Pending, "cancelled")?;
     let ids: Vec<EventId> = cands.iter().map(|c| c.id).collect();
-    if r.dry_run {
+    if r.context.dry_run {
         e.rollback(tx).await?;
         return Ok(CancelOutcome {
             ids,
@@ -314,23 +326,15 @@ async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResul
             replayed: false,
         });
     }
-    let leased_keys = wake_keys_of(e, &mut tx, b, &cands).await?;
-    let sql = e.sql(b, Stmt::Shared(Shared::Cancel));
-    let params = [Param::Ids(&ids), Param::Text(Some(&r.reason)), Param::Now];
-    if e.execute_in(&mut tx, &sql, &params).await? != ids.len() as u64 {
-        return Err(StoreError::ChangedMeanwhile);
-    }
     let audit = NewAudit {
-        actor: &r.actor,
-        principal: r.principal.as_deref(),
-        request_id: r.request_id.as_deref(),
+        context: &r.context,
         action: "cancel",
         box_kind: b,
         selection: serde_json::json!({ "ids": ids, "reason": r.reason }),
         count: ids.len() as i64,
     };
-    let audit_id = insert_audit(e, &mut tx, &audit).await?;
-    e.commit(tx).await?;
+    let params = [Param::Ids(&ids), Param::Text(Some(&r.reason)), Param::Now];
+    let (audit_id, leased_keys) = act(e, tx, &cands, &params, Shared::Cancel, audit).await?;
     Ok(CancelOutcome {
         ids,
         audit_id: Some(audit_id),

@@ -279,13 +279,7 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
     /// transaction. Updates for keys or events no longer held by `token` are dropped
     /// (counted as stale): another relay owns them now. An expired lease that no other
     /// relay took is still `token`'s, so its settle applies (fewer duplicates).
-    async fn settle(
-        &self,
-        queue: &Queue,
-        token: i64,
-        updates: &[EventUpdate],
-        releases: &[KeyRelease],
-    ) -> StoreResult<SettleReport>;
+    async fn settle(&self, settlement: Settlement<'_>) -> StoreResult<SettleReport>;
 
     /// Extends the lease of keys and unkeyed events a claim still holds while their
     /// deliveries are in flight. Returns how many it still held (a key or event another
@@ -327,4 +321,34 @@ pub struct Renewal<'a> {
     pub unkeyed: &'a [EventId],
     /// The new lease, counted from now.
     pub lease: Duration,
+}
+
+/// A claim's settlement: the relay's decisions for its events and the keys it gives back.
+#[derive(Debug, Clone, Copy)]
+pub struct Settlement<'a> {
+    /// The box (and subscription) the claim is in.
+    pub queue: &'a Queue,
+    /// The claim's lease token: updates under another token are stale.
+    pub token: i64,
+    /// What became of each delivered (or skipped) event.
+    pub updates: &'a [EventUpdate],
+    /// The keys released, each with when it is next ready.
+    pub releases: &'a [KeyRelease],
+}
+
+impl<'a> Settlement<'a> {
+    /// The settlement of `token`'s claim in `queue`.
+    pub fn new(
+        queue: &'a Queue,
+        token: i64,
+        updates: &'a [EventUpdate],
+        releases: &'a [KeyRelease],
+    ) -> Self {
+        Settlement {
+            queue,
+            token,
+            updates,
+            releases,
+        }
+    }
 }

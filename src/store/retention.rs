@@ -12,16 +12,40 @@ use std::time::Duration;
 
 use super::StoreResult;
 
+/// The end states retention deletes, each with the column that says since when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    /// Published: aged by `published_at` (index `outbox_events_completed`).
+    Completed,
+    /// Out of attempts: aged by `updated_at` (index `outbox_events_failed`).
+    Failed,
+}
+
+impl Finished {
+    /// The status column's value.
+    pub fn status(self) -> &'static str {
+        match self {
+            Finished::Completed => "completed",
+            Finished::Failed => "failed",
+        }
+    }
+
+    /// The column the age is measured from.
+    pub fn since_column(self) -> &'static str {
+        match self {
+            Finished::Completed => "published_at",
+            Finished::Failed => "updated_at",
+        }
+    }
+}
+
 /// The store's retention calls: bounded deletes of old outbox events and idle key rows.
 #[async_trait::async_trait]
 pub trait RetentionStore: Send + Sync {
-    /// Deletes up to `limit` outbox events that were completed (published) more than
-    /// `older_than` ago, oldest first; returns how many it deleted.
-    async fn purge_completed(&self, older_than: Duration, limit: u32) -> StoreResult<u64>;
-
-    /// Deletes up to `limit` outbox events that have been failed for more than
-    /// `older_than` (since their last update); returns how many it deleted.
-    async fn purge_failed(&self, older_than: Duration, limit: u32) -> StoreResult<u64>;
+    /// Deletes up to `limit` outbox events that have been `finished` for more than
+    /// `older_than`, oldest first; returns how many it deleted.
+    async fn purge(&self, finished: Finished, older_than: Duration, limit: u32)
+    -> StoreResult<u64>;
 
     /// Deletes up to `limit` idle outbox key rows: no pending event, no lease, not
     /// scheduled. Returns how many it deleted.

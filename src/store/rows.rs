@@ -53,6 +53,16 @@ pub(crate) fn decode_event(row: &impl Cols) -> StoreResult<StoredEvent> {
 }
 
 /// An event with its payload size and, in the inbox, subscription and message id.
+/// Claimed unkeyed events in the order they are due: `UPDATE … RETURNING` keeps none.
+pub(crate) fn in_due_order<R: Cols>(rows: &[R]) -> StoreResult<Vec<StoredEvent>> {
+    let mut v = rows
+        .iter()
+        .map(decode_event)
+        .collect::<StoreResult<Vec<_>>>()?;
+    v.sort_by_key(|e| (e.scheduled_at, e.id));
+    Ok(v)
+}
+
 pub(crate) fn decode_detail(row: &impl Cols) -> StoreResult<EventDetail> {
     Ok(EventDetail {
         event: decode_event(row)?,

@@ -59,6 +59,28 @@ impl Shape {
         }
     }
 
+    /// Event columns for `decode_event`, with the payload only when `with_payload` (a
+    /// parameter or literal) is true, and the inbox's origin columns (NULL in the outbox).
+    pub fn detail_columns(&self, with_payload: &str) -> String {
+        let t = self.text;
+        let (sub, mid) = if self.inbox {
+            ("subscription", "message_id")
+        } else {
+            ("NULL", "NULL")
+        };
+        let (empty, headers, size) = if self.postgres {
+            ("''::bytea", "headers::text", "octet_length(payload)::int8")
+        } else {
+            ("x''", "headers", "length(payload)")
+        };
+        format!(
+            "id, topic, event_key, CASE WHEN {with_payload} THEN payload ELSE {empty} END AS payload,
+             {headers} AS headers, event_type, idempotency_key, status, attempts, max_attempts,
+             scheduled_at, created_at, updated_at, published_at, last_error,
+             {size} AS payload_size, {sub}{t} AS subscription, {mid}{t} AS message_id"
+        )
+    }
+
     /// The subscription column `col` (`''` in the outbox, which has none).
     pub fn sub(&self, col: &str) -> String {
         if self.inbox {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::support::*;
 use mailroom::config::Config;
-use mailroom::domain::admin::{AdminKey, RequeueRequest, Selection};
+use mailroom::domain::admin::{ActionContext, AdminKey, RequeueRequest, Selection};
 use mailroom::domain::{BoxKind, InboundMessage, Status};
 use mailroom::inbox::SubscriptionConfig;
 use mailroom::pb;
@@ -767,10 +767,7 @@ async fn keys_a_dispatcher_held_during_a_requeue_are_woken_once_released() {
         let cancel = mailroom::domain::admin::CancelRequest {
             ids: vec![id],
             reason: "r".into(),
-            dry_run: false,
-            actor: "t".into(),
-            principal: None,
-            request_id: None,
+            context: ActionContext::by("t"),
         };
         store.cancel_events(BoxKind::Inbox, &cancel).await.unwrap();
         key_row(&url, "s1", "k", Some(true)).await;
@@ -781,10 +778,7 @@ async fn keys_a_dispatcher_held_during_a_requeue_are_woken_once_released() {
                 &RequeueRequest {
                     selection: Selection::Ids(vec![id]),
                     limit: 10,
-                    dry_run: false,
-                    actor: "t".into(),
-                    principal: None,
-                    request_id: None,
+                    context: ActionContext::by("t"),
                 },
             )
             .await

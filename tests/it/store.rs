@@ -6,7 +6,9 @@ use std::time::Duration;
 use crate::support::*;
 use mailroom::app::open_store;
 use mailroom::domain::{BoxKind, NewEvent, Queue, Status};
-use mailroom::store::{Admission, ClaimLimits, EventUpdate, KeyRelease, Readiness, Renewal, Store};
+use mailroom::store::{
+    Admission, ClaimLimits, EventUpdate, KeyRelease, Readiness, Renewal, Settlement, Store,
+};
 
 fn new_event(key: Option<&str>, payload: &str) -> NewEvent {
     NewEvent {
@@ -110,11 +112,19 @@ async fn claims_lease_keys_and_settles_apply_once() {
         };
         // A settle with the wrong token changes nothing.
         let wrong = store
-            .settle(q, 99, &updates, std::slice::from_ref(&release))
+            .settle(Settlement::new(
+                q,
+                99,
+                &updates,
+                std::slice::from_ref(&release),
+            ))
             .await
             .unwrap();
         assert_eq!(wrong.applied, 0);
-        let r = store.settle(q, 1, &updates, &[release]).await.unwrap();
+        let r = store
+            .settle(Settlement::new(q, 1, &updates, &[release]))
+            .await
+            .unwrap();
         assert_eq!((r.applied, r.stale), (4, 0));
         let e = store.get_event(b, keyed[0]).await.unwrap().unwrap();
         assert_eq!(e.status, Status::Completed);
@@ -156,7 +166,7 @@ async fn an_expired_claim_cannot_settle() {
             .unwrap();
         assert_eq!(c2.keyed.len(), 1, "an expired lease is taken over");
         let r = store
-            .settle(q, 1, &[EventUpdate::Completed { id }], &[])
+            .settle(Settlement::new(q, 1, &[EventUpdate::Completed { id }], &[]))
             .await
             .unwrap();
         assert_eq!((r.applied, r.stale), (0, 1));
@@ -165,7 +175,7 @@ async fn an_expired_claim_cannot_settle() {
             Status::Pending
         );
         let r = store
-            .settle(q, 2, &[EventUpdate::Completed { id }], &[])
+            .settle(Settlement::new(q, 2, &[EventUpdate::Completed { id }], &[]))
             .await
             .unwrap();
         assert_eq!(r.applied, 1);
@@ -228,7 +238,7 @@ async fn leases_renew_and_the_token_alone_fences_a_settle() {
             .unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
         let r = store
-            .settle(
+            .settle(Settlement::new(
                 q,
                 1,
                 &[
@@ -236,7 +246,7 @@ async fn leases_renew_and_the_token_alone_fences_a_settle() {
                     EventUpdate::Completed { id: unkeyed },
                 ],
                 &[],
-            )
+            ))
             .await
             .unwrap();
         assert_eq!(
@@ -276,7 +286,12 @@ async fn leases_renew_and_the_token_alone_fences_a_settle() {
             .unwrap();
         assert_eq!(held, 0, "a lease taken over is not renewed");
         let r = store
-            .settle(q, 3, &[EventUpdate::Completed { id: next }], &[])
+            .settle(Settlement::new(
+                q,
+                3,
+                &[EventUpdate::Completed { id: next }],
+                &[],
+            ))
             .await
             .unwrap();
         assert_eq!((r.applied, r.stale), (0, 1));
@@ -309,7 +324,12 @@ async fn an_event_enqueued_during_a_claim_wakes_its_key() {
             },
         };
         store
-            .settle(q, 1, &[EventUpdate::Completed { id: first }], &[release])
+            .settle(Settlement::new(
+                q,
+                1,
+                &[EventUpdate::Completed { id: first }],
+                &[release],
+            ))
             .await
             .unwrap();
         let c = store
@@ -347,7 +367,12 @@ async fn a_release_never_erases_the_wake_up_of_an_enqueue_during_the_lease() {
             ready: Readiness::default(),
         };
         store
-            .settle(q, 1, &[EventUpdate::Completed { id: first }], &[release])
+            .settle(Settlement::new(
+                q,
+                1,
+                &[EventUpdate::Completed { id: first }],
+                &[release],
+            ))
             .await
             .unwrap();
         let c = store
@@ -420,7 +445,10 @@ async fn per_key_pending_counts_stay_exact() {
             ready: Readiness::now(),
         })
         .collect();
-    store.settle(q, 1, &done, &releases).await.unwrap();
+    store
+        .settle(Settlement::new(q, 1, &done, &releases))
+        .await
+        .unwrap();
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let rows: Vec<(String, i64, i64)> = sqlx::query_as(
         "SELECT k.event_key, k.pending,
@@ -591,7 +619,9 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
         let pool = pool.clone();
         let admin_rounds = admin_rounds.clone();
         tasks.push(tokio::spawn(async move {
-            use mailroom::domain::admin::{CancelRequest, RequeueRequest, Selection};
+            use mailroom::domain::admin::{
+                ActionContext, CancelRequest, RequeueRequest, Selection,
+            };
             let mut errs = Vec::new();
             let start = std::time::Instant::now();
             while start.elapsed() < run_for {
@@ -605,18 +635,12 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
                 let cancel = CancelRequest {
                     ids: ids.clone(),
                     reason: "test".into(),
-                    dry_run: false,
-                    actor: "test".into(),
-                    principal: None,
-                    request_id: None,
+                    context: ActionContext::by("test"),
                 };
                 let requeue = RequeueRequest {
                     selection: Selection::Ids(ids),
                     limit: 100,
-                    dry_run: false,
-                    actor: "test".into(),
-                    principal: None,
-                    request_id: None,
+                    context: ActionContext::by("test"),
                 };
                 for r in [
                     store.cancel_events(BoxKind::Outbox, &cancel).await.err(),

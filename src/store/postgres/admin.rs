@@ -23,22 +23,6 @@ use crate::store::StoreResult;
 use crate::store::admin_sql::{AdminSql, Param, Read, Stmt};
 use crate::store::shape::Shape;
 
-/// Event columns for `decode_event`, with the payload only when `$n` is true.
-fn detail_columns(shape: &Shape, with_payload: &str) -> String {
-    let (sub, mid) = if shape.inbox {
-        ("subscription", "message_id")
-    } else {
-        ("NULL::text", "NULL::text")
-    };
-    format!(
-        "id, topic, event_key, CASE WHEN {with_payload} THEN payload ELSE ''::bytea END AS payload,
-         headers::text AS headers, event_type, idempotency_key, status, attempts, max_attempts,
-         scheduled_at, created_at, updated_at, published_at, last_error,
-         octet_length(payload)::int8 AS payload_size, {sub} AS subscription,
-         {mid} AS message_id"
-    )
-}
-
 /// The backlog statement for `order`.
 fn pending_sql(sh: &Shape, order: PendingOrder) -> String {
     let (events, keys) = (sh.events, sh.keys);
@@ -115,7 +99,7 @@ impl AdminSql for PgStore {
         let sh = Shape::postgres(b);
         let (events, keys) = (sh.events, sh.keys);
         match stmt {
-            Stmt::Shared(shared) => sh.shared(shared, &detail_columns(&sh, "false")),
+            Stmt::Shared(shared) => sh.shared(shared, &sh.detail_columns("false")),
             Stmt::InsertAudit => "INSERT INTO admin_audit
                      (actor, action, box, selection, count, principal, request_id)
                  VALUES ($1, $2, $3, $4::text::jsonb, $5, $6, $7) RETURNING id"
@@ -123,7 +107,7 @@ impl AdminSql for PgStore {
             Stmt::Pending(order) => pending_sql(&sh, order),
             Stmt::Detail => format!(
                 "SELECT {} FROM {events} WHERE id = $1",
-                detail_columns(&sh, "$2")
+                sh.detail_columns("$2")
             ),
             Stmt::StatsHeads => format!(
                 "SELECT count(*) FILTER (WHERE (h.attempts > 0 OR h.last_error IS NOT NULL) AND h.scheduled_at > now()) AS blocked,

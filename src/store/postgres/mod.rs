@@ -26,8 +26,8 @@ use sqlx::{AssertSqlSafe, Row};
 use self::sql::Sql;
 use super::rows::{Cols, decode_event};
 use super::{
-    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, LineKey, Renewal, SettleReport, Store,
-    StoreError, StoreResult,
+    Admission, Claim, ClaimLimits, LineKey, Renewal, SettleReport, Settlement, Store, StoreError,
+    StoreResult,
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
@@ -261,14 +261,8 @@ impl Store for PgStore {
         retry_aborted(|| self.receive_once(subscription, messages)).await
     }
 
-    async fn settle(
-        &self,
-        queue: &Queue,
-        token: i64,
-        updates: &[EventUpdate],
-        releases: &[KeyRelease],
-    ) -> StoreResult<SettleReport> {
-        retry_aborted(|| self.settle_once(queue, token, updates, releases)).await
+    async fn settle(&self, settlement: Settlement<'_>) -> StoreResult<SettleReport> {
+        retry_aborted(|| self.settle_once(settlement)).await
     }
 
     async fn renew(&self, renewal: Renewal<'_>) -> StoreResult<usize> {

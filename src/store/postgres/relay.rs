@@ -8,8 +8,9 @@ use sqlx::Row;
 
 use super::{PgStore, decode_event, millis, q, scoped};
 use crate::domain::{EventId, Queue};
+use crate::store::rows::in_due_order;
 use crate::store::{
-    Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, Renewal, SettleReport,
+    Claim, ClaimLimits, EventUpdate, KeyWindow, LineKey, Renewal, SettleReport, Settlement,
     StoreError, StoreResult, fit_in_budget,
 };
 
@@ -118,7 +119,7 @@ impl PgStore {
             }
         }
         let unkeyed = if limits.max_unkeyed > 0 {
-            let mut v = scoped(
+            let rows = scoped(
                 q(&sql.claim_unkeyed)
                     .bind(limits.max_unkeyed as i64)
                     .bind(token)
@@ -127,12 +128,8 @@ impl PgStore {
                 queue,
             )
             .fetch_all(&self.relay_pool)
-            .await?
-            .iter()
-            .map(decode_event)
-            .collect::<StoreResult<Vec<_>>>()?;
-            v.sort_by_key(|e| (e.scheduled_at, e.id));
-            v
+            .await?;
+            in_due_order(&rows)?
         } else {
             Vec::new()
         };
@@ -144,13 +141,8 @@ impl PgStore {
         })
     }
 
-    pub(super) async fn settle_once(
-        &self,
-        queue: &Queue,
-        token: i64,
-        updates: &[EventUpdate],
-        releases: &[KeyRelease],
-    ) -> Result<SettleReport, sqlx::Error> {
+    pub(super) async fn settle_once(&self, s: Settlement<'_>) -> Result<SettleReport, sqlx::Error> {
+        let (queue, token, updates, releases) = (s.queue, s.token, s.updates, s.releases);
         let sql = self.sql(queue.box_kind());
         let mut tx = self.relay_pool.begin().await?;
         if !releases.is_empty() {

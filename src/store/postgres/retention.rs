@@ -10,46 +10,37 @@ use sqlx::AssertSqlSafe;
 
 use super::PgStore;
 use crate::store::StoreResult;
-use crate::store::retention::RetentionStore;
+use crate::store::retention::{Finished, RetentionStore};
 
 fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
-/// Deletes up to `limit` events of `status` whose `time_column` is older than
-/// `older_than`, oldest first. Both names are constants of this module.
-async fn purge(
-    store: &PgStore,
-    status: &'static str,
-    time_column: &'static str,
-    older_than: Duration,
-    limit: u32,
-) -> StoreResult<u64> {
-    let r = sqlx::query(AssertSqlSafe(format!(
-        "DELETE FROM outbox_events WHERE id IN (
-             SELECT id FROM outbox_events
-             WHERE status = '{status}'
-               AND {time_column} < now() - make_interval(secs => $1)
-             ORDER BY {time_column}
-             LIMIT $2
-             FOR UPDATE SKIP LOCKED)
-         AND status = '{status}'"
-    )))
-    .bind(secs(older_than))
-    .bind(i64::from(limit))
-    .execute(store.relay_pool())
-    .await?;
-    Ok(r.rows_affected())
-}
-
 #[async_trait::async_trait]
 impl RetentionStore for PgStore {
-    async fn purge_completed(&self, older_than: Duration, limit: u32) -> StoreResult<u64> {
-        purge(self, "completed", "published_at", older_than, limit).await
-    }
-
-    async fn purge_failed(&self, older_than: Duration, limit: u32) -> StoreResult<u64> {
-        purge(self, "failed", "updated_at", older_than, limit).await
+    async fn purge(
+        &self,
+        finished: Finished,
+        older_than: Duration,
+        limit: u32,
+    ) -> StoreResult<u64> {
+        // Both names are constants of `Finished`, never caller text.
+        let (status, time_column) = (finished.status(), finished.since_column());
+        let r = sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM outbox_events WHERE id IN (
+                 SELECT id FROM outbox_events
+                 WHERE status = '{status}'
+                   AND {time_column} < now() - make_interval(secs => $1)
+                 ORDER BY {time_column}
+                 LIMIT $2
+                 FOR UPDATE SKIP LOCKED)
+             AND status = '{status}'"
+        )))
+        .bind(secs(older_than))
+        .bind(i64::from(limit))
+        .execute(self.relay_pool())
+        .await?;
+        Ok(r.rows_affected())
     }
 
     async fn prune_idle_keys(&self, limit: u32) -> StoreResult<u64> {

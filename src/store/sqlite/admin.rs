@@ -21,20 +21,6 @@ pub(crate) struct LiteTx {
     now: i64,
 }
 
-fn detail_columns(shape: &Shape, with_payload: &str) -> String {
-    let (sub, mid) = if shape.inbox {
-        ("subscription", "message_id")
-    } else {
-        ("NULL", "NULL")
-    };
-    format!(
-        "id, topic, event_key, CASE WHEN {with_payload} THEN payload ELSE x'' END AS payload,
-         headers, event_type, idempotency_key, status, attempts, max_attempts, scheduled_at,
-         created_at, updated_at, published_at, last_error, length(payload) AS payload_size,
-         {sub} AS subscription, {mid} AS message_id"
-    )
-}
-
 /// The backlog statement for `order`.
 fn pending_sql(sh: &Shape, order: PendingOrder) -> String {
     let (events, keys) = (sh.events, sh.keys);
@@ -107,7 +93,7 @@ impl AdminSql for SqliteStore {
         let sh = Shape::sqlite(b);
         let (events, keys) = (sh.events, sh.keys);
         match stmt {
-            Stmt::Shared(shared) => sh.shared(shared, &detail_columns(&sh, "0")),
+            Stmt::Shared(shared) => sh.shared(shared, &sh.detail_columns("0")),
             Stmt::InsertAudit => "INSERT INTO admin_audit
                      (at, actor, action, box, selection, count, principal, request_id)
                  VALUES (?8, ?1, ?2, ?3, ?4, ?5, ?6, ?7) RETURNING id"
@@ -115,7 +101,7 @@ impl AdminSql for SqliteStore {
             Stmt::Pending(order) => pending_sql(&sh, order),
             Stmt::Detail => format!(
                 "SELECT {} FROM {events} WHERE id = ?1",
-                detail_columns(&sh, "?2")
+                sh.detail_columns("?2")
             ),
             Stmt::StatsHeads => format!(
                 "SELECT coalesce(sum((e.attempts > 0 OR e.last_error IS NOT NULL) AND e.scheduled_at > ?2), 0) AS blocked,

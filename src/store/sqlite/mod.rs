@@ -20,10 +20,10 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Row};
 
-use super::rows::{Cols, decode_event};
+use super::rows::{Cols, decode_event, in_due_order};
 use super::{
-    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, Renewal,
-    SettleReport, Store, StoreError, StoreResult, fit_in_budget,
+    Admission, Claim, ClaimLimits, EventUpdate, KeyWindow, LineKey, Renewal, SettleReport,
+    Settlement, Store, StoreError, StoreResult, fit_in_budget,
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
@@ -268,7 +268,7 @@ impl Store for SqliteStore {
                 .collect::<StoreResult<Vec<_>>>()?;
         }
         let unkeyed = if limits.max_unkeyed > 0 {
-            let mut v = sqlx::query(AssertSqlSafe(format!(
+            let rows = sqlx::query(AssertSqlSafe(format!(
                 "UPDATE {events} SET claim_token = ?1, claimed_until = ?2
                  WHERE id IN (
                     SELECT id FROM (
@@ -290,12 +290,8 @@ impl Store for SqliteStore {
             .bind(sub)
             .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX))
             .fetch_all(&mut *tx)
-            .await?
-            .iter()
-            .map(decode_event)
-            .collect::<StoreResult<Vec<_>>>()?;
-            v.sort_by_key(|e| (e.scheduled_at, e.id));
-            v
+            .await?;
+            in_due_order(&rows)?
         } else {
             Vec::new()
         };
@@ -308,13 +304,8 @@ impl Store for SqliteStore {
         })
     }
 
-    async fn settle(
-        &self,
-        queue: &Queue,
-        token: i64,
-        updates: &[EventUpdate],
-        releases: &[KeyRelease],
-    ) -> StoreResult<SettleReport> {
+    async fn settle(&self, s: Settlement<'_>) -> StoreResult<SettleReport> {
+        let (queue, token, updates, releases) = (s.queue, s.token, s.updates, s.releases);
         let (events, keys) = tables(queue.box_kind());
         let sub = queue.subscription();
         let settle_scope = scope(queue, &format!("k.subscription = {events}.subscription"));

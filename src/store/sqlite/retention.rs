@@ -6,31 +6,8 @@ use chrono::Utc;
 use sqlx::AssertSqlSafe;
 
 use super::SqliteStore;
-use crate::store::retention::RetentionStore;
+use crate::store::retention::{Finished, RetentionStore};
 use crate::store::{StoreError, StoreResult};
-
-/// Deletes up to `limit` events of `status` whose `time_column` is older than
-/// `older_than`, oldest first (one writer: no row can be taken in between).
-async fn purge(
-    store: &SqliteStore,
-    status: &'static str,
-    time_column: &'static str,
-    older_than: Duration,
-    limit: u32,
-) -> StoreResult<u64> {
-    let r = sqlx::query(AssertSqlSafe(format!(
-        "DELETE FROM outbox_events WHERE id IN (
-             SELECT id FROM outbox_events
-             WHERE status = '{status}' AND {time_column} < ?1
-             ORDER BY {time_column}
-             LIMIT ?2)"
-    )))
-    .bind(cutoff_micros(older_than)?)
-    .bind(i64::from(limit))
-    .execute(store.pool())
-    .await?;
-    Ok(r.rows_affected())
-}
 
 fn cutoff_micros(older_than: Duration) -> StoreResult<i64> {
     let d = chrono::Duration::from_std(older_than)
@@ -40,12 +17,26 @@ fn cutoff_micros(older_than: Duration) -> StoreResult<i64> {
 
 #[async_trait::async_trait]
 impl RetentionStore for SqliteStore {
-    async fn purge_completed(&self, older_than: Duration, limit: u32) -> StoreResult<u64> {
-        purge(self, "completed", "published_at", older_than, limit).await
-    }
-
-    async fn purge_failed(&self, older_than: Duration, limit: u32) -> StoreResult<u64> {
-        purge(self, "failed", "updated_at", older_than, limit).await
+    async fn purge(
+        &self,
+        finished: Finished,
+        older_than: Duration,
+        limit: u32,
+    ) -> StoreResult<u64> {
+        // Both names are constants of `Finished`, never caller text.
+        let (status, time_column) = (finished.status(), finished.since_column());
+        let r = sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM outbox_events WHERE id IN (
+                 SELECT id FROM outbox_events
+                 WHERE status = '{status}' AND {time_column} < ?1
+                 ORDER BY {time_column}
+                 LIMIT ?2)"
+        )))
+        .bind(cutoff_micros(older_than)?)
+        .bind(i64::from(limit))
+        .execute(self.pool())
+        .await?;
+        Ok(r.rows_affected())
     }
 
     async fn prune_idle_keys(&self, limit: u32) -> StoreResult<u64> {
