@@ -12,11 +12,13 @@ use chrono::{DateTime, Utc};
 
 use super::admin::AdminStore;
 use super::admin_sql::{AdminSql, Param, Query, Read, Shared, Stmt, query};
-use super::rows::{Candidate, Cols, admin_key, decode_audit, decode_candidate, decode_detail};
+use super::rows::{
+    Candidate, Cols, admin_key, decode_audit, decode_backlog, decode_candidate, decode_detail,
+};
 use super::{StoreError, StoreResult};
 use crate::domain::admin::{
     ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter,
-    EventsPage, EventsQuery, KeyBacklog, PendingCursor, PendingOrder, PendingPage, PendingQuery,
+    EventsPage, EventsQuery, PendingCursor, PendingOrder, PendingPage, PendingQuery,
     RequeueOutcome, RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicStats,
 };
 use crate::domain::{BoxKind, EventId, Status};
@@ -360,18 +362,7 @@ fn pending_page<R: Cols>(q: &PendingQuery, rows: &[R]) -> StoreResult<PendingPag
         let Some(topic) = r.opt_text("topic")? else {
             break; // the empty page: totals only
         };
-        page.keys.push(KeyBacklog {
-            subscription: r.text("subscription")?,
-            topic,
-            key: r.text("key")?,
-            pending: r.int("pending")?,
-            oldest_created_at: r.time("created_at")?,
-            head_id: r.int("head_id")?,
-            head_attempts: r.count("attempts")?,
-            head_next_attempt_at: r.time("scheduled_at")?,
-            head_last_error: r.opt_text("last_error")?,
-            blocked: r.flag("blocked")?,
-        });
+        page.keys.push(decode_backlog(r, topic)?);
     }
     if page.keys.len() > q.page_size as usize {
         page.keys.truncate(q.page_size as usize);

@@ -187,7 +187,84 @@ pub enum EventUpdate {
     },
 }
 
+/// When a retried event is due again.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Due {
+    /// This long after the settle (the store's clock).
+    After(Duration),
+    /// At this time, named by the destination.
+    At(DateTime<Utc>),
+}
+
+/// What an update writes to its event row, the same for every engine.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct UpdateColumns<'a> {
+    /// The new status: `completed`, `failed`, or `pending` (retry, release).
+    pub status: Status,
+    /// The new attempt count; `None` leaves it.
+    pub attempts: Option<u32>,
+    /// When it is due again; `None` leaves `scheduled_at`.
+    pub due: Option<Due>,
+    /// The new last error; `None` leaves it.
+    pub error: Option<&'a str>,
+    /// A release: the row is untouched apart from its claim (not even `updated_at`).
+    pub release: bool,
+}
+
 impl EventUpdate {
+    /// The columns this update writes.
+    pub(crate) fn columns(&self) -> UpdateColumns<'_> {
+        let c = UpdateColumns {
+            status: Status::Pending,
+            attempts: None,
+            due: None,
+            error: None,
+            release: false,
+        };
+        match self {
+            EventUpdate::Completed { .. } => UpdateColumns {
+                status: Status::Completed,
+                ..c
+            },
+            EventUpdate::CompletedAfterGap { note, .. } => UpdateColumns {
+                status: Status::Completed,
+                error: Some(note),
+                ..c
+            },
+            EventUpdate::Retry {
+                attempts,
+                delay,
+                error,
+                ..
+            } => UpdateColumns {
+                attempts: Some(*attempts),
+                due: Some(Due::After(*delay)),
+                error: Some(error),
+                ..c
+            },
+            EventUpdate::RetryAt {
+                attempts,
+                at,
+                error,
+                ..
+            } => UpdateColumns {
+                attempts: Some(*attempts),
+                due: Some(Due::At(*at)),
+                error: Some(error),
+                ..c
+            },
+            EventUpdate::Failed {
+                attempts, error, ..
+            } => UpdateColumns {
+                status: Status::Failed,
+                attempts: Some(*attempts),
+                error: Some(error),
+                ..c
+            },
+            EventUpdate::Release { .. } => UpdateColumns { release: true, ..c },
+        }
+    }
+
     /// The event this update is for.
     pub fn id(&self) -> EventId {
         match self {
@@ -241,6 +318,16 @@ pub struct SettleReport {
     /// Updates dropped because the claim's keys or events moved to another relay (a
     /// late settle that no one raced is still applied: the lease token fences).
     pub stale: usize,
+}
+
+impl SettleReport {
+    /// `applied` of `updates` updates went through; the rest were stale.
+    pub(crate) fn of(applied: usize, updates: usize) -> Self {
+        SettleReport {
+            applied,
+            stale: updates - applied,
+        }
+    }
 }
 
 /// Durable storage for both boxes.

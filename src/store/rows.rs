@@ -6,7 +6,7 @@
 use chrono::{DateTime, Utc};
 
 use super::{StoreError, StoreResult};
-use crate::domain::admin::{AdminKey, AuditEntry, EventDetail};
+use crate::domain::admin::{AdminKey, AuditEntry, EventDetail, KeyBacklog};
 use crate::domain::{BoxKind, EventId, Status, StoredEvent};
 
 /// The columns of one result row, by name, in the engine's encoding.
@@ -102,6 +102,22 @@ pub(crate) fn admin_key(b: BoxKind, subscription: String, topic: String, key: St
         topic,
         key,
     }
+}
+
+/// One backlog group (a key and its head) of a row with a topic.
+pub(crate) fn decode_backlog(r: &impl Cols, topic: String) -> StoreResult<KeyBacklog> {
+    Ok(KeyBacklog {
+        subscription: r.text("subscription")?,
+        topic,
+        key: r.text("key")?,
+        pending: r.int("pending")?,
+        oldest_created_at: r.time("created_at")?,
+        head_id: r.int("head_id")?,
+        head_attempts: r.count("attempts")?,
+        head_next_attempt_at: r.time("scheduled_at")?,
+        head_last_error: r.opt_text("last_error")?,
+        blocked: r.flag("blocked")?,
+    })
 }
 
 pub(crate) fn decode_audit(row: &impl Cols) -> StoreResult<AuditEntry> {

@@ -7,11 +7,12 @@ use chrono::{DateTime, Utc};
 use sqlx::Row;
 
 use super::{PgStore, decode_event, millis, q, scoped};
-use crate::domain::{EventId, Queue};
+use crate::domain::{EventId, Queue, Status};
+use crate::store::Due;
 use crate::store::rows::in_due_order;
 use crate::store::{
-    Claim, ClaimLimits, EventUpdate, KeyWindow, LineKey, Renewal, SettleReport, Settlement,
-    StoreError, StoreResult, fit_in_budget,
+    Claim, ClaimLimits, KeyWindow, LineKey, Renewal, SettleReport, Settlement, StoreError,
+    StoreResult, fit_in_budget,
 };
 
 impl PgStore {
@@ -173,46 +174,19 @@ impl PgStore {
             let mut error: Vec<Option<&str>> = Vec::with_capacity(n);
             for u in updates {
                 ids.push(u.id());
-                let (k, a, d, t, e) = match u {
-                    EventUpdate::Completed { .. } => ("completed", None, None, None, None),
-                    EventUpdate::CompletedAfterGap { note, .. } => {
-                        ("completed", None, None, None, Some(note.as_str()))
-                    }
-                    EventUpdate::Retry {
-                        attempts,
-                        delay,
-                        error,
-                        ..
-                    } => (
-                        "retry",
-                        Some(*attempts as i32),
-                        Some(millis(*delay)),
-                        None,
-                        Some(error.as_str()),
-                    ),
-                    EventUpdate::RetryAt {
-                        attempts,
-                        at,
-                        error,
-                        ..
-                    } => (
-                        "retry",
-                        Some(*attempts as i32),
-                        None,
-                        Some(*at),
-                        Some(error.as_str()),
-                    ),
-                    EventUpdate::Failed {
-                        attempts, error, ..
-                    } => (
-                        "failed",
-                        Some(*attempts as i32),
-                        None,
-                        None,
-                        Some(error.as_str()),
-                    ),
-                    EventUpdate::Release { .. } => ("release", None, None, None, None),
+                let c = u.columns();
+                // The statement's kinds: a pending update is a retry or a release.
+                let k = match (c.status, c.release) {
+                    (_, true) => "release",
+                    (Status::Pending, false) => "retry",
+                    (other, false) => other.as_str(),
                 };
+                let (d, t) = match c.due {
+                    Some(Due::After(delay)) => (Some(millis(delay)), None),
+                    Some(Due::At(at)) => (None, Some(at)),
+                    None => (None, None),
+                };
+                let (a, e) = (c.attempts.map(|n| n as i32), c.error);
                 kind.push(k);
                 attempts.push(a);
                 delay.push(d);
@@ -264,10 +238,7 @@ impl PgStore {
             .await?;
         }
         tx.commit().await?;
-        Ok(SettleReport {
-            applied,
-            stale: updates.len() - applied,
-        })
+        Ok(SettleReport::of(applied, updates.len()))
     }
 
     pub(super) async fn renew_once(&self, r: Renewal<'_>) -> Result<usize, sqlx::Error> {

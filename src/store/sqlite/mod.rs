@@ -22,8 +22,8 @@ use sqlx::{AssertSqlSafe, Row};
 
 use super::rows::{Cols, decode_event, in_due_order};
 use super::{
-    Admission, Claim, ClaimLimits, EventUpdate, KeyWindow, LineKey, Renewal, SettleReport,
-    Settlement, Store, StoreError, StoreResult, fit_in_budget,
+    Admission, Claim, ClaimLimits, Due, KeyWindow, LineKey, Renewal, SettleReport, Settlement,
+    Store, StoreError, StoreResult, fit_in_budget,
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
@@ -327,39 +327,12 @@ impl Store for SqliteStore {
         );
         let mut applied = 0;
         for u in updates {
-            let (status, attempts, sched, error): (&str, Option<i64>, Option<i64>, Option<&str>) =
-                match u {
-                    EventUpdate::Completed { .. } => ("completed", None, None, None),
-                    EventUpdate::CompletedAfterGap { note, .. } => {
-                        ("completed", None, None, Some(note))
-                    }
-                    EventUpdate::Retry {
-                        attempts,
-                        delay,
-                        error,
-                        ..
-                    } => (
-                        "pending",
-                        Some(*attempts as i64),
-                        Some(now.saturating_add(dur_micros(*delay))),
-                        Some(error),
-                    ),
-                    EventUpdate::RetryAt {
-                        attempts,
-                        at,
-                        error,
-                        ..
-                    } => (
-                        "pending",
-                        Some(*attempts as i64),
-                        Some(micros(*at)),
-                        Some(error),
-                    ),
-                    EventUpdate::Failed {
-                        attempts, error, ..
-                    } => ("failed", Some(*attempts as i64), None, Some(error)),
-                    EventUpdate::Release { .. } => ("pending", None, None, None),
-                };
+            let c = u.columns();
+            let sched = c.due.map(|due| match due {
+                Due::After(delay) => now.saturating_add(dur_micros(delay)),
+                Due::At(at) => micros(at),
+            });
+            let (status, attempts, error) = (c.status.as_str(), c.attempts.map(i64::from), c.error);
             // `as usize` fits: the update names one event by id, so 0 or 1 rows.
             #[allow(clippy::cast_possible_truncation)]
             let changed = sqlx::query(AssertSqlSafe(update_sql.as_str()))
@@ -369,7 +342,7 @@ impl Store for SqliteStore {
                 .bind(sched)
                 .bind(error)
                 .bind(now)
-                .bind(matches!(u, EventUpdate::Release { .. }))
+                .bind(c.release)
                 .bind(token)
                 .execute(&mut *tx)
                 .await?
@@ -405,10 +378,7 @@ impl Store for SqliteStore {
                 .await?;
         }
         tx.commit().await?;
-        Ok(SettleReport {
-            applied,
-            stale: updates.len() - applied,
-        })
+        Ok(SettleReport::of(applied, updates.len()))
     }
 
     async fn renew(&self, r: Renewal<'_>) -> StoreResult<usize> {
