@@ -131,68 +131,72 @@ pub(super) fn failure(e: &KafkaError, class: ErrorClass) -> Failure {
 mod tests {
     use super::*;
 
-    #[test]
-    fn outage_errors_are_transient() {
-        for c in [
-            C::AllBrokersDown,
-            C::BrokerTransportFailure,
-            C::MessageTimedOut,
-            C::RequestTimedOut,
-            C::QueueFull,
-            C::NotLeaderForPartition,
-        ] {
-            assert_eq!(classify(c), ErrorClass::Transient, "{c:?}");
-        }
-    }
+    /// Each class with the codes that must fall in it.
+    const TABLE: &[(ErrorClass, &[C])] = &[
+        // A broker outage: the record is fine, no attempt is spent.
+        (
+            ErrorClass::Transient,
+            &[
+                C::AllBrokersDown,
+                C::BrokerTransportFailure,
+                C::MessageTimedOut,
+                C::RequestTimedOut,
+                C::QueueFull,
+                C::NotLeaderForPartition,
+            ],
+        ),
+        // Something about this record: it counts.
+        (
+            ErrorClass::Counted,
+            &[
+                C::MessageSizeTooLarge,
+                C::InvalidMessage,
+                C::InvalidRecord,
+                C::InvalidTimestamp,
+                C::InvalidTopic,
+                C::ValueSerialization,
+                C::PolicyViolation,
+                C::MessageBatchTooLarge,
+            ],
+        ),
+        // The credentials, the cluster's state or the client's set-up are shared by every
+        // record: they must not spend attempts (issue 11, item 7).
+        (
+            ErrorClass::Transient,
+            &[
+                C::Authentication,
+                C::SSL,
+                C::SaslAuthenticationFailed,
+                C::UnsupportedSASLMechanism,
+                C::TopicAuthorizationFailed,
+                C::ClusterAuthorizationFailed,
+                C::UnknownTopicOrPartition,
+                C::UnknownTopic,
+                C::UnknownPartition,
+                C::UnsupportedVersion,
+                C::UnsupportedCompressionType,
+                C::InvalidRequiredAcks,
+            ],
+        ),
+        // Lost producer state: the producer is replaced.
+        (
+            ErrorClass::ProducerBroken,
+            &[
+                C::Fatal,
+                C::ProducerFenced,
+                C::UnknownProducerId,
+                C::InvalidProducerEpoch,
+                C::OutOfOrderSequenceNumber,
+            ],
+        ),
+    ];
 
     #[test]
-    fn record_errors_count() {
-        for c in [
-            C::MessageSizeTooLarge,
-            C::InvalidMessage,
-            C::InvalidRecord,
-            C::InvalidTimestamp,
-            C::InvalidTopic,
-            C::ValueSerialization,
-            C::PolicyViolation,
-            C::MessageBatchTooLarge,
-        ] {
-            assert_eq!(classify(c), ErrorClass::Counted, "{c:?}");
-        }
-    }
-
-    /// Failures about the credentials, the cluster's state or the client's set-up are
-    /// shared by every record: they must not spend attempts (issue 11, item 7).
-    #[test]
-    fn environment_errors_spend_no_attempt() {
-        for c in [
-            C::Authentication,
-            C::SSL,
-            C::SaslAuthenticationFailed,
-            C::UnsupportedSASLMechanism,
-            C::TopicAuthorizationFailed,
-            C::ClusterAuthorizationFailed,
-            C::UnknownTopicOrPartition,
-            C::UnknownTopic,
-            C::UnknownPartition,
-            C::UnsupportedVersion,
-            C::UnsupportedCompressionType,
-            C::InvalidRequiredAcks,
-        ] {
-            assert_eq!(classify(c), ErrorClass::Transient, "{c:?}");
-        }
-    }
-
-    #[test]
-    fn lost_producer_state_replaces_the_producer() {
-        for c in [
-            C::Fatal,
-            C::ProducerFenced,
-            C::UnknownProducerId,
-            C::InvalidProducerEpoch,
-            C::OutOfOrderSequenceNumber,
-        ] {
-            assert_eq!(classify(c), ErrorClass::ProducerBroken, "{c:?}");
+    fn every_listed_code_falls_in_its_class() {
+        for (class, codes) in TABLE {
+            for c in *codes {
+                assert_eq!(classify(*c), *class, "{c:?}");
+            }
         }
     }
 }

@@ -1,84 +1,23 @@
-//! `mailroom.v1.AdminService`: the operator surface. Each RPC (its token already checked
-//! by `api::layers::AuthLayer`) converts and validates its request into an operator query
-//! (`crate::admin`), runs it and converts the result back. Validation lives here.
+//! AdminService requests validated into operator queries (`crate::domain::admin`), and
+//! the answers mapped back to the wire: fields, filters, page sizes and page tokens.
 
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
-use tonic::{Request, Response, Status};
 
-use super::auth::{LEGACY_ADMIN_TOKEN, Principal};
-use crate::admin::{Admin, decode_token, encode_token};
+use crate::admin::{decode_token, encode_token};
 use crate::domain::admin::{
     ActionContext, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter,
-    EventsQuery, KeyBacklog, MAX_CANCEL, MAX_REQUEUE, PendingCursor, PendingOrder, PendingQuery,
-    RequeueRequest, Selection,
+    KeyBacklog, MAX_CANCEL, MAX_REQUEUE, PendingCursor, PendingOrder, PendingQuery, RequeueRequest,
+    Selection,
 };
 use crate::domain::{BoxKind, Status as EventStatus, check_topic};
 use crate::error::{Error, FieldViolation};
-use crate::metrics::Metrics;
 use crate::pb;
-use crate::pb::time::{timestamp, to_duration, to_timestamp};
+use crate::pb::time::{timestamp, to_timestamp};
 
 const DEFAULT_PAGE: u32 = 100;
 const MAX_PAGE: u32 = 1000;
-
-/// The admin RPCs. Tokens and scopes are checked before a call reaches it
-/// (`api::layers::AuthLayer`); the caller arrives as a `Principal` for the audit log.
-pub struct AdminApi {
-    admin: Admin,
-    metrics: Option<Metrics>,
-}
-
-/// Who made a call, for the audit log.
-struct Caller {
-    principal: Principal,
-}
-
-impl Caller {
-    fn actor(&self, operator: &str) -> String {
-        let name = if operator.trim().is_empty() {
-            "anonymous"
-        } else {
-            operator.trim()
-        };
-        match self.principal.name.as_deref() {
-            None => name.to_string(),
-            Some(LEGACY_ADMIN_TOKEN) => format!("{name} (token)"),
-            Some(token) => format!("{name} (token {token})"),
-        }
-    }
-
-    /// The caller acting as `operator`; the request fills in the dry run and request id.
-    fn context(&self, operator: &str) -> ActionContext {
-        ActionContext {
-            principal: self.principal.name.clone(),
-            ..ActionContext::by(self.actor(operator))
-        }
-    }
-}
-
-impl AdminApi {
-    /// The service over the admin middle layer.
-    pub fn new(admin: Admin) -> Self {
-        AdminApi {
-            admin,
-            metrics: None,
-        }
-    }
-
-    /// Counts requeues and cancels in `metrics`.
-    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
-        self.metrics = Some(metrics);
-        self
-    }
-
-    fn authorize(&self, ext: &tonic::Extensions) -> Result<Caller, Error> {
-        Ok(Caller {
-            principal: Principal::of(ext),
-        })
-    }
-}
 
 /// The box a request names.
 pub fn box_kind(v: i32) -> Result<BoxKind, Error> {
@@ -91,7 +30,7 @@ pub fn box_kind(v: i32) -> Result<BoxKind, Error> {
 
 /// An optional subscription filter: the inbox's alone (the outbox has none, so asking
 /// for one there is a mistake worth saying, not an empty answer).
-fn subscription(b: BoxKind, s: String, field: &str) -> Result<Option<String>, Error> {
+pub(super) fn subscription(b: BoxKind, s: String, field: &str) -> Result<Option<String>, Error> {
     match (b, non_empty(s)) {
         (BoxKind::Outbox, Some(_)) => Err(Error::invalid(
             field,
@@ -101,14 +40,14 @@ fn subscription(b: BoxKind, s: String, field: &str) -> Result<Option<String>, Er
     }
 }
 
-fn pb_box(b: BoxKind) -> pb::Box {
+pub(super) fn pb_box(b: BoxKind) -> pb::Box {
     match b {
         BoxKind::Outbox => pb::Box::Outbox,
         BoxKind::Inbox => pb::Box::Inbox,
     }
 }
 
-fn page_size(v: u32) -> Result<u32, Error> {
+pub(super) fn page_size(v: u32) -> Result<u32, Error> {
     match v {
         0 => Ok(DEFAULT_PAGE),
         1..=MAX_PAGE => Ok(v),
@@ -119,7 +58,7 @@ fn page_size(v: u32) -> Result<u32, Error> {
     }
 }
 
-fn non_empty(s: String) -> Option<String> {
+pub(super) fn non_empty(s: String) -> Option<String> {
     if s.is_empty() { None } else { Some(s) }
 }
 
@@ -177,7 +116,7 @@ pub fn event_filter(
     })
 }
 
-fn filter_is_empty(f: &EventFilter) -> bool {
+pub(super) fn filter_is_empty(f: &EventFilter) -> bool {
     *f == EventFilter::default()
 }
 
@@ -224,7 +163,7 @@ pub fn pending_query(b: BoxKind, r: pb::ListPendingRequest) -> Result<PendingQue
 }
 
 /// A request_id: at most 128 printable ASCII characters; empty means none.
-fn request_id(v: String) -> Result<Option<String>, Error> {
+pub(super) fn request_id(v: String) -> Result<Option<String>, Error> {
     if v.is_empty() {
         return Ok(None);
     }
@@ -343,19 +282,19 @@ struct BeforeId {
     before: i64,
 }
 
-fn before_id(token: &str) -> Result<Option<i64>, Error> {
+pub(super) fn before_id(token: &str) -> Result<Option<i64>, Error> {
     if token.is_empty() {
         return Ok(None);
     }
     Ok(Some(decode_token::<BeforeId>(token)?.before))
 }
 
-fn before_token(id: Option<i64>) -> String {
+pub(super) fn before_token(id: Option<i64>) -> String {
     id.map(|before| encode_token(&BeforeId { before }))
         .unwrap_or_default()
 }
 
-fn event_status(v: i32) -> Result<Option<EventStatus>, Error> {
+pub(super) fn event_status(v: i32) -> Result<Option<EventStatus>, Error> {
     match pb::EventStatus::try_from(v) {
         Ok(pb::EventStatus::Unspecified) => Ok(None),
         Ok(pb::EventStatus::Pending) => Ok(Some(EventStatus::Pending)),
@@ -365,7 +304,7 @@ fn event_status(v: i32) -> Result<Option<EventStatus>, Error> {
     }
 }
 
-fn pb_status(s: EventStatus) -> pb::EventStatus {
+pub(super) fn pb_status(s: EventStatus) -> pb::EventStatus {
     match s {
         EventStatus::Pending => pb::EventStatus::Pending,
         EventStatus::Completed => pb::EventStatus::Completed,
@@ -400,7 +339,7 @@ pub fn event_info(d: EventDetail) -> pb::EventInfo {
     }
 }
 
-fn key_backlog(k: KeyBacklog) -> pb::KeyBacklog {
+pub(super) fn key_backlog(k: KeyBacklog) -> pb::KeyBacklog {
     pb::KeyBacklog {
         topic: k.topic,
         key: k.key,
@@ -415,7 +354,7 @@ fn key_backlog(k: KeyBacklog) -> pb::KeyBacklog {
     }
 }
 
-fn audit_entry(a: AuditEntry) -> pb::AuditEntry {
+pub(super) fn audit_entry(a: AuditEntry) -> pb::AuditEntry {
     pb::AuditEntry {
         id: a.id,
         at: Some(to_timestamp(a.at)),
@@ -426,154 +365,6 @@ fn audit_entry(a: AuditEntry) -> pb::AuditEntry {
         count: a.count,
         principal: a.principal.unwrap_or_default(),
         request_id: a.request_id.unwrap_or_default(),
-    }
-}
-
-#[tonic::async_trait]
-impl pb::admin_service_server::AdminService for AdminApi {
-    async fn list_pending(
-        &self,
-        request: Request<pb::ListPendingRequest>,
-    ) -> Result<Response<pb::ListPendingResponse>, Status> {
-        self.authorize(request.extensions())?;
-        let r = request.into_inner();
-        let b = box_kind(r.r#box)?;
-        let q = pending_query(b, r)?;
-        let page = self.admin.list_pending(b, &q).await?;
-        Ok(Response::new(pb::ListPendingResponse {
-            keys: page.keys.into_iter().map(key_backlog).collect(),
-            next_page_token: page.next.map(|c| encode_token(&c)).unwrap_or_default(),
-            total_pending: page.total_pending,
-            total_keys: page.total_keys,
-            total_blocked_keys: page.total_blocked_keys,
-        }))
-    }
-
-    async fn requeue_failed(
-        &self,
-        request: Request<pb::RequeueFailedRequest>,
-    ) -> Result<Response<pb::RequeueFailedResponse>, Status> {
-        let caller = self.authorize(request.extensions())?;
-        let r = request.into_inner();
-        let b = box_kind(r.r#box)?;
-        let context = caller.context(&r.operator);
-        let req = requeue_request(b, r, context)?;
-        let out = self.admin.requeue(b, &req).await?;
-        if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
-            tracing::info!(audit_id = id, count = out.count, actor = %req.context.actor, "requeued failed events");
-            if let Some(m) = &self.metrics {
-                m.requeued(out.count.max(0) as u64);
-            }
-        }
-        Ok(Response::new(pb::RequeueFailedResponse {
-            count: out.count,
-            sample_ids: out.sample_ids,
-            dry_run: req.context.dry_run,
-            audit_id: out.audit_id.unwrap_or(0),
-            replayed: out.replayed,
-        }))
-    }
-
-    async fn get_event(
-        &self,
-        request: Request<pb::GetEventRequest>,
-    ) -> Result<Response<pb::GetEventResponse>, Status> {
-        self.authorize(request.extensions())?;
-        let r = request.into_inner();
-        let b = box_kind(r.r#box)?;
-        let d = self.admin.get_event(b, r.id, r.include_payload).await?;
-        Ok(Response::new(pb::GetEventResponse {
-            event: Some(event_info(d)),
-        }))
-    }
-
-    async fn list_events(
-        &self,
-        request: Request<pb::ListEventsRequest>,
-    ) -> Result<Response<pb::ListEventsResponse>, Status> {
-        self.authorize(request.extensions())?;
-        let r = request.into_inner();
-        let b = box_kind(r.r#box)?;
-        let q = EventsQuery {
-            status: event_status(r.status)?,
-            filter: event_filter(b, r.filter, "filter")?,
-            page_size: page_size(r.page_size)?,
-            before_id: before_id(&r.page_token)?,
-        };
-        let page = self.admin.list_events(b, &q).await?;
-        Ok(Response::new(pb::ListEventsResponse {
-            events: page.events.into_iter().map(event_info).collect(),
-            next_page_token: before_token(page.next_before_id),
-        }))
-    }
-
-    async fn cancel_events(
-        &self,
-        request: Request<pb::CancelEventsRequest>,
-    ) -> Result<Response<pb::CancelEventsResponse>, Status> {
-        let caller = self.authorize(request.extensions())?;
-        let r = request.into_inner();
-        let b = box_kind(r.r#box)?;
-        let context = caller.context(&r.operator);
-        let req = cancel_request(r, context)?;
-        let out = self.admin.cancel(b, &req).await?;
-        if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
-            tracing::info!(audit_id = id, count = out.ids.len(), actor = %req.context.actor, "cancelled events");
-            if let Some(m) = &self.metrics {
-                m.cancelled(out.ids.len() as u64);
-            }
-        }
-        Ok(Response::new(pb::CancelEventsResponse {
-            count: out.ids.len() as i64,
-            ids: out.ids,
-            audit_id: out.audit_id.unwrap_or(0),
-            replayed: out.replayed,
-        }))
-    }
-
-    async fn list_audit(
-        &self,
-        request: Request<pb::ListAuditRequest>,
-    ) -> Result<Response<pb::ListAuditResponse>, Status> {
-        self.authorize(request.extensions())?;
-        let r = request.into_inner();
-        let page = self
-            .admin
-            .list_audit(page_size(r.page_size)?, before_id(&r.page_token)?)
-            .await?;
-        Ok(Response::new(pb::ListAuditResponse {
-            entries: page.entries.into_iter().map(audit_entry).collect(),
-            next_page_token: before_token(page.next_before_id),
-        }))
-    }
-
-    async fn get_stats(
-        &self,
-        request: Request<pb::GetStatsRequest>,
-    ) -> Result<Response<pb::GetStatsResponse>, Status> {
-        self.authorize(request.extensions())?;
-        let r = request.into_inner();
-        let b = box_kind(r.r#box)?;
-        let sub = subscription(b, r.subscription, "subscription")?;
-        let s = self.admin.stats(b, sub.as_deref()).await?;
-        Ok(Response::new(pb::GetStatsResponse {
-            pending: s.pending,
-            completed: s.completed,
-            failed: s.failed,
-            oldest_pending_age: s.oldest_pending_age.map(to_duration),
-            blocked_keys: s.blocked_keys,
-            topics: s
-                .topics
-                .into_iter()
-                .map(|t| pb::TopicStats {
-                    subscription: t.subscription,
-                    topic: t.topic,
-                    pending: t.pending,
-                    completed: t.completed,
-                    failed: t.failed,
-                })
-                .collect(),
-        }))
     }
 }
 

@@ -1,0 +1,225 @@
+//! `mailroom.v1.AdminService`: the operator surface. Each RPC (its token already checked
+//! by `api::layers::AuthLayer`) converts and validates its request into an operator query
+//! (`crate::admin`), runs it and converts the result back. Validation lives here.
+//! Validation and conversion are in `requests`.
+
+mod requests;
+
+use tonic::{Request, Response, Status};
+
+use super::auth::{LEGACY_ADMIN_TOKEN, Principal};
+use crate::admin::{Admin, encode_token};
+use crate::domain::admin::{ActionContext, EventsQuery};
+use crate::error::Error;
+use crate::metrics::Metrics;
+use crate::pb;
+use crate::pb::time::to_duration;
+use requests::*;
+pub use requests::{
+    box_kind, cancel_request, event_filter, event_info, pending_query, requeue_request,
+};
+
+/// The admin RPCs. Tokens and scopes are checked before a call reaches it
+/// (`api::layers::AuthLayer`); the caller arrives as a `Principal` for the audit log.
+pub struct AdminApi {
+    admin: Admin,
+    metrics: Option<Metrics>,
+}
+
+/// Who made a call, for the audit log.
+struct Caller {
+    principal: Principal,
+}
+
+impl Caller {
+    fn actor(&self, operator: &str) -> String {
+        let name = if operator.trim().is_empty() {
+            "anonymous"
+        } else {
+            operator.trim()
+        };
+        match self.principal.name.as_deref() {
+            None => name.to_string(),
+            Some(LEGACY_ADMIN_TOKEN) => format!("{name} (token)"),
+            Some(token) => format!("{name} (token {token})"),
+        }
+    }
+
+    /// The caller acting as `operator`; the request fills in the dry run and request id.
+    fn context(&self, operator: &str) -> ActionContext {
+        ActionContext {
+            principal: self.principal.name.clone(),
+            ..ActionContext::by(self.actor(operator))
+        }
+    }
+}
+
+impl AdminApi {
+    /// The service over the admin middle layer.
+    pub fn new(admin: Admin) -> Self {
+        AdminApi {
+            admin,
+            metrics: None,
+        }
+    }
+
+    /// Counts requeues and cancels in `metrics`.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    fn authorize(&self, ext: &tonic::Extensions) -> Result<Caller, Error> {
+        Ok(Caller {
+            principal: Principal::of(ext),
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl pb::admin_service_server::AdminService for AdminApi {
+    async fn list_pending(
+        &self,
+        request: Request<pb::ListPendingRequest>,
+    ) -> Result<Response<pb::ListPendingResponse>, Status> {
+        self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let q = pending_query(b, r)?;
+        let page = self.admin.list_pending(b, &q).await?;
+        Ok(Response::new(pb::ListPendingResponse {
+            keys: page.keys.into_iter().map(key_backlog).collect(),
+            next_page_token: page.next.map(|c| encode_token(&c)).unwrap_or_default(),
+            total_pending: page.total_pending,
+            total_keys: page.total_keys,
+            total_blocked_keys: page.total_blocked_keys,
+        }))
+    }
+
+    async fn requeue_failed(
+        &self,
+        request: Request<pb::RequeueFailedRequest>,
+    ) -> Result<Response<pb::RequeueFailedResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let context = caller.context(&r.operator);
+        let req = requeue_request(b, r, context)?;
+        let out = self.admin.requeue(b, &req).await?;
+        if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
+            tracing::info!(audit_id = id, count = out.count, actor = %req.context.actor, "requeued failed events");
+            if let Some(m) = &self.metrics {
+                m.requeued(out.count.max(0) as u64);
+            }
+        }
+        Ok(Response::new(pb::RequeueFailedResponse {
+            count: out.count,
+            sample_ids: out.sample_ids,
+            dry_run: req.context.dry_run,
+            audit_id: out.audit_id.unwrap_or(0),
+            replayed: out.replayed,
+        }))
+    }
+
+    async fn get_event(
+        &self,
+        request: Request<pb::GetEventRequest>,
+    ) -> Result<Response<pb::GetEventResponse>, Status> {
+        self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let d = self.admin.get_event(b, r.id, r.include_payload).await?;
+        Ok(Response::new(pb::GetEventResponse {
+            event: Some(event_info(d)),
+        }))
+    }
+
+    async fn list_events(
+        &self,
+        request: Request<pb::ListEventsRequest>,
+    ) -> Result<Response<pb::ListEventsResponse>, Status> {
+        self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let q = EventsQuery {
+            status: event_status(r.status)?,
+            filter: event_filter(b, r.filter, "filter")?,
+            page_size: page_size(r.page_size)?,
+            before_id: before_id(&r.page_token)?,
+        };
+        let page = self.admin.list_events(b, &q).await?;
+        Ok(Response::new(pb::ListEventsResponse {
+            events: page.events.into_iter().map(event_info).collect(),
+            next_page_token: before_token(page.next_before_id),
+        }))
+    }
+
+    async fn cancel_events(
+        &self,
+        request: Request<pb::CancelEventsRequest>,
+    ) -> Result<Response<pb::CancelEventsResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let context = caller.context(&r.operator);
+        let req = cancel_request(r, context)?;
+        let out = self.admin.cancel(b, &req).await?;
+        if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
+            tracing::info!(audit_id = id, count = out.ids.len(), actor = %req.context.actor, "cancelled events");
+            if let Some(m) = &self.metrics {
+                m.cancelled(out.ids.len() as u64);
+            }
+        }
+        Ok(Response::new(pb::CancelEventsResponse {
+            count: out.ids.len() as i64,
+            ids: out.ids,
+            audit_id: out.audit_id.unwrap_or(0),
+            replayed: out.replayed,
+        }))
+    }
+
+    async fn list_audit(
+        &self,
+        request: Request<pb::ListAuditRequest>,
+    ) -> Result<Response<pb::ListAuditResponse>, Status> {
+        self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let page = self
+            .admin
+            .list_audit(page_size(r.page_size)?, before_id(&r.page_token)?)
+            .await?;
+        Ok(Response::new(pb::ListAuditResponse {
+            entries: page.entries.into_iter().map(audit_entry).collect(),
+            next_page_token: before_token(page.next_before_id),
+        }))
+    }
+
+    async fn get_stats(
+        &self,
+        request: Request<pb::GetStatsRequest>,
+    ) -> Result<Response<pb::GetStatsResponse>, Status> {
+        self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let b = box_kind(r.r#box)?;
+        let sub = subscription(b, r.subscription, "subscription")?;
+        let s = self.admin.stats(b, sub.as_deref()).await?;
+        Ok(Response::new(pb::GetStatsResponse {
+            pending: s.pending,
+            completed: s.completed,
+            failed: s.failed,
+            oldest_pending_age: s.oldest_pending_age.map(to_duration),
+            blocked_keys: s.blocked_keys,
+            topics: s
+                .topics
+                .into_iter()
+                .map(|t| pb::TopicStats {
+                    subscription: t.subscription,
+                    topic: t.topic,
+                    pending: t.pending,
+                    completed: t.completed,
+                    failed: t.failed,
+                })
+                .collect(),
+        }))
+    }
+}
