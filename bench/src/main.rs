@@ -51,6 +51,7 @@ mod intake;
 mod measure;
 mod relay;
 mod sql_api;
+mod wal;
 
 use infra::*;
 use measure::*;
@@ -67,6 +68,7 @@ const ALL: &[&str] = &[
     "e2e",
     "list-pending",
     "sql-api",
+    "wal",
 ];
 
 const PAYLOAD_BYTES: usize = 256;
@@ -94,7 +96,7 @@ fn diag_writers() -> usize {
 )]
 struct Args {
     /// Scenarios, comma-separated: raw-pg, raw-kafka, enqueue, batch, relay-keys,
-    /// relay-key, relay-deep, e2e, list-pending, sql-api; `relay` = the three relay
+    /// relay-key, relay-deep, e2e, list-pending, sql-api, wal; `relay` = the three relay
     /// scenarios, `all` = everything.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     scenarios: Vec<String>,
@@ -400,6 +402,7 @@ async fn main() -> anyhow::Result<()> {
             "e2e" => bench.e2e().await.map(|r| vec![r]),
             "list-pending" => bench.list_pending().await.map(|r| vec![r]),
             "sql-api" => bench.sql_api().await,
+            "wal" => bench.wal().await,
             _ => unreachable!("validated by selected()"),
         };
         match result {

@@ -6,7 +6,6 @@ use std::time::Duration;
 use crate::support::*;
 use mailroom::api::status::{DOMAIN, reason};
 use mailroom::pb;
-use sqlx::Connection as _;
 use tonic::Code;
 use tonic_types::StatusExt;
 
@@ -121,12 +120,12 @@ async fn errors_carry_error_info_and_retry_info() {
     c.overload.rpc_timeout = Some(Duration::from_millis(300));
     let mut s = Service::start(c).await;
     enqueue(&mut s.client, event("conv", "slow", b"first")).await;
-    let mut locker = sqlx::PgConnection::connect(&url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
-    sqlx::query("SELECT 1 FROM outbox_keys WHERE topic = 'conv' AND event_key = 'slow' FOR UPDATE")
-        .fetch_one(&mut locker)
-        .await
-        .unwrap();
+    let (mut locker, locked) = hold_in_transaction(
+        &url,
+        "SELECT 1 FROM outbox_keys WHERE topic = 'conv' AND event_key = 'slow' FOR UPDATE",
+    )
+    .await;
+    assert_eq!(locked, 1, "the key row is locked");
     let e = enqueue_err(&mut s.client, Some(event("conv", "slow", b"x"))).await;
     sqlx::query("ROLLBACK").execute(&mut locker).await.unwrap();
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");

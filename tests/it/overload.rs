@@ -118,7 +118,6 @@ async fn overload_sheds_fast_and_loses_nothing() {
 /// timeout, instead of queueing; the service recovers when the database does.
 #[tokio::test]
 async fn exhausted_pool_is_unavailable_quickly() {
-    use sqlx::Connection;
     let url = fresh_pg().await;
     let mut c = quiet_config(&url);
     c.database_max_connections = 2;
@@ -129,12 +128,8 @@ async fn exhausted_pool_is_unavailable_quickly() {
     enqueue(&mut s.client, event("t", "k", b"warm")).await;
 
     // Hold a lock every insert needs: the writers' connections block on it.
-    let mut blocker = sqlx::PgConnection::connect(&url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
-    sqlx::query("LOCK TABLE outbox_events IN EXCLUSIVE MODE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let (mut blocker, _) =
+        hold_in_transaction(&url, "LOCK TABLE outbox_events IN EXCLUSIVE MODE").await;
     let mut tasks = Vec::new();
     for i in 0..12 {
         let mut client = s.client.clone();

@@ -566,3 +566,18 @@ pub fn code<T>(r: Result<T, tonic::Status>) -> tonic::Code {
 
 /// Both engines, for tests that run on each.
 pub const ENGINES: [Engine; 2] = [Engine::Postgres, Engine::Sqlite];
+
+/// Opens a transaction on `url`, runs `stmt` in it and leaves it open, so its locks are
+/// held until the caller rolls back or drops the connection. Returns the connection and
+/// the rows `stmt` touched (for a `SELECT … FOR UPDATE`, the rows it locked).
+pub async fn hold_in_transaction(url: &str, stmt: &str) -> (sqlx::PgConnection, u64) {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+    let touched = sqlx::query(sqlx::AssertSqlSafe(stmt.to_string()))
+        .execute(&mut conn)
+        .await
+        .unwrap()
+        .rows_affected();
+    (conn, touched)
+}
