@@ -3,6 +3,30 @@
 
 use super::*;
 
+/// The raw baseline's multi-row insert: one row per key, each with `payload`, into
+/// `raw_events` (a copy of `outbox_events`), in one statement.
+pub(crate) async fn raw_insert(
+    pool: &sqlx::PgPool,
+    topic: &str,
+    keys: &[String],
+    payload: &[u8],
+) -> anyhow::Result<()> {
+    let payloads: Vec<&[u8]> = vec![payload; keys.len()];
+    sqlx::query(
+        "INSERT INTO raw_events (topic, event_key, payload, headers, event_type,
+             max_attempts, scheduled_at)
+         SELECT $1, k, p, '{}'::jsonb, $4, 6, now()
+         FROM unnest($2::text[], $3::bytea[]) AS u(k, p)",
+    )
+    .bind(topic)
+    .bind(keys)
+    .bind(&payloads)
+    .bind(EVENT_TYPE)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 impl Bench {
     /// Raw PostgreSQL: the same rows into a copy of `outbox_events` (same columns and
     /// indexes), one row per transaction from 64 connections, then 100 rows per statement.
@@ -62,19 +86,7 @@ impl Bench {
                 let keys: Vec<String> = (0..BATCH)
                     .map(|i| key(c * 7919 + seq as usize * BATCH + i, KEYS))
                     .collect();
-                let payloads: Vec<&[u8]> = vec![&pl[..]; BATCH];
-                sqlx::query(
-                    "INSERT INTO raw_events (topic, event_key, payload, headers, event_type,
-                         max_attempts, scheduled_at)
-                     SELECT $1, k, p, '{}'::jsonb, $4, 6, now()
-                     FROM unnest($2::text[], $3::bytea[]) AS u(k, p)",
-                )
-                .bind(&t)
-                .bind(&keys)
-                .bind(&payloads)
-                .bind(EVENT_TYPE)
-                .execute(&p)
-                .await?;
+                raw_insert(&p, &t, &keys, &pl).await?;
                 Ok(BATCH as u64)
             }
         })

@@ -4,6 +4,7 @@
 //! its enqueue in the same checkpoint cycle, as it does in service.
 
 use super::*;
+use crate::baselines::raw_insert;
 
 /// Events per step: enough to make per-event figures stable, few enough to stay short.
 const WAL_EVENTS: usize = 20_000;
@@ -110,23 +111,11 @@ impl Bench {
             eprintln!("wal: no pg_walinspect ({e}); totals only");
         }
         let topic = self.topic("wal");
-        let payload: Vec<&[u8]> = vec![&self.payload[..]; BATCH];
 
         let raw = wal_of(&pool, true, || async {
             for chunk in 0..WAL_EVENTS / BATCH {
                 let keys: Vec<String> = (0..BATCH).map(|i| key(chunk * BATCH + i, KEYS)).collect();
-                sqlx::query(
-                    "INSERT INTO raw_events (topic, event_key, payload, headers, event_type,
-                         max_attempts, scheduled_at)
-                     SELECT $1, k, p, '{}'::jsonb, $4, 6, now()
-                     FROM unnest($2::text[], $3::bytea[]) AS u(k, p)",
-                )
-                .bind(&topic)
-                .bind(&keys)
-                .bind(&payload)
-                .bind(EVENT_TYPE)
-                .execute(&pool)
-                .await?;
+                raw_insert(&pool, &topic, &keys, &self.payload).await?;
             }
             Ok(())
         })
