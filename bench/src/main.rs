@@ -50,6 +50,7 @@ mod infra;
 mod intake;
 mod measure;
 mod relay;
+mod scale;
 mod sql_api;
 mod wal;
 
@@ -69,6 +70,7 @@ const ALL: &[&str] = &[
     "list-pending",
     "sql-api",
     "wal",
+    "scale",
 ];
 
 const PAYLOAD_BYTES: usize = 256;
@@ -96,7 +98,7 @@ fn diag_writers() -> usize {
 )]
 struct Args {
     /// Scenarios, comma-separated: raw-pg, raw-kafka, enqueue, batch, relay-keys,
-    /// relay-key, relay-deep, e2e, list-pending, sql-api, wal; `relay` = the three relay
+    /// relay-key, relay-deep, e2e, list-pending, sql-api, wal, scale; `relay` = the three relay
     /// scenarios, `all` = everything.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     scenarios: Vec<String>,
@@ -403,6 +405,7 @@ async fn main() -> anyhow::Result<()> {
             "list-pending" => bench.list_pending().await.map(|r| vec![r]),
             "sql-api" => bench.sql_api().await,
             "wal" => bench.wal().await,
+            "scale" => bench.scale(sizes.relay_keys).await,
             _ => unreachable!("validated by selected()"),
         };
         match result {

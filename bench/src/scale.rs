@@ -1,0 +1,80 @@
+//! Scale-out (issue 15): the relay drain of one backlog with 1, 2 and 3 mailroom
+//! instances (2 relays each) over one PostgreSQL database. The instances run in this
+//! process, each a whole `App` with its own pools and producer: on a 2-core machine,
+//! separate processes would add no CPU, only address spaces.
+
+use super::*;
+
+impl Bench {
+    /// For each instance count, a fresh database with `events` pending over 1,000 keys,
+    /// drained by that many instances at once; the clock runs from their start until
+    /// nothing is pending.
+    pub(crate) async fn scale(&self, events: usize) -> anyhow::Result<Vec<Row>> {
+        let mut rows = Vec::new();
+        for instances in 1..=3usize {
+            let (db, url) = self.dbs.fresh().await?;
+            let topic = self.topic(&format!("scale_{instances}"));
+            {
+                let store = PgStore::connect(&url, 2).await?;
+                for start in (0..events).step_by(1000) {
+                    let chunk: Vec<NewEvent> = (start..(start + 1000).min(events))
+                        .map(|j| new_event(&topic, key(j, KEYS), &self.payload))
+                        .collect();
+                    store.enqueue(&chunk, false).await?;
+                }
+                sqlx::query("ANALYZE").execute(store.pool()).await?;
+                store.pool().close().await;
+            }
+            let mark = CpuMark::take(self.broker_pid);
+            let start = Instant::now();
+            let mut apps = Vec::with_capacity(instances);
+            for _ in 0..instances {
+                let config = mailroom_config(&url, &self.brokers, 2)?;
+                apps.push(App::start(config, CancellationToken::new()).await?);
+            }
+            let limit = Duration::from_secs(60) + Duration::from_millis(events as u64 * 10);
+            let mut pending = i64::MAX;
+            while pending > 0 && start.elapsed() < limit {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                pending = apps[0]
+                    .store
+                    .count_events(BoxKind::Outbox, Some(Status::Pending))
+                    .await?;
+            }
+            let elapsed = start.elapsed();
+            let cpu = mark.since(self.broker_pid);
+            let per_instance: Vec<String> = apps
+                .iter()
+                .map(|a| {
+                    let n: u64 = a
+                        .relay_stats
+                        .iter()
+                        .map(|s| s.delivered.load(Ordering::Relaxed))
+                        .sum();
+                    n.to_string()
+                })
+                .collect();
+            for app in apps {
+                app.stop().await?;
+            }
+            self.dbs.drop_db(&db).await;
+            let mut notes = vec![
+                format!("{events} events / {KEYS} keys, {instances} instance(s) × 2 relays"),
+                format!("delivered per instance: {}", per_instance.join(" / ")),
+            ];
+            if pending > 0 {
+                notes.push(format!("NOT DRAINED: {pending} pending"));
+            }
+            rows.push(Row {
+                name: format!("scale-{instances}-instance"),
+                events: events as u64,
+                secs: elapsed.as_secs_f64(),
+                cpu,
+                baseline: Some("raw-kafka-1000-keys"),
+                notes,
+                ..Default::default()
+            });
+        }
+        Ok(rows)
+    }
+}
