@@ -144,6 +144,75 @@ async fn claims_lease_keys_and_settles_apply_once() {
     }
 }
 
+/// The update kinds the first settle test leaves out, on both engines: what each one
+/// writes comes from `EventUpdate::columns`, bound by each engine's own statement.
+#[tokio::test]
+async fn gaps_retries_at_a_time_and_failures_write_their_columns() {
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let (b, q) = (BoxKind::Outbox, &Queue::Outbox);
+        let events = [
+            new_event(None, "a"),
+            new_event(None, "b"),
+            new_event(None, "c"),
+        ];
+        let id = ids(&store.enqueue(&events, false).await.unwrap());
+        let c = store
+            .claim(q, 1, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(c.unkeyed.len(), 3, "{engine:?}");
+        let at = chrono::Utc::now() + chrono::Duration::hours(2);
+        let updates = [
+            EventUpdate::CompletedAfterGap {
+                id: id[0],
+                note: "after a gap".into(),
+            },
+            EventUpdate::RetryAt {
+                id: id[1],
+                attempts: 2,
+                at,
+                error: "retry later".into(),
+            },
+            EventUpdate::Failed {
+                id: id[2],
+                attempts: 5,
+                error: "rejected".into(),
+            },
+        ];
+        let r = store
+            .settle(Settlement::new(q, 1, &updates, &[]))
+            .await
+            .unwrap();
+        assert_eq!((r.applied, r.stale), (3, 0), "{engine:?}");
+        let gap = store.get_event(b, id[0]).await.unwrap().unwrap();
+        assert_eq!(gap.status, Status::Completed, "{engine:?}");
+        assert!(gap.published_at.is_some());
+        assert_eq!(gap.last_error.as_deref(), Some("after a gap"));
+        let later = store.get_event(b, id[1]).await.unwrap().unwrap();
+        assert_eq!(
+            (later.status, later.attempts),
+            (Status::Pending, 2),
+            "{engine:?}"
+        );
+        let off = (later.scheduled_at - at).num_milliseconds().abs();
+        assert!(
+            off <= 1,
+            "{engine:?}: due at {} for {at}",
+            later.scheduled_at
+        );
+        assert_eq!(later.last_error.as_deref(), Some("retry later"));
+        let failed = store.get_event(b, id[2]).await.unwrap().unwrap();
+        assert_eq!(
+            (failed.status, failed.attempts),
+            (Status::Failed, 5),
+            "{engine:?}"
+        );
+        assert_eq!(failed.last_error.as_deref(), Some("rejected"));
+        assert!(failed.published_at.is_none());
+    }
+}
+
 #[tokio::test]
 async fn an_expired_claim_cannot_settle() {
     for engine in [Engine::Postgres, Engine::Sqlite] {

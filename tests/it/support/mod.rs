@@ -133,6 +133,7 @@ pub fn fresh_sqlite() -> (String, tempfile::TempDir) {
 }
 
 /// Both engines, for conformance tests.
+#[derive(Debug)]
 pub enum Engine {
     Postgres,
     Sqlite,
