@@ -148,8 +148,8 @@ impl PgStore {
         let mut tx = self.relay_pool.begin().await?;
         if !releases.is_empty() {
             // Lock our still-valid keys in byte order, the order enqueue, receive and the
-            // admin flows take them (Rust's sort of `(topic, key)`): `COLLATE "C"` in the
-            // statement, so that the database's collation (ICU, en_US…) cannot reverse it.
+            // admin flows take them (Rust's sort of `(topic, key)`): the statement locks in
+            // the array's order, so the database's collation (ICU, en_US…) plays no part.
             let mut sorted: Vec<&LineKey> = releases.iter().map(|r| &r.line).collect();
             sorted.sort();
             let topics: Vec<&str> = sorted.iter().map(|l| l.topic.as_str()).collect();

@@ -54,6 +54,7 @@ impl Sql {
         let lock_scope = scope(" AND k.subscription = $S", 4);
         let settle_scope = scope(" AND k.subscription = e.subscription", 0);
         let release_scope = scope(" AND k.subscription = $S", 7);
+        let release_probe = scope(" AND r.subscription = $S", 7);
         let release_exists = scope(" AND e.subscription = k.subscription", 0);
         let renew_scope = scope(" AND k.subscription = $S", 5);
         let renew_unkeyed_scope = scope(" AND subscription = $S", 4);
@@ -122,12 +123,18 @@ impl Sql {
                  RETURNING {c}"
             )
             .into(),
+            // Driven by the array, one primary-key probe per key, locking in the array's
+            // order (the caller sorts it). A join let the planner, which estimates one
+            // row for a lease token, loop over the array once per key row (docs/
+            // benchmarks.md, "Performance v2, step 2").
             lock_keys: format!(
-                "SELECT k.topic, k.event_key FROM {keys} k
-                 JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
-                   ON k.topic = u.topic AND k.event_key = u.event_key
-                 WHERE k.lease_token = $3{lock_scope}
-                 ORDER BY k.topic COLLATE \"C\", k.event_key COLLATE \"C\" FOR UPDATE OF k"
+                "SELECT l.topic, l.event_key
+                 FROM unnest($1::text[], $2::text[]) AS u(topic, event_key)
+                 CROSS JOIN LATERAL (
+                    SELECT k.topic, k.event_key FROM {keys} k
+                    WHERE k.topic = u.topic AND k.event_key = u.event_key
+                      AND k.lease_token = $3{lock_scope}
+                    FOR UPDATE) l"
             )
             .into(),
             settle_events: format!(
@@ -151,8 +158,19 @@ impl Sql {
                               AND k.event_key = e.event_key AND k.lease_token = $7{settle_scope})))"
             )
             .into(),
+            // Each key row found by a primary-key probe (the materialized `u`, which the
+            // planner cannot turn around) and updated by its row id: the settle locked
+            // these rows earlier in its transaction (`lock_keys`), so the id the probe
+            // reads is the current version. (Joined on the key, the planner, which
+            // estimates one row for a lease token, looped over the array once per key
+            // row, as `lock_keys` did.)
             release_keys: format!(
-                "UPDATE {keys} k SET lease_token = NULL, lease_until = NULL,
+                "WITH u AS MATERIALIZED (
+                    SELECT u.*, r.ctid AS row_id
+                    FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[])
+                         AS u(topic, event_key, at, after_ms, seen)
+                    JOIN {keys} r ON r.topic = u.topic AND r.event_key = u.event_key{release_probe})
+                 UPDATE {keys} k SET lease_token = NULL, lease_until = NULL,
                     ready_at = LEAST(
                         -- An enqueue during the lease pulled ready_at below lease_until:
                         -- its wake-up must survive the release.
@@ -163,9 +181,7 @@ impl Sql {
                                 SELECT 1 FROM {events} e WHERE e.status = 'pending'
                                   AND e.topic = k.topic AND e.event_key = k.event_key{release_exists} AND e.id > u.seen)
                              THEN now() ELSE 'infinity' END)
-                 FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[])
-                      AS u(topic, event_key, at, after_ms, seen)
-                 WHERE k.topic = u.topic AND k.event_key = u.event_key AND k.lease_token = $6{release_scope}"
+                 FROM u WHERE k.ctid = u.row_id AND k.lease_token = $6{release_scope}"
             )
             .into(),
             // Locks in the same collation-independent order as every key-locking

@@ -66,7 +66,7 @@ impl PgStore {
         }
         // One statement: the CTE upserts (and so locks) the key rows in byte order (the
         // BTreeMap's, fed through `ORDER BY o`: no collation involved, the same order as
-        // the settle's `COLLATE "C"`); the uncorrelated `(SELECT count(*) FROM keys)` is
+        // the settle's sorted array); the uncorrelated `(SELECT count(*) FROM keys)` is
         // an InitPlan, evaluated before the insert draws its first id. Locking the keys before drawing ids keeps ids and
         // commits in the same order within a key. Idempotency keys already taken insert
         // nothing.
