@@ -529,6 +529,60 @@ async fn per_key_pending_counts_stay_exact() {
     .await
     .unwrap();
     assert_eq!(rows, vec![("a".into(), 2, 2), ("b".into(), 2, 2)]);
+
+    // A settle that mixes every kind of change in one statement (the count trigger sees
+    // them together): key a's two events fail and complete, key b's head is retried.
+    let c = store
+        .claim(q, 2, limits(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let mut mixed = Vec::new();
+    for w in &c.keyed {
+        let ids: Vec<i64> = w.rows.iter().map(|e| e.id).collect();
+        match w.line.key.as_str() {
+            "a" => {
+                assert_eq!(ids.len(), 2, "key a's line: {ids:?}");
+                mixed.push(EventUpdate::Failed {
+                    id: ids[0],
+                    attempts: 1,
+                    error: "rejected".into(),
+                });
+                mixed.push(EventUpdate::CompletedAfterGap {
+                    id: ids[1],
+                    note: "gap".into(),
+                });
+            }
+            _ => mixed.push(EventUpdate::Retry {
+                id: ids[0],
+                attempts: 1,
+                delay: Duration::from_secs(60),
+                error: "later".into(),
+            }),
+        }
+    }
+    let releases: Vec<KeyRelease> = c
+        .keyed
+        .iter()
+        .map(|w| KeyRelease {
+            line: w.line.clone(),
+            ready: Readiness::now(),
+        })
+        .collect();
+    let report = store
+        .settle(Settlement::new(q, 2, &mixed, &releases))
+        .await
+        .unwrap();
+    assert_eq!(report.applied, 3, "{report:?}");
+    let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT k.event_key, k.pending,
+                (SELECT count(*) FROM outbox_events e
+                 WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key)
+         FROM outbox_keys k ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, vec![("a".into(), 0, 0), ("b".into(), 2, 2)]);
 }
 
 /// Enqueue locks key rows in byte order; the settle must take them in the same order
