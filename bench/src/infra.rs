@@ -155,7 +155,7 @@ pub(crate) async fn stranded(url: &str) -> (i64, i64) {
         "SELECT count(*),
                 count(*) FILTER (WHERE k.ready_at = 'infinity' AND k.lease_token IS NULL)
          FROM outbox_events e JOIN outbox_keys k USING (topic, event_key)
-         WHERE e.status = 'pending'",
+         WHERE e.status = 'pending' AND e.id > k.published_through",
     )
     .fetch_one(&pool)
     .await

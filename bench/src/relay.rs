@@ -408,14 +408,14 @@ impl Bench {
                     let t = Instant::now();
                     let top: Vec<(String, Option<String>, i64)> = sqlx::query_as(
                         "SELECT topic, event_key, count(*) AS pending
-                         FROM outbox_events WHERE status = 'pending'
+                         FROM outbox_events_view WHERE status = 'pending'
                          GROUP BY topic, event_key ORDER BY pending DESC, topic, event_key LIMIT 100",
                     )
                     .fetch_all(&pool)
                     .await?;
                     let (total, groups): (i64, i64) = sqlx::query_as(
                         "SELECT count(*), count(DISTINCT (topic, event_key))
-                         FROM outbox_events WHERE status = 'pending'",
+                         FROM outbox_events_view WHERE status = 'pending'",
                     )
                     .fetch_one(&pool)
                     .await?;

@@ -183,7 +183,7 @@ impl Bench {
         // The pending counts stayed exact under this load.
         let off: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM outbox_keys k WHERE k.pending <> (SELECT count(*)
-                 FROM outbox_events e WHERE e.topic = k.topic AND e.event_key = k.event_key
+                 FROM outbox_events_view e WHERE e.topic = k.topic AND e.event_key = k.event_key
                  AND e.status = 'pending')",
         )
         .fetch_one(&pool)

@@ -11,6 +11,12 @@ use crate::domain::admin::PendingOrder;
 /// A box's tables and how its statements name the subscription.
 pub(crate) struct Shape {
     pub events: &'static str,
+    /// Where statuses are read: the events table, or on the PostgreSQL outbox the view
+    /// that applies the keys' published-through cursors (migration 0011).
+    pub rows: &'static str,
+    /// The box publishes by cursor (the PostgreSQL outbox): a `pending` row at or below
+    /// its key's cursor is published.
+    cursor: bool,
     pub keys: &'static str,
     pub inbox: bool,
     /// `::text` on PostgreSQL (untyped parameters and literals need it), empty on SQLite.
@@ -37,6 +43,11 @@ impl Shape {
             find: "strpos",
             int8: "::int8",
             postgres: true,
+            rows: match b {
+                BoxKind::Outbox => "outbox_events_view",
+                BoxKind::Inbox => "inbox_events",
+            },
+            cursor: b == BoxKind::Outbox,
             ..Shape::sqlite(b)
         }
     }
@@ -48,6 +59,8 @@ impl Shape {
         };
         Shape {
             events,
+            rows: events,
+            cursor: false,
             keys,
             inbox: b == BoxKind::Inbox,
             text: "",
@@ -171,6 +184,62 @@ impl Shape {
         }
     }
 
+    /// ` AND` the row (of `table`) is above its key's cursor, where the box has cursors:
+    /// a `pending` row at or below it is published, not pending.
+    pub fn above_cursor(&self, table: &str) -> String {
+        if !self.cursor {
+            return String::new();
+        }
+        let keys = self.keys;
+        format!(
+            " AND ({table}.event_key IS NULL OR {table}.id > COALESCE((
+                SELECT c.published_through FROM {keys} c
+                WHERE c.topic = {table}.topic AND c.event_key = {table}.event_key), 0))"
+        )
+    }
+
+    /// The CTEs that make a requeue ($1, the ids) of events at or below their key's
+    /// cursor possible on the PostgreSQL outbox: the cursor drops to just below the
+    /// first requeued event of each key, and the events it passed that are still
+    /// `pending` become `completed` rows of their own, with the publish time of their
+    /// advance (the log rows above the new cursor go; the first of them is kept at the
+    /// new cursor when events below it still need its time). The key's pending count
+    /// takes them in, so the count trigger's decrement for them nets to zero.
+    fn lower_cursors() -> &'static str {
+        "WITH r AS (
+            SELECT e.topic, e.event_key, min(e.id) - 1 AS new, k.published_through AS old
+            FROM outbox_events e
+            JOIN outbox_keys k ON k.topic = e.topic AND k.event_key = e.event_key
+            WHERE e.id = ANY($1) AND e.status = 'failed' AND e.event_key IS NOT NULL
+            GROUP BY e.topic, e.event_key, k.published_through
+            HAVING min(e.id) <= k.published_through),
+         lowered AS (
+            UPDATE outbox_keys k SET published_through = r.new,
+                pending = k.pending + (SELECT count(*) FROM outbox_events e
+                    WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key
+                      AND e.id > r.new AND e.id <= r.old)
+            FROM r WHERE k.topic = r.topic AND k.event_key = r.event_key),
+         passed AS (
+            UPDATE outbox_events e SET status = 'completed',
+                published_at = COALESCE((SELECT p.at FROM outbox_publishes p
+                    WHERE p.topic = e.topic AND p.event_key = e.event_key AND p.through >= e.id
+                    ORDER BY p.through LIMIT 1), now()),
+                updated_at = COALESCE((SELECT p.at FROM outbox_publishes p
+                    WHERE p.topic = e.topic AND p.event_key = e.event_key AND p.through >= e.id
+                    ORDER BY p.through LIMIT 1), now())
+            FROM r WHERE e.topic = r.topic AND e.event_key = r.event_key
+              AND e.status = 'pending' AND e.id > r.new AND e.id <= r.old),
+         dropped AS (
+            DELETE FROM outbox_publishes p USING r
+            WHERE p.topic = r.topic AND p.event_key = r.event_key AND p.through > r.new
+            RETURNING p.topic, p.event_key, p.through, p.at, p.events, r.new),
+         kept AS (
+            INSERT INTO outbox_publishes (topic, event_key, through, at, events)
+            SELECT DISTINCT ON (topic, event_key) topic, event_key, new, at, events FROM dropped
+            ORDER BY topic, event_key, through
+            ON CONFLICT DO NOTHING)"
+    }
+
     /// Parameter `n`.
     fn p(&self, n: usize) -> String {
         format!("{}{n}", self.mark)
@@ -198,7 +267,7 @@ impl Shape {
     /// marks, casts and clocks above. `listed` are the columns of a listed event
     /// (`Shared::Events`).
     pub fn shared(&self, stmt: Shared, listed: &str) -> String {
-        let (events, keys) = (self.events, self.keys);
+        let (events, keys, rows) = (self.events, self.keys, self.rows);
         let (t, i8) = (self.text, self.int8);
         let p = |n| self.p(n);
         let sub = self.sub("subscription");
@@ -213,15 +282,22 @@ impl Shape {
                 p(3)
             ),
             Shared::CandidatesById => format!(
-                "SELECT {} FROM {events} WHERE {} ORDER BY id",
+                "SELECT {} FROM {rows} WHERE {} ORDER BY id",
                 self.candidate_columns(),
                 self.ids(1)
             ),
             Shared::FailedByFilter => format!(
-                "SELECT {} FROM {events} WHERE status = 'failed' AND {} ORDER BY id LIMIT {}",
+                "SELECT {} FROM {rows} WHERE status = 'failed' AND {} ORDER BY id LIMIT {}",
                 self.candidate_columns(),
                 self.filter(1),
                 p(8)
+            ),
+            Shared::Requeue if self.cursor => format!(
+                "{} UPDATE {events} SET status = 'pending', attempts = 0, scheduled_at = now(),
+                     updated_at = now(), claim_token = NULL, claimed_until = NULL
+                 WHERE {} AND status = 'failed'",
+                Self::lower_cursors(),
+                self.ids(1)
             ),
             Shared::Requeue => format!(
                 "UPDATE {events} SET status = 'pending', attempts = 0, scheduled_at = {now},
@@ -233,13 +309,14 @@ impl Shape {
             Shared::Cancel => format!(
                 "UPDATE {events} SET status = 'failed', last_error = 'cancelled: ' || {},
                      updated_at = {}, claim_token = NULL, claimed_until = NULL
-                 WHERE {} AND status = 'pending'",
+                 WHERE {} AND status = 'pending'{}",
                 p(2),
                 self.now(3),
-                self.ids(1)
+                self.ids(1),
+                self.above_cursor(events)
             ),
             Shared::Events => format!(
-                "SELECT {listed} FROM {events}
+                "SELECT {listed} FROM {rows}
                  WHERE ({a}{t} IS NULL OR status = {a}) AND ({b}{i8} IS NULL OR id < {b}) AND {f}
                  ORDER BY id DESC LIMIT {l}",
                 a = p(1),
@@ -264,7 +341,7 @@ impl Shape {
                  WHERE status = 'pending' AND event_key IS NULL AND {filter}
                  GROUP BY {group_sub}topic
                  UNION ALL
-                 SELECT {sub}, topic, status, count(*) FROM {events}
+                 SELECT {sub}, topic, status, count(*) FROM {rows}
                  WHERE status <> 'pending' AND {filter}
                  GROUP BY {group_sub}topic, status"
             ),

@@ -72,7 +72,7 @@ async fn crash_loop_sigkill_and_restart_lose_nothing_acknowledged() {
         completed_at_kill.push(
             scalar(
                 &pool,
-                "SELECT count(*) FROM outbox_events WHERE status = 'completed'",
+                "SELECT count(*) FROM outbox_events_view WHERE status = 'completed'",
             )
             .await,
         );
@@ -133,7 +133,7 @@ async fn broker_outage_spends_no_attempts_and_the_backlog_drains_in_order() {
     eventually(Duration::from_secs(30), "warm-up published", || {
         let pool = pool.clone();
         async move {
-            sqlx::query_scalar::<_, String>("SELECT status FROM outbox_events WHERE id = $1")
+            sqlx::query_scalar::<_, String>("SELECT status FROM outbox_events_view WHERE id = $1")
                 .bind(warm)
                 .fetch_one(&pool)
                 .await
@@ -185,7 +185,7 @@ async fn broker_outage_spends_no_attempts_and_the_backlog_drains_in_order() {
     .await;
     let (spent, not_pending): (i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE attempts > 0), count(*) FILTER (WHERE status <> 'pending') \
-         FROM outbox_events WHERE topic = $1",
+         FROM outbox_events_view WHERE topic = $1",
     )
     .bind(topic)
     .fetch_one(&pool)
@@ -634,7 +634,7 @@ async fn three_replicas_one_killed_at_random_keep_order() {
         async move {
             scalar(
                 &pool,
-                "SELECT count(*) FROM outbox_events WHERE status = 'completed'",
+                "SELECT count(*) FROM outbox_events_view WHERE status = 'completed'",
             )
             .await
                 > 0
@@ -646,7 +646,7 @@ async fn three_replicas_one_killed_at_random_keep_order() {
     replicas[victim].kill();
     let at_kill = scalar(
         &pool,
-        "SELECT count(*) FROM outbox_events WHERE status = 'completed'",
+        "SELECT count(*) FROM outbox_events_view WHERE status = 'completed'",
     )
     .await;
     let killed = Instant::now();

@@ -579,7 +579,7 @@ async fn a_dead_topic_does_not_slow_the_healthy_ones() {
         held_back += held;
         let pool = sqlx::PgPool::connect(&url).await.unwrap();
         let dead_spent: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM outbox_events WHERE topic = 'dead' AND (attempts > 0 OR status <> 'pending')",
+            "SELECT count(*) FROM outbox_events_view WHERE topic = 'dead' AND (attempts > 0 OR status <> 'pending')",
         )
         .fetch_one(&pool)
         .await

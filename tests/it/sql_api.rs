@@ -77,7 +77,7 @@ async fn outbox_rows(url: &str) -> i64 {
 async fn pending_counts(url: &str) -> Vec<(String, i64, i64)> {
     sqlx::query(
         "SELECT k.event_key, k.pending,
-                (SELECT count(*) FROM outbox_events e WHERE e.topic = k.topic
+                (SELECT count(*) FROM outbox_events_view e WHERE e.topic = k.topic
                  AND e.event_key = k.event_key AND e.status = 'pending')
          FROM outbox_keys k ORDER BY 1",
     )

@@ -521,7 +521,7 @@ async fn per_key_pending_counts_stay_exact() {
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let rows: Vec<(String, i64, i64)> = sqlx::query_as(
         "SELECT k.event_key, k.pending,
-                (SELECT count(*) FROM outbox_events e
+                (SELECT count(*) FROM outbox_events_view e
                  WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key)
          FROM outbox_keys k ORDER BY 1",
     )
@@ -575,7 +575,7 @@ async fn per_key_pending_counts_stay_exact() {
     assert_eq!(report.applied, 3, "{report:?}");
     let rows: Vec<(String, i64, i64)> = sqlx::query_as(
         "SELECT k.event_key, k.pending,
-                (SELECT count(*) FROM outbox_events e
+                (SELECT count(*) FROM outbox_events_view e
                  WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key)
          FROM outbox_keys k ORDER BY 1",
     )
@@ -749,7 +749,7 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
             let start = std::time::Instant::now();
             while start.elapsed() < run_for {
                 let ids: Vec<i64> = sqlx::query_scalar(
-                    "SELECT max(id) FROM outbox_events WHERE status = 'pending'
+                    "SELECT max(id) FROM outbox_events_view WHERE status = 'pending'
                      GROUP BY event_key LIMIT 6",
                 )
                 .fetch_all(&pool)
@@ -1075,5 +1075,207 @@ async fn claims_are_bounded_in_bytes_as_well_as_rows() {
             assert_eq!(got.len(), 3, "key {key}: {got:?}");
             assert!(got.windows(2).all(|p| p[0] < p[1]), "key {key} in order");
         }
+    }
+}
+
+/// A failed event behind published ones (on PostgreSQL, below its key's published-through
+/// cursor) is requeued, published again after them, and retention then removes the whole
+/// line and its key: the statuses, publish times and pending counts read the same on both
+/// engines at every step.
+#[tokio::test]
+async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the_line() {
+    use mailroom::domain::admin::{ActionContext, RequeueRequest, Selection};
+    use mailroom::store::retention::Finished;
+
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (url, _dir) = fresh_db(&engine).await;
+        let store = open_store(&config(&url)).await.unwrap();
+        // On PostgreSQL, where the key's cursor stands (the path under test).
+        let on_pg = matches!(engine, Engine::Postgres);
+        let cursor = || {
+            let url = url.clone();
+            async move {
+                if !on_pg {
+                    return None;
+                }
+                let pool = sqlx::PgPool::connect(&url).await.unwrap();
+                let c: i64 = sqlx::query_scalar("SELECT published_through FROM outbox_keys")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                Some(c)
+            }
+        };
+        let q = &Queue::Outbox;
+        let events: Vec<NewEvent> = (1..=5)
+            .map(|i| new_event(Some("k"), &i.to_string()))
+            .collect();
+        let ids: Vec<i64> = store
+            .enqueue(&events, true)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|a| match a {
+                Admission::Inserted(id) => id,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let status = |id: i64| {
+            let store = store.clone();
+            async move { store.get_event(BoxKind::Outbox, id).await.unwrap().unwrap() }
+        };
+        let pending = || {
+            let store = store.clone();
+            async move {
+                store
+                    .count_events(BoxKind::Outbox, Some(Status::Pending))
+                    .await
+                    .unwrap()
+            }
+        };
+        // Cycle 1 takes two events: the first is published, the second rejected.
+        let small = ClaimLimits {
+            max_run: 2,
+            ..limits(Duration::from_secs(30))
+        };
+        let settle = |token: i64, updates: Vec<EventUpdate>| {
+            let store = store.clone();
+            async move {
+                let c = store.claim(q, token, small).await.unwrap();
+                let releases: Vec<KeyRelease> = c
+                    .keyed
+                    .iter()
+                    .map(|w| KeyRelease {
+                        line: w.line.clone(),
+                        ready: Readiness::now(),
+                    })
+                    .collect();
+                let window: Vec<i64> = c
+                    .keyed
+                    .iter()
+                    .flat_map(|w| w.rows.iter().map(|e| e.id))
+                    .collect();
+                let report = store
+                    .settle(Settlement::new(q, token, &updates, &releases))
+                    .await
+                    .unwrap();
+                (window, report)
+            }
+        };
+        let (window, report) = settle(
+            1,
+            vec![
+                EventUpdate::Completed { id: ids[0] },
+                EventUpdate::Failed {
+                    id: ids[1],
+                    attempts: 1,
+                    error: "rejected".into(),
+                },
+            ],
+        )
+        .await;
+        assert_eq!(window, ids[..2], "{engine:?}");
+        assert_eq!(report.applied, 2, "{engine:?}");
+        // Cycles 2 and 3 publish the other three, past the failed one.
+        let (window, _) = settle(
+            2,
+            vec![
+                EventUpdate::Completed { id: ids[2] },
+                EventUpdate::Completed { id: ids[3] },
+            ],
+        )
+        .await;
+        assert_eq!(window, ids[2..4], "{engine:?}");
+        let (window, report) = settle(3, vec![EventUpdate::Completed { id: ids[4] }]).await;
+        assert_eq!(window, ids[4..], "{engine:?}");
+        assert_eq!(report.applied, 1, "{engine:?}");
+        let mut published = Vec::new();
+        for (i, &id) in ids.iter().enumerate() {
+            let e = status(id).await;
+            let want = if i == 1 {
+                Status::Failed
+            } else {
+                Status::Completed
+            };
+            assert_eq!(e.status, want, "{engine:?} event {i}");
+            assert_eq!(e.published_at.is_some(), i != 1, "{engine:?} event {i}");
+            published.push(e.published_at);
+        }
+        assert_eq!(pending().await, 0, "{engine:?}");
+        if let Some(c) = cursor().await {
+            assert_eq!(c, ids[4], "the cursor passed the failed event");
+        }
+
+        // The requeue puts the failed event back in line; the published ones stay
+        // published, with their publish times.
+        let requeue = RequeueRequest {
+            selection: Selection::Ids(vec![ids[1]]),
+            limit: 10,
+            context: ActionContext::by("test"),
+        };
+        let out = store
+            .requeue_failed(BoxKind::Outbox, &requeue)
+            .await
+            .unwrap();
+        assert_eq!(out.count, 1, "{engine:?}");
+        assert_eq!(pending().await, 1, "{engine:?}");
+        if let Some(c) = cursor().await {
+            assert_eq!(c, ids[0], "the cursor dropped below the requeued event");
+        }
+        for (i, &id) in ids.iter().enumerate() {
+            let e = status(id).await;
+            let want = if i == 1 {
+                Status::Pending
+            } else {
+                Status::Completed
+            };
+            assert_eq!(e.status, want, "{engine:?} event {i} after the requeue");
+            if i != 1 {
+                assert_eq!(
+                    e.published_at, published[i],
+                    "{engine:?} event {i}'s publish time"
+                );
+            }
+        }
+        let (window, report) = settle(4, vec![EventUpdate::Completed { id: ids[1] }]).await;
+        assert_eq!(
+            window,
+            vec![ids[1]],
+            "only the requeued event is in line ({engine:?})"
+        );
+        assert_eq!(report.applied, 1, "{engine:?}");
+        assert_eq!(status(ids[1]).await.status, Status::Completed, "{engine:?}");
+        assert_eq!(pending().await, 0, "{engine:?}");
+        let c = store.claim(q, 5, small).await.unwrap();
+        assert!(
+            c.keyed.iter().all(|w| w.rows.is_empty()),
+            "nothing left in line ({engine:?}): {:?}",
+            c.keyed
+        );
+        let releases: Vec<KeyRelease> = c
+            .keyed
+            .iter()
+            .map(|w| KeyRelease {
+                line: w.line.clone(),
+                ready: Readiness::default(),
+            })
+            .collect();
+        store
+            .settle(Settlement::new(q, 5, &[], &releases))
+            .await
+            .unwrap();
+
+        // Retention: every event is published, so all five go, then the idle key.
+        let gone = store
+            .purge(Finished::Completed, Duration::ZERO, 1000)
+            .await
+            .unwrap();
+        assert_eq!(gone, 5, "{engine:?}");
+        assert_eq!(
+            store.count_events(BoxKind::Outbox, None).await.unwrap(),
+            0,
+            "{engine:?}"
+        );
+        assert_eq!(store.prune_idle_keys(1000).await.unwrap(), 1, "{engine:?}");
     }
 }

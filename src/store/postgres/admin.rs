@@ -37,7 +37,7 @@ fn pending_sql(sh: &Shape, order: PendingOrder) -> String {
             CROSS JOIN LATERAL (
                 SELECT id, created_at, attempts, scheduled_at, last_error FROM {events} e
                 WHERE e.status = 'pending'{same_sub} AND e.topic = k.topic
-                  AND e.event_key = k.event_key
+                  AND e.event_key = k.event_key AND e.id > k.published_through
                 ORDER BY e.id LIMIT 1) e
             WHERE k.pending > 0 AND {k_filter}
               AND ($1::text IS NULL OR k.topic = $1)
@@ -106,8 +106,9 @@ impl AdminSql for PgStore {
                 .into(),
             Stmt::Pending(order) => pending_sql(&sh, order),
             Stmt::Detail => format!(
-                "SELECT {} FROM {events} WHERE id = $1",
-                sh.detail_columns("$2")
+                "SELECT {} FROM {} WHERE id = $1",
+                sh.detail_columns("$2"),
+                sh.rows
             ),
             Stmt::StatsHeads => format!(
                 "SELECT count(*) FILTER (WHERE (h.attempts > 0 OR h.last_error IS NOT NULL) AND h.scheduled_at > now()) AS blocked,
@@ -115,7 +116,7 @@ impl AdminSql for PgStore {
              FROM {keys} k CROSS JOIN LATERAL (
                 SELECT attempts, scheduled_at, created_at, last_error FROM {events} e
                 WHERE e.status = 'pending'{same_sub} AND e.topic = k.topic
-                  AND e.event_key = k.event_key
+                  AND e.event_key = k.event_key AND e.id > k.published_through
                 ORDER BY e.id LIMIT 1) h
              WHERE k.pending > 0 AND {k_filter}",
             same_sub = sh.same_sub("e", "k"),

@@ -115,10 +115,23 @@ impl PgStore {
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
             self.sql(b).windows
         );
+        let keys = match b {
+            BoxKind::Outbox => "outbox_keys",
+            BoxKind::Inbox => "inbox_keys",
+        };
+        // The line starts above the key's cursor, as in a claim.
+        let cursor: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT max(published_through) FROM {keys} WHERE topic = $1 AND event_key = $2"
+        )))
+        .bind(&line.topic)
+        .bind(&line.key)
+        .fetch_one(&self.pool)
+        .await?;
         let plan: serde_json::Value = sqlx::query_scalar(AssertSqlSafe(sql))
             .bind(vec![line.topic.clone()])
             .bind(vec![line.key.clone()])
             .bind(per_key)
+            .bind(vec![cursor.unwrap_or(0)])
             .fetch_one(&self.pool)
             .await?;
         Ok(plan)
@@ -284,8 +297,9 @@ impl Store for PgStore {
     }
 
     async fn count_events(&self, b: BoxKind, status: Option<Status>) -> StoreResult<i64> {
+        // The outbox's statuses apply the keys' cursors (migration 0011).
         let table = match b {
-            BoxKind::Outbox => "outbox_events",
+            BoxKind::Outbox => "outbox_events_view",
             BoxKind::Inbox => "inbox_events",
         };
         let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(

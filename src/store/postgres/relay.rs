@@ -1,18 +1,18 @@
 //! The relay's calls: claim (lease ready keys, read their lines within the budgets,
 //! claim due unkeyed events), settle and renew.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
-use sqlx::Row;
+use sqlx::{AssertSqlSafe, Row};
 
 use super::{PgStore, decode_event, millis, q, scoped};
 use crate::domain::{EventId, Queue, Status};
 use crate::store::Due;
 use crate::store::rows::in_due_order;
 use crate::store::{
-    Claim, ClaimLimits, KeyWindow, LineKey, Renewal, SettleReport, Settlement, StoreError,
-    StoreResult, fit_in_budget,
+    Claim, ClaimLimits, EventUpdate, KeyWindow, LineKey, Renewal, SettleReport, Settlement,
+    StoreError, StoreResult, fit_in_budget,
 };
 
 impl PgStore {
@@ -41,7 +41,9 @@ impl PgStore {
         if !leased.is_empty() {
             let mut topics = Vec::with_capacity(leased.len());
             let mut names = Vec::with_capacity(leased.len());
+            let mut cursors: Vec<i64> = Vec::with_capacity(leased.len());
             for r in &leased {
+                cursors.push(r.try_get(2)?);
                 let line = LineKey {
                     topic: r.try_get(0)?,
                     key: r.try_get(1)?,
@@ -61,7 +63,8 @@ impl PgStore {
                 q(&sql.windows)
                     .bind(topics)
                     .bind(names)
-                    .bind(per_key as i64),
+                    .bind(per_key as i64)
+                    .bind(cursors),
                 queue,
             )
             .fetch_all(&self.relay_pool)
@@ -164,6 +167,29 @@ impl PgStore {
             .await?;
         }
         let mut applied = 0;
+        // Completions of keyed events move their keys' cursors (the outbox); what a
+        // cursor covers needs no row of its own.
+        let mut covered: HashSet<EventId> = HashSet::new();
+        if let Some(advance) = &sql.advance_keys {
+            let completed: Vec<EventId> = updates
+                .iter()
+                .filter(|u| matches!(u, EventUpdate::Completed { .. }))
+                .map(EventUpdate::id)
+                .collect();
+            if !completed.is_empty() {
+                let rows: Vec<(Vec<i64>,)> = sqlx::query_as(AssertSqlSafe(advance.clone()))
+                    .bind(&completed)
+                    .bind(token)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                covered.extend(rows.into_iter().flat_map(|(ids,)| ids));
+                applied += covered.len();
+            }
+        }
+        let updates: Vec<&EventUpdate> = updates
+            .iter()
+            .filter(|u| !covered.contains(&u.id()))
+            .collect();
         if !updates.is_empty() {
             let n = updates.len();
             let mut ids = Vec::with_capacity(n);
@@ -172,7 +198,7 @@ impl PgStore {
             let mut delay: Vec<Option<i64>> = Vec::with_capacity(n);
             let mut at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
             let mut error: Vec<Option<&str>> = Vec::with_capacity(n);
-            for u in updates {
+            for u in &updates {
                 ids.push(u.id());
                 let c = u.columns();
                 // The statement's kinds: a pending update is a retry or a release.
@@ -206,7 +232,7 @@ impl PgStore {
                 .execute(&mut *tx)
                 .await?
                 .rows_affected() as usize;
-            applied = changed;
+            applied += changed;
         }
         if !releases.is_empty() {
             let n = releases.len();
@@ -238,7 +264,7 @@ impl PgStore {
             .await?;
         }
         tx.commit().await?;
-        Ok(SettleReport::of(applied, updates.len()))
+        Ok(SettleReport::of(applied, s.updates.len()))
     }
 
     pub(super) async fn renew_once(&self, r: Renewal<'_>) -> Result<usize, sqlx::Error> {

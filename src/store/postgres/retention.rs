@@ -3,6 +3,12 @@
 //! (published_at) WHERE status = 'completed'` (migration 0004); two processes running
 //! retention at once skip each other's rows. Failed events use `outbox_events_failed
 //! (updated_at)`.
+//!
+//! Events published by a key's cursor (migration 0011) have no row of their own to age:
+//! their advance's log row in `outbox_publishes` carries the time, so retention takes
+//! the oldest log rows (their event counts within the batch) and deletes the events up
+//! to each, then the log rows. A key row is pruned only once no row of its line is left,
+//! since its cursor is what says those rows were published.
 
 use std::time::Duration;
 
@@ -40,21 +46,65 @@ impl RetentionStore for PgStore {
         .bind(i64::from(limit))
         .execute(self.relay_pool())
         .await?;
-        Ok(r.rows_affected())
+        let explicit = r.rows_affected();
+        if finished != Finished::Completed || explicit >= u64::from(limit) {
+            return Ok(explicit);
+        }
+        // The rest of the batch from the cursor-published events, whole advances at a
+        // time (at least one, so an advance larger than the batch still goes).
+        let rest = i64::from(limit) - i64::try_from(explicit).unwrap_or(0);
+        let gone: i64 = sqlx::query_scalar(
+            "WITH oldest AS (
+                 SELECT topic, event_key, through, events FROM outbox_publishes
+                 WHERE at < now() - make_interval(secs => $1)
+                 ORDER BY at LIMIT $2 FOR UPDATE SKIP LOCKED),
+             picked AS (
+                 SELECT o.* FROM (
+                     SELECT topic, event_key, through,
+                            sum(events) OVER (ORDER BY through, topic, event_key) AS total,
+                            row_number() OVER (ORDER BY through, topic, event_key) AS n
+                     FROM oldest) o
+                 WHERE o.n = 1 OR o.total <= $2),
+             events AS (
+                 DELETE FROM outbox_events e USING picked p, outbox_keys k
+                 WHERE e.topic = p.topic AND e.event_key = p.event_key
+                   AND k.topic = p.topic AND k.event_key = p.event_key
+                   AND e.status = 'pending' AND e.id <= p.through AND e.id <= k.published_through
+                 RETURNING e.id),
+             logs AS (
+                 DELETE FROM outbox_publishes l USING picked p
+                 WHERE l.topic = p.topic AND l.event_key = p.event_key AND l.through <= p.through)
+             SELECT count(*) FROM events",
+        )
+        .bind(secs(older_than))
+        .bind(rest)
+        .fetch_one(self.relay_pool())
+        .await?;
+        Ok(explicit + u64::try_from(gone).unwrap_or(0))
     }
 
     async fn prune_idle_keys(&self, limit: u32) -> StoreResult<u64> {
-        let r = sqlx::query(
-            "DELETE FROM outbox_keys WHERE (topic, event_key) IN (
-                 SELECT topic, event_key FROM outbox_keys
-                 WHERE ready_at = 'infinity' AND lease_token IS NULL AND pending = 0
-                 LIMIT $1
-                 FOR UPDATE SKIP LOCKED)
-             AND ready_at = 'infinity' AND lease_token IS NULL AND pending = 0",
+        // A key whose line still holds rows keeps its row: its cursor says which of them
+        // are published.
+        let n: i64 = sqlx::query_scalar(
+            "WITH gone AS (
+                 DELETE FROM outbox_keys WHERE (topic, event_key) IN (
+                     SELECT k.topic, k.event_key FROM outbox_keys k
+                     WHERE k.ready_at = 'infinity' AND k.lease_token IS NULL AND k.pending = 0
+                       AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.status = 'pending'
+                                       AND e.topic = k.topic AND e.event_key = k.event_key)
+                     LIMIT $1
+                     FOR UPDATE SKIP LOCKED)
+                 AND ready_at = 'infinity' AND lease_token IS NULL AND pending = 0
+                 RETURNING topic, event_key),
+             logs AS (
+                 DELETE FROM outbox_publishes l USING gone g
+                 WHERE l.topic = g.topic AND l.event_key = g.event_key)
+             SELECT count(*) FROM gone",
         )
         .bind(i64::from(limit))
-        .execute(self.relay_pool())
+        .fetch_one(self.relay_pool())
         .await?;
-        Ok(r.rows_affected())
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 }

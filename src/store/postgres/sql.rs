@@ -20,6 +20,8 @@ pub(super) struct Sql {
     pub(super) renew_keys: Arc<str>,
     pub(super) renew_unkeyed: Arc<str>,
     pub(super) get_event: Arc<str>,
+    /// The outbox's cursor advance (`None` in the inbox, which settles row by row).
+    pub(super) advance_keys: Option<Arc<str>>,
 }
 
 impl Sql {
@@ -37,7 +39,7 @@ impl Sql {
         };
         let lease_scope = scope(" AND subscription = $S", 4);
         let lease_join = scope(" AND k.subscription = $S", 4);
-        let window_scope = |alias: &str| scope(&format!(" AND {alias}.subscription = $S"), 4);
+        let window_scope = |alias: &str| scope(&format!(" AND {alias}.subscription = $S"), 5);
         let (e_scope, d_scope, b_scope) = (window_scope("e"), window_scope("d"), window_scope("b"));
         let by_id_scope = scope(" AND subscription = $S", 2);
         let unkeyed_scope = scope(" AND u.subscription = $S", 5);
@@ -68,7 +70,7 @@ impl Sql {
                         lease_until = now() + $3 * interval '1 millisecond',
                         ready_at = now() + $3 * interval '1 millisecond'
                  FROM picked WHERE k.topic = picked.topic AND k.event_key = picked.event_key{lease_join}
-                 RETURNING k.topic, k.event_key"
+                 RETURNING k.topic, k.event_key, k.published_through"
             )
             .into(),
             // The front of each leased key's line, ids and sizes only (the events
@@ -78,26 +80,29 @@ impl Sql {
             // are fewer), the earliest delayed schedule and the highest id. Each part
             // walks the line and stops after $3 in-line rows plus the delayed ones in
             // between, whatever the depth of the key. (`OFFSET 0` keeps the marks one
-            // evaluation per key.)
+            // evaluation per key.) The line starts above the key's cursor ($4): what is
+            // at or below it is published (migration 0011).
             windows: format!(
                 "SELECT k.o, m.delayed_at, m.line_end, l.id, l.size
-                 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS k(topic, event_key, o)
+                 FROM unnest($1::text[], $2::text[], $4::int8[])
+                      WITH ORDINALITY AS k(topic, event_key, through, o)
                  CROSS JOIN LATERAL (
                     SELECT min(d.scheduled_at) FILTER (WHERE {d_delayed}) AS delayed_at,
                            max(d.id) AS line_end
                     FROM {events} d
                     WHERE d.status = 'pending'{d_scope} AND d.topic = k.topic
-                      AND d.event_key = k.event_key
+                      AND d.event_key = k.event_key AND d.id > k.through
                       AND d.id < COALESCE((
                           SELECT b.id FROM {events} b
                           WHERE b.status = 'pending'{b_scope} AND b.topic = k.topic
-                            AND b.event_key = k.event_key AND NOT ({b_delayed})
+                            AND b.event_key = k.event_key AND b.id > k.through
+                            AND NOT ({b_delayed})
                           ORDER BY b.id OFFSET $3 - 1 LIMIT 1), 9223372036854775807)
                     OFFSET 0) m
                  LEFT JOIN LATERAL (
                     SELECT e.id, {e_size} AS size FROM {events} e
                     WHERE e.status = 'pending'{e_scope} AND e.topic = k.topic AND e.event_key = k.event_key
-                      AND NOT ({e_delayed})
+                      AND e.id > k.through AND NOT ({e_delayed})
                     ORDER BY e.id LIMIT $3) l ON true"
             )
             .into(),
@@ -155,7 +160,8 @@ impl Sql {
                    AND ((e.event_key IS NULL AND e.claim_token = $7)
                         OR (e.event_key IS NOT NULL AND EXISTS (
                             SELECT 1 FROM {keys} k WHERE k.topic = e.topic
-                              AND k.event_key = e.event_key AND k.lease_token = $7{settle_scope})))"
+                              AND k.event_key = e.event_key AND k.lease_token = $7
+                              AND e.id > k.published_through{settle_scope})))"
             )
             .into(),
             // Each key row found by a primary-key probe (the materialized `u`, which the
@@ -206,7 +212,52 @@ impl Sql {
                  WHERE id = ANY($1) AND claim_token = $2 AND status = 'pending'{renew_unkeyed_scope}"
             )
             .into(),
-            get_event: format!("SELECT {c} FROM {events} WHERE id = $1").into(),
+            // The outbox reads statuses through the view that applies the cursor.
+            get_event: format!(
+                "SELECT {c} FROM {} WHERE id = $1",
+                if scoped {
+                    events.to_string()
+                } else {
+                    format!("{events}_view")
+                }
+            )
+            .into(),
+            // Moves each key's cursor over the completed events ($1) of its line, once
+            // per key: only when they are exactly the pending events between the cursor
+            // and the highest of them (a delayed event skipped by the window, a row
+            // requeued meanwhile or an event left unpublished keeps the cursor where it
+            // is, and those completions are written row by row instead). Logs the
+            // advance with its time (`outbox_publishes`) and returns the ids it covered.
+            // The key rows are found by primary key and updated by row id, as in
+            // `release_keys`; the settle has locked them.
+            advance_keys: (!scoped).then(|| {
+                format!(
+                    "WITH c AS MATERIALIZED (
+                        SELECT g.*, r.ctid AS row_id
+                        FROM (SELECT e.topic, e.event_key, max(e.id) AS through,
+                                     min(e.id) AS first, count(*) AS n, array_agg(e.id) AS ids
+                              FROM {events} e
+                              WHERE e.id = ANY($1) AND e.event_key IS NOT NULL
+                                AND e.status = 'pending'
+                              GROUP BY e.topic, e.event_key) g
+                        JOIN {keys} r ON r.topic = g.topic AND r.event_key = g.event_key),
+                     adv AS (
+                        UPDATE {keys} k SET published_through = c.through, pending = k.pending - c.n
+                        FROM c
+                        WHERE k.ctid = c.row_id AND k.lease_token = $2
+                          AND c.first > k.published_through
+                          AND c.n = (SELECT count(*) FROM {events} e
+                                     WHERE e.status = 'pending' AND e.topic = k.topic
+                                       AND e.event_key = k.event_key
+                                       AND e.id > k.published_through AND e.id <= c.through)
+                        RETURNING k.topic, k.event_key, c.through, c.n, c.ids),
+                     logged AS (
+                        INSERT INTO outbox_publishes (topic, event_key, through, at, events)
+                        SELECT topic, event_key, through, now(), n FROM adv)
+                     SELECT ids FROM adv"
+                )
+                .into()
+            }),
         }
     }
 }

@@ -397,7 +397,7 @@ pub async fn drained(db: &str, min_total: usize, timeout: Duration) -> Duration 
     let t0 = Instant::now();
     loop {
         let (total, pending): (i64, i64) = sqlx::query_as(
-            "SELECT count(*), count(*) FILTER (WHERE status <> 'completed') FROM outbox_events",
+            "SELECT count(*), count(*) FILTER (WHERE status <> 'completed') FROM outbox_events_view",
         )
         .fetch_one(&pool)
         .await
