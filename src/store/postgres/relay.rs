@@ -167,22 +167,36 @@ impl PgStore {
             .await?;
         }
         let mut applied = 0;
-        // Completions of keyed events move their keys' cursors (the outbox); what a
-        // cursor covers needs no row of its own.
+        // Completions of keyed events move their keys' cursors (the outbox), with the
+        // release: what a cursor covers needs no row of its own. Only keys released here
+        // can move, since the release is what moves them.
         let mut covered: HashSet<EventId> = HashSet::new();
-        if let Some(advance) = &sql.advance_keys {
+        let mut runs: HashMap<LineKey, (i64, i64)> = HashMap::new();
+        if let Some(check) = &sql.check_runs {
             let completed: Vec<EventId> = updates
                 .iter()
                 .filter(|u| matches!(u, EventUpdate::Completed { .. }))
                 .map(EventUpdate::id)
                 .collect();
-            if !completed.is_empty() {
-                let rows: Vec<(Vec<i64>,)> = sqlx::query_as(AssertSqlSafe(advance.clone()))
+            if !completed.is_empty() && !releases.is_empty() {
+                let released: HashSet<&LineKey> = releases.iter().map(|r| &r.line).collect();
+                let rows = sqlx::query(AssertSqlSafe(check.clone()))
                     .bind(&completed)
                     .bind(token)
                     .fetch_all(&mut *tx)
                     .await?;
-                covered.extend(rows.into_iter().flat_map(|(ids,)| ids));
+                for r in &rows {
+                    let line = LineKey {
+                        topic: r.try_get("topic")?,
+                        key: r.try_get("event_key")?,
+                    };
+                    if !r.try_get::<bool, _>("covered")? || !released.contains(&line) {
+                        continue;
+                    }
+                    let ids: Vec<i64> = r.try_get("ids")?;
+                    covered.extend(ids);
+                    runs.insert(line, (r.try_get("through")?, r.try_get("n")?));
+                }
                 applied += covered.len();
             }
         }
@@ -250,18 +264,29 @@ impl PgStore {
             }
             let topics: Vec<String> = topics.into_iter().map(str::to_string).collect();
             let names: Vec<String> = names.into_iter().map(str::to_string).collect();
-            scoped(
-                q(&sql.release_keys)
-                    .bind(topics)
-                    .bind(names)
-                    .bind(at)
-                    .bind(after)
-                    .bind(seen)
-                    .bind(token),
-                queue,
-            )
-            .execute(&mut *tx)
-            .await?;
+            let (statement, advance) = match &sql.release_advance {
+                Some(advance) if !runs.is_empty() => (advance, true),
+                _ => (&sql.release_keys, false),
+            };
+            let release = q(statement)
+                .bind(topics)
+                .bind(names)
+                .bind(at)
+                .bind(after)
+                .bind(seen)
+                .bind(token);
+            if advance {
+                let (through, n): (Vec<Option<i64>>, Vec<Option<i64>>) = releases
+                    .iter()
+                    .map(|r| {
+                        runs.get(&r.line)
+                            .map_or((None, None), |&(t, n)| (Some(t), Some(n)))
+                    })
+                    .unzip();
+                release.bind(through).bind(n).execute(&mut *tx).await?;
+            } else {
+                scoped(release, queue).execute(&mut *tx).await?;
+            }
         }
         tx.commit().await?;
         Ok(SettleReport::of(applied, s.updates.len()))

@@ -20,8 +20,10 @@ pub(super) struct Sql {
     pub(super) renew_keys: Arc<str>,
     pub(super) renew_unkeyed: Arc<str>,
     pub(super) get_event: Arc<str>,
-    /// The outbox's cursor advance (`None` in the inbox, which settles row by row).
-    pub(super) advance_keys: Option<Arc<str>>,
+    /// The outbox's cursor advance: which runs it may cover, and the release that moves
+    /// the cursors (`None` in the inbox, which settles row by row).
+    pub(super) check_runs: Option<Arc<str>>,
+    pub(super) release_advance: Option<Arc<str>>,
 }
 
 impl Sql {
@@ -60,6 +62,51 @@ impl Sql {
         let release_exists = scope(" AND e.subscription = k.subscription", 0);
         let renew_scope = scope(" AND k.subscription = $S", 5);
         let renew_unkeyed_scope = scope(" AND subscription = $S", 4);
+        // The key release (see `release_keys` below), with the cursor advance when
+        // `advance`.
+        let release = |advance: bool| -> Arc<str> {
+            let (cursor_cols, cursor_arrays, cursor_set) = if advance {
+                (
+                    ", through, n",
+                    ", $7::int8[], $8::int8[]",
+                    ", published_through = COALESCE(u.through, k.published_through),
+                       pending = k.pending - COALESCE(u.n, 0)",
+                )
+            } else {
+                ("", "", "")
+            };
+            let update = format!(
+                "UPDATE {keys} k SET lease_token = NULL, lease_until = NULL{cursor_set},
+                    ready_at = LEAST(
+                        -- An enqueue during the lease pulled ready_at below lease_until:
+                        -- its wake-up must survive the release.
+                        CASE WHEN k.ready_at < k.lease_until THEN k.ready_at END,
+                        COALESCE(u.at, 'infinity'),
+                        COALESCE(now() + u.after_ms * interval '1 millisecond', 'infinity'),
+                        CASE WHEN u.seen IS NOT NULL AND EXISTS (
+                                SELECT 1 FROM {events} e WHERE e.status = 'pending'
+                                  AND e.topic = k.topic AND e.event_key = k.event_key{release_exists} AND e.id > u.seen)
+                             THEN now() ELSE 'infinity' END)
+                 FROM u WHERE k.ctid = u.row_id AND k.lease_token = $6{release_scope}"
+            );
+            let u = format!(
+                "u AS MATERIALIZED (
+                    SELECT u.*, r.ctid AS row_id
+                    FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[]{cursor_arrays})
+                         AS u(topic, event_key, at, after_ms, seen{cursor_cols})
+                    JOIN {keys} r ON r.topic = u.topic AND r.event_key = u.event_key{release_probe})"
+            );
+            if advance {
+                format!(
+                    "WITH {u}, rel AS ({update} RETURNING k.topic, k.event_key, u.through, u.n)
+                     INSERT INTO outbox_publishes (topic, event_key, through, at, events)
+                     SELECT topic, event_key, through, now(), n FROM rel WHERE through IS NOT NULL"
+                )
+                .into()
+            } else {
+                format!("WITH {u} {update}").into()
+            }
+        };
         Sql {
             lease_keys: format!(
                 "WITH picked AS (
@@ -170,26 +217,7 @@ impl Sql {
             // reads is the current version. (Joined on the key, the planner, which
             // estimates one row for a lease token, looped over the array once per key
             // row, as `lock_keys` did.)
-            release_keys: format!(
-                "WITH u AS MATERIALIZED (
-                    SELECT u.*, r.ctid AS row_id
-                    FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[])
-                         AS u(topic, event_key, at, after_ms, seen)
-                    JOIN {keys} r ON r.topic = u.topic AND r.event_key = u.event_key{release_probe})
-                 UPDATE {keys} k SET lease_token = NULL, lease_until = NULL,
-                    ready_at = LEAST(
-                        -- An enqueue during the lease pulled ready_at below lease_until:
-                        -- its wake-up must survive the release.
-                        CASE WHEN k.ready_at < k.lease_until THEN k.ready_at END,
-                        COALESCE(u.at, 'infinity'),
-                        COALESCE(now() + u.after_ms * interval '1 millisecond', 'infinity'),
-                        CASE WHEN u.seen IS NOT NULL AND EXISTS (
-                                SELECT 1 FROM {events} e WHERE e.status = 'pending'
-                                  AND e.topic = k.topic AND e.event_key = k.event_key{release_exists} AND e.id > u.seen)
-                             THEN now() ELSE 'infinity' END)
-                 FROM u WHERE k.ctid = u.row_id AND k.lease_token = $6{release_scope}"
-            )
-            .into(),
+            release_keys: release(false),
             // Locks in the same collation-independent order as every key-locking
             // statement; keeps an enqueue's wake-up (ready_at pulled below the lease).
             renew_keys: format!(
@@ -222,42 +250,37 @@ impl Sql {
                 }
             )
             .into(),
-            // Moves each key's cursor over the completed events ($1) of its line, once
-            // per key: only when they are exactly the pending events between the cursor
-            // and the highest of them (a delayed event skipped by the window, a row
-            // requeued meanwhile or an event left unpublished keeps the cursor where it
-            // is, and those completions are written row by row instead). Logs the
-            // advance with its time (`outbox_publishes`) and returns the ids it covered.
-            // The key rows are found by primary key and updated by row id, as in
-            // `release_keys`; the settle has locked them.
-            advance_keys: (!scoped).then(|| {
+            // Which keys' cursors may move over their completed events ($1), one row per
+            // key still leased by $2: only when those events are exactly the pending
+            // rows between the cursor and the highest of them. A delayed event the window
+            // skipped, a row requeued meanwhile or an event left unpublished keeps the
+            // cursor where it is; those completions are written row by row instead. Read
+            // after the settle has locked the keys, so the answer holds until it commits.
+            // The release then moves the cursors (`release_advance`).
+            check_runs: (!scoped).then(|| {
                 format!(
-                    "WITH c AS MATERIALIZED (
-                        SELECT g.*, r.ctid AS row_id
-                        FROM (SELECT e.topic, e.event_key, max(e.id) AS through,
-                                     min(e.id) AS first, count(*) AS n, array_agg(e.id) AS ids
-                              FROM {events} e
-                              WHERE e.id = ANY($1) AND e.event_key IS NOT NULL
-                                AND e.status = 'pending'
-                              GROUP BY e.topic, e.event_key) g
-                        JOIN {keys} r ON r.topic = g.topic AND r.event_key = g.event_key),
-                     adv AS (
-                        UPDATE {keys} k SET published_through = c.through, pending = k.pending - c.n
-                        FROM c
-                        WHERE k.ctid = c.row_id AND k.lease_token = $2
-                          AND c.first > k.published_through
-                          AND c.n = (SELECT count(*) FROM {events} e
-                                     WHERE e.status = 'pending' AND e.topic = k.topic
-                                       AND e.event_key = k.event_key
-                                       AND e.id > k.published_through AND e.id <= c.through)
-                        RETURNING k.topic, k.event_key, c.through, c.n, c.ids),
-                     logged AS (
-                        INSERT INTO outbox_publishes (topic, event_key, through, at, events)
-                        SELECT topic, event_key, through, now(), n FROM adv)
-                     SELECT ids FROM adv"
+                    "SELECT g.topic, g.event_key, g.through, g.n, g.ids,
+                            (g.first > k.published_through AND g.n = (
+                                SELECT count(*) FROM {events} e
+                                WHERE e.status = 'pending' AND e.topic = g.topic
+                                  AND e.event_key = g.event_key
+                                  AND e.id > k.published_through AND e.id <= g.through)) AS covered
+                     FROM (SELECT e.topic, e.event_key, max(e.id) AS through, min(e.id) AS first,
+                                  count(*) AS n, array_agg(e.id) AS ids
+                           FROM {events} e
+                           WHERE e.id = ANY($1) AND e.event_key IS NOT NULL AND e.status = 'pending'
+                           GROUP BY e.topic, e.event_key) g
+                     CROSS JOIN LATERAL (
+                        SELECT k.published_through FROM {keys} k
+                        WHERE k.topic = g.topic AND k.event_key = g.event_key
+                          AND k.lease_token = $2) k"
                 )
                 .into()
             }),
+            // The outbox's release also moves the cursors `check_runs` allowed ($7: the
+            // new cursor, $8: the events it covers, NULL and 0 elsewhere) and logs each
+            // advance with its time in `outbox_publishes`: one write per key row.
+            release_advance: (!scoped).then(|| release(true)),
         }
     }
 }
