@@ -457,6 +457,19 @@ async fn a_release_never_erases_the_wake_up_of_an_enqueue_during_the_lease() {
     }
 }
 
+/// Per key: its name, `outbox_keys.pending` and the pending events actually stored.
+async fn key_counts(pool: &sqlx::PgPool) -> Vec<(String, i64, i64)> {
+    sqlx::query_as(
+        "SELECT k.event_key, k.pending,
+                (SELECT count(*) FROM outbox_events_view e
+                 WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key)
+         FROM outbox_keys k ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
 #[tokio::test]
 async fn per_key_pending_counts_stay_exact() {
     let url = fresh_pg().await;
@@ -519,15 +532,7 @@ async fn per_key_pending_counts_stay_exact() {
         .await
         .unwrap();
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    let rows: Vec<(String, i64, i64)> = sqlx::query_as(
-        "SELECT k.event_key, k.pending,
-                (SELECT count(*) FROM outbox_events_view e
-                 WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key)
-         FROM outbox_keys k ORDER BY 1",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let rows = key_counts(&pool).await;
     assert_eq!(rows, vec![("a".into(), 2, 2), ("b".into(), 2, 2)]);
 
     // A settle that mixes every kind of change in one statement (the count trigger sees
@@ -573,15 +578,7 @@ async fn per_key_pending_counts_stay_exact() {
         .await
         .unwrap();
     assert_eq!(report.applied, 3, "{report:?}");
-    let rows: Vec<(String, i64, i64)> = sqlx::query_as(
-        "SELECT k.event_key, k.pending,
-                (SELECT count(*) FROM outbox_events_view e
-                 WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key)
-         FROM outbox_keys k ORDER BY 1",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let rows = key_counts(&pool).await;
     assert_eq!(rows, vec![("a".into(), 0, 0), ("b".into(), 2, 2)]);
 }
 
