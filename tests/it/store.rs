@@ -7,7 +7,7 @@ use crate::support::*;
 use mailroom::app::open_store;
 use mailroom::domain::{BoxKind, NewEvent, Queue, Status};
 use mailroom::store::{
-    Admission, ClaimLimits, EventUpdate, KeyRelease, Readiness, Renewal, Settlement, Store,
+    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, Readiness, Renewal, Settlement, Store,
 };
 
 fn new_event(key: Option<&str>, payload: &str) -> NewEvent {
@@ -457,6 +457,17 @@ async fn a_release_never_erases_the_wake_up_of_an_enqueue_during_the_lease() {
     }
 }
 
+/// Releases every key a claim leased, each with `ready`.
+fn release_all(c: &Claim, ready: Readiness) -> Vec<KeyRelease> {
+    c.keyed
+        .iter()
+        .map(|w| KeyRelease {
+            line: w.line.clone(),
+            ready: ready.clone(),
+        })
+        .collect()
+}
+
 /// Per key: its name, `outbox_keys.pending` and the pending events actually stored.
 async fn key_counts(pool: &sqlx::PgPool) -> Vec<(String, i64, i64)> {
     sqlx::query_as(
@@ -519,14 +530,7 @@ async fn per_key_pending_counts_stay_exact() {
                 .map(|e| EventUpdate::Completed { id: e.id })
         })
         .collect();
-    let releases: Vec<KeyRelease> = c
-        .keyed
-        .iter()
-        .map(|w| KeyRelease {
-            line: w.line.clone(),
-            ready: Readiness::now(),
-        })
-        .collect();
+    let releases = release_all(&c, Readiness::now());
     store
         .settle(Settlement::new(q, 1, &done, &releases))
         .await
@@ -565,14 +569,7 @@ async fn per_key_pending_counts_stay_exact() {
             }),
         }
     }
-    let releases: Vec<KeyRelease> = c
-        .keyed
-        .iter()
-        .map(|w| KeyRelease {
-            line: w.line.clone(),
-            ready: Readiness::now(),
-        })
-        .collect();
+    let releases = release_all(&c, Readiness::now());
     let report = store
         .settle(Settlement::new(q, 2, &mixed, &releases))
         .await
@@ -1139,14 +1136,7 @@ async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the
             let store = store.clone();
             async move {
                 let c = store.claim(q, token, small).await.unwrap();
-                let releases: Vec<KeyRelease> = c
-                    .keyed
-                    .iter()
-                    .map(|w| KeyRelease {
-                        line: w.line.clone(),
-                        ready: Readiness::now(),
-                    })
-                    .collect();
+                let releases = release_all(&c, Readiness::now());
                 let window: Vec<i64> = c
                     .keyed
                     .iter()
@@ -1249,14 +1239,7 @@ async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the
             "nothing left in line ({engine:?}): {:?}",
             c.keyed
         );
-        let releases: Vec<KeyRelease> = c
-            .keyed
-            .iter()
-            .map(|w| KeyRelease {
-                line: w.line.clone(),
-                ready: Readiness::default(),
-            })
-            .collect();
+        let releases = release_all(&c, Readiness::default());
         store
             .settle(Settlement::new(q, 5, &[], &releases))
             .await
