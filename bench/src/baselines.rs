@@ -196,6 +196,100 @@ impl Bench {
                 cpu: mark.since(self.broker_pid),
                 baseline: None,
                 notes,
+                wal_bytes: None,
+            });
+        }
+        Ok(rows)
+    }
+
+    /// The broker's own end-to-end floor at each rate of the `e2e` scenarios: the same
+    /// records produced open loop by an rdkafka producer with mailroom's settings, each
+    /// timed from `send` to being consumed back by the same reader. mailroom's
+    /// end-to-end latency is this plus what the outbox adds (commit, claim, settle).
+    pub(crate) async fn raw_e2e(&self) -> anyhow::Result<Vec<Row>> {
+        let mut rows = Vec::new();
+        for &rate in E2E_RATES {
+            let topic = self.topic(&format!("raw_e2e_{rate}"));
+            let producer: FutureProducer =
+                producer_config(&self.brokers, Duration::from_secs(15), &BTreeMap::new())
+                    .create()?;
+            producer
+                .send(
+                    FutureRecord::<str, [u8]>::to(&topic)
+                        .payload(&b"warm"[..])
+                        .key("warm"),
+                    Duration::from_secs(10),
+                )
+                .await
+                .map_err(|(e, _)| e)?;
+            let reader = TopicReader::start(&self.brokers, &topic)?;
+            let total = (rate as f64 * self.sizes.e2e.as_secs_f64()) as usize;
+            let mut sent: HashMap<i64, i64> = HashMap::with_capacity(total);
+            let mut acks = FuturesUnordered::new();
+            let mut errors = 0u64;
+            let mark = CpuMark::take(self.broker_pid);
+            reset_peak_rss();
+            let start = Instant::now();
+            let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            for i in 0..total {
+                tick.tick().await;
+                // Collect acknowledgements as they come, so that none waits on the loop.
+                while let Some(Some(r)) = futures::FutureExt::now_or_never(acks.next()) {
+                    if !matches!(r, Ok(Ok(_))) {
+                        errors += 1;
+                    }
+                }
+                let id = (i + 1) as i64;
+                let ce_id = id.to_string();
+                let k = key(i, KEYS);
+                let h = OwnedHeaders::new_with_capacity(1).insert(Header {
+                    key: "ce_id",
+                    value: Some(ce_id.as_bytes()),
+                });
+                let record = FutureRecord::<str, [u8]>::to(&topic)
+                    .payload(&self.payload[..])
+                    .key(k.as_str())
+                    .headers(h);
+                sent.insert(id, now_us());
+                match producer.send_result(record) {
+                    Ok(f) => acks.push(f),
+                    Err(_) => errors += 1,
+                }
+            }
+            while let Some(r) = acks.next().await {
+                if !matches!(r, Ok(Ok(_))) {
+                    errors += 1;
+                }
+            }
+            let offered_secs = start.elapsed().as_secs_f64();
+            let recs = reader
+                .collect(total, Duration::from_secs(60), |r| sent.contains_key(&r.id))
+                .await;
+            let cpu = mark.since(self.broker_pid);
+            let consumed: Vec<u64> = recs
+                .iter()
+                .filter_map(|r| Some((r.consumed_us - sent.get(&r.id)?).max(0) as u64))
+                .collect();
+            let mut notes = vec![format!(
+                "offered {total} in {offered_secs:.1} s; latency = send → record consumed back"
+            )];
+            if recs.len() < total || errors > 0 {
+                notes.push(format!(
+                    "{} of {total} read back; {errors} produce errors",
+                    recs.len()
+                ));
+            }
+            rows.push(Row {
+                name: format!("raw-e2e-{rate}-per-s"),
+                events: recs.len() as u64,
+                secs: offered_secs,
+                latency: latency(consumed),
+                peak_rss_mb: mb(status_kb("VmHWM:")),
+                cpu,
+                baseline: None,
+                notes,
+                ..Default::default()
             });
         }
         Ok(rows)

@@ -61,6 +61,7 @@ use measure::*;
 const ALL: &[&str] = &[
     "raw-pg",
     "raw-kafka",
+    "raw-e2e",
     "enqueue",
     "batch",
     "relay-keys",
@@ -81,7 +82,8 @@ const BATCH: usize = 100;
 const BATCH_CLIENTS: usize = 16;
 const RAW_ROW_CONNECTIONS: usize = 64;
 const RAW_KAFKA_IN_FLIGHT: usize = 10_000;
-const E2E_RATE: u64 = 1000;
+/// Offered rates of the end-to-end scenarios (events/s).
+const E2E_RATES: &[u64] = &[1_000, 10_000];
 /// Intake writers of the diagnostic rows (the default is 4 on PostgreSQL).
 /// Writers of the diagnostic rows (`MAILROOM_BENCH_DIAG_WRITERS` overrides).
 fn diag_writers() -> usize {
@@ -97,7 +99,7 @@ fn diag_writers() -> usize {
     about = "Benchmarks mailroom against raw PostgreSQL and raw Kafka baselines (issue 6)"
 )]
 struct Args {
-    /// Scenarios, comma-separated: raw-pg, raw-kafka, enqueue, batch, relay-keys,
+    /// Scenarios, comma-separated: raw-pg, raw-kafka, raw-e2e, enqueue, batch, relay-keys,
     /// relay-key, relay-deep, e2e, list-pending, sql-api, wal, scale; `relay` = the three relay
     /// scenarios, `all` = everything.
     #[arg(long, value_delimiter = ',', default_value = "all")]
@@ -189,8 +191,16 @@ fn mailroom_config(db_url: &str, brokers: &str, relays: usize) -> anyhow::Result
         database_url: Some(db_url.into()),
         kafka_brokers: Some(brokers.into()),
         relays: Some(relays),
+        // Tuning experiments: the service's own variables, passed through.
+        relay_batch_size: env_parse("MAILROOM_RELAY_BATCH_SIZE"),
+        relay_max_keys: env_parse("MAILROOM_RELAY_MAX_KEYS"),
+        relay_max_run: env_parse("MAILROOM_RELAY_MAX_RUN"),
         ..Default::default()
     })?)
+}
+
+fn env_parse<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok()?.parse().ok()
 }
 
 fn key(i: usize, keys: usize) -> String {
@@ -401,7 +411,17 @@ async fn main() -> anyhow::Result<()> {
                 .relay("relay-1-key-deep", sizes.relay_deep, 1)
                 .await
                 .map(|r| vec![r]),
-            "e2e" => bench.e2e().await.map(|r| vec![r]),
+            "raw-e2e" => bench.raw_e2e().await,
+            "e2e" => {
+                async {
+                    let mut rows = Vec::new();
+                    for &rate in E2E_RATES {
+                        rows.push(bench.e2e(rate).await?);
+                    }
+                    Ok(rows)
+                }
+                .await
+            }
             "list-pending" => bench.list_pending().await.map(|r| vec![r]),
             "sql-api" => bench.sql_api().await,
             "wal" => bench.wal().await,
@@ -424,9 +444,10 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let report = format!(
-        "{header}\n## Results\n\n{}\n## Targets (issue 6)\n\n{}",
+        "{header}\n## Results\n\n{}\n## Targets (issue 6)\n\n{}\n## Targets (issue 15)\n\n{}",
         table(&rows),
-        targets(&rows)
+        targets(&rows),
+        targets_v2(&rows)
     );
     println!("{report}");
     if let Some(path) = &args.out {

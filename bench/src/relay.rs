@@ -120,6 +120,7 @@ impl Bench {
                 "raw-kafka-1000-keys"
             }),
             notes,
+            wal_bytes: None,
         })
     }
 
@@ -149,7 +150,7 @@ impl Bench {
 
     /// End to end at a fixed offered rate (open loop): each answered `Enqueue` is matched,
     /// by `ce_id`, with its record read back from the broker.
-    pub(crate) async fn e2e(&self) -> anyhow::Result<Row> {
+    pub(crate) async fn e2e(&self, rate: u64) -> anyhow::Result<Row> {
         let (db, url) = self.dbs.fresh().await?;
         let topic = self.topic("e2e");
         // Create the topic before the reader assigns its partitions.
@@ -196,11 +197,11 @@ impl Bench {
         let answered: Arc<Mutex<HashMap<i64, i64>>> = Arc::default();
         let rpc_lat: Arc<Mutex<Vec<u64>>> = Arc::default();
         let errors = Arc::new(AtomicU64::new(0));
-        let total = (E2E_RATE as f64 * self.sizes.e2e.as_secs_f64()) as usize;
+        let total = (rate as f64 * self.sizes.e2e.as_secs_f64()) as usize;
         let mark = CpuMark::take(self.broker_pid);
         reset_peak_rss();
         let start = Instant::now();
-        let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / E2E_RATE));
+        let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
         let mut tasks = Vec::with_capacity(total);
         for i in 0..total {
@@ -293,7 +294,7 @@ impl Bench {
         app.stop().await?;
         self.dbs.drop_db(&db).await;
         Ok(Row {
-            name: "e2e-1000-per-s".into(),
+            name: format!("e2e-{rate}-per-s"),
             events: recs.len() as u64,
             secs: offered_secs,
             latency: latency(consumed),
@@ -301,6 +302,7 @@ impl Bench {
             cpu,
             baseline: None,
             notes,
+            wal_bytes: None,
         })
     }
 
@@ -440,6 +442,7 @@ impl Bench {
             cpu: mark.since(self.broker_pid),
             baseline: None,
             notes,
+            wal_bytes: None,
         };
         pool.close().await;
         app.stop().await?;

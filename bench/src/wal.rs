@@ -85,6 +85,7 @@ fn wal_row(name: &str, w: &Wal, notes: Vec<String>) -> Row {
         events: WAL_EVENTS as u64,
         secs: elapsed.as_secs_f64(),
         notes: all,
+        wal_bytes: Some(w.bytes),
         ..Default::default()
     }
 }

@@ -183,7 +183,7 @@ fn relay(
     let relay = RelayConfig {
         batch_size: s.relay_batch_size.unwrap_or(1000),
         max_keys: s.relay_max_keys.unwrap_or(250).max(1),
-        max_run: s.relay_max_run.unwrap_or(500),
+        max_run: s.relay_max_run.unwrap_or(1000),
         max_bytes: s.relay_max_bytes.unwrap_or(64 * 1024 * 1024),
         lease: Duration::from_millis(s.relay_lease_ms.unwrap_or(60_000)),
         poll_interval: Duration::from_millis(s.relay_poll_ms.unwrap_or(250)),

@@ -62,14 +62,14 @@ pub struct Settings {
     /// Events per relay cycle [default: 1000].
     #[arg(long, env = "MAILROOM_RELAY_BATCH_SIZE", global = true)]
     pub relay_batch_size: Option<u32>,
-    /// Keys leased per relay cycle [default: 250].
+    /// Keys leased per relay cycle at most; fewer when lines are deep [default: 250].
     #[arg(long, env = "MAILROOM_RELAY_MAX_KEYS", global = true)]
     pub relay_max_keys: Option<u32>,
     /// Bytes (payload and headers) read per relay cycle, keyed and unkeyed each; at least
     /// one event [default: 67108864].
     #[arg(long, env = "MAILROOM_RELAY_MAX_BYTES", global = true)]
     pub relay_max_bytes: Option<u64>,
-    /// Longest run of one key per cycle [default: 500].
+    /// Longest run of one key per cycle [default: 1000].
     #[arg(long, env = "MAILROOM_RELAY_MAX_RUN", global = true)]
     pub relay_max_run: Option<u32>,
     /// Claim lease in ms; must exceed the Kafka message timeout [default: 60000].

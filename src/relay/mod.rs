@@ -41,9 +41,10 @@ use plan::{LinePlan, Stop, plan_line, plan_single};
 pub struct RelayConfig {
     /// Events one cycle may hand to the sink (keyed and unkeyed each).
     pub batch_size: u32,
-    /// Keys one cycle leases. Fewer keys than events lets a cycle carry runs of several
-    /// events per key: every leased key costs row writes (lease, release) whatever it
-    /// carries.
+    /// Keys one cycle leases at most. Fewer keys than events lets a cycle carry runs of
+    /// several events per key: every leased key costs row writes (lease, release)
+    /// whatever it carries. The store leases fewer still when lines are deep: as many
+    /// as fill the batch, each counted at its depth.
     pub max_keys: u32,
     /// Longest run of one key in one cycle.
     pub max_run: u32,
@@ -74,7 +75,7 @@ impl Default for RelayConfig {
         RelayConfig {
             batch_size: 1000,
             max_keys: 250,
-            max_run: 500,
+            max_run: 1000,
             max_bytes: 64 * 1024 * 1024,
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_millis(250),

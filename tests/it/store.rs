@@ -1259,3 +1259,101 @@ async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the
         assert_eq!(store.prune_idle_keys(1000).await.unwrap(), 1, "{engine:?}");
     }
 }
+
+/// A claim leases as many keys as fill its event budget, each counted at its depth: deep
+/// lines come a few keys at a time with long runs, shallow ones many keys at a time, and
+/// a second claim takes the next keys. Everything then drains in order per key.
+#[tokio::test]
+async fn claims_lease_keys_by_the_depth_of_their_lines() {
+    use mailroom::relay::{Relay, RelayConfig};
+    use std::sync::Arc;
+
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        // 20 keys 30 deep; the budget (100 events, runs of at most 50) is filled by 4.
+        for k in 0..20 {
+            let key = format!("deep{k:02}");
+            let batch: Vec<NewEvent> = (0..30)
+                .map(|i| new_event(Some(&key), &i.to_string()))
+                .collect();
+            store.enqueue(&batch, false).await.unwrap();
+        }
+        let lim = limits(Duration::from_secs(30));
+        let c1 = store.claim(&Queue::Outbox, 1, lim).await.unwrap();
+        let keys1: Vec<String> = c1.keyed.iter().map(|w| w.line.key.clone()).collect();
+        assert_eq!(
+            keys1.len(),
+            4,
+            "{engine:?}: deep lines, few keys: {keys1:?}"
+        );
+        let rows1: usize = c1.keyed.iter().map(|w| w.rows.len()).sum();
+        assert_eq!(rows1, 100, "{engine:?}: the keys' runs fill the budget");
+        assert!(c1.keyed.iter().all(|w| w.rows.len() == 25 && w.full));
+        let c2 = store.claim(&Queue::Outbox, 2, lim).await.unwrap();
+        let keys2: Vec<String> = c2.keyed.iter().map(|w| w.line.key.clone()).collect();
+        assert_eq!(keys2.len(), 4, "{engine:?}: {keys2:?}");
+        assert!(
+            keys2.iter().all(|k| !keys1.contains(k)),
+            "{engine:?}: a second claim takes other keys: {keys1:?} / {keys2:?}"
+        );
+        for (c, token) in [(&c1, 1), (&c2, 2)] {
+            let releases = release_all(c, Readiness::now());
+            store
+                .settle(Settlement::new(&Queue::Outbox, token, &[], &releases))
+                .await
+                .unwrap();
+        }
+
+        // Shallow lines: one event on each of 20 more keys; the key cap (10) binds first.
+        let (shallow, _dir2) = store_for(&engine).await;
+        for k in 0..20 {
+            let e = new_event(Some(&format!("one{k:02}")), "x");
+            shallow.enqueue(&[e], false).await.unwrap();
+        }
+        let c3 = shallow.claim(&Queue::Outbox, 3, lim).await.unwrap();
+        assert_eq!(c3.keyed.len(), 10, "{engine:?}: shallow lines, many keys");
+        assert!(c3.keyed.iter().all(|w| w.rows.len() == 1));
+
+        // The deep store drains through a relay with these limits, in order per key.
+        let sink = Arc::new(RecordingSink::default());
+        let mut relay = Relay::new(
+            store.clone(),
+            sink.clone(),
+            Queue::Outbox,
+            RelayConfig {
+                batch_size: 100,
+                max_keys: 10,
+                max_run: 50,
+                ..RelayConfig::default()
+            },
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while store
+            .count_events(BoxKind::Outbox, Some(Status::Pending))
+            .await
+            .unwrap()
+            > 0
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{engine:?}: did not drain"
+            );
+            relay.cycle().await.unwrap();
+        }
+        let seen = sink.seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 600, "{engine:?}");
+        for k in 0..20 {
+            let key = format!("deep{k:02}");
+            let got: Vec<i64> = seen
+                .iter()
+                .filter(|e| e.key.as_deref() == Some(key.as_str()))
+                .map(|e| e.id)
+                .collect();
+            assert_eq!(got.len(), 30, "{engine:?} key {key}");
+            assert!(
+                got.windows(2).all(|p| p[0] < p[1]),
+                "{engine:?} key {key} in order"
+            );
+        }
+    }
+}

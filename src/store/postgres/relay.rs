@@ -32,7 +32,9 @@ impl PgStore {
             q(&sql.lease_keys)
                 .bind(limits.max_keys as i64)
                 .bind(token)
-                .bind(lease_ms),
+                .bind(lease_ms)
+                .bind(limits.max_run.max(1) as i64)
+                .bind(limits.max_events as i64),
             queue,
         )
         .fetch_all(&self.relay_pool)

@@ -39,8 +39,8 @@ impl Sql {
                 String::new()
             }
         };
-        let lease_scope = scope(" AND subscription = $S", 4);
-        let lease_join = scope(" AND k.subscription = $S", 4);
+        let lease_scope = scope(" AND subscription = $S", 6);
+        let lease_join = scope(" AND k.subscription = $S", 6);
         let window_scope = |alias: &str| scope(&format!(" AND {alias}.subscription = $S"), 5);
         let (e_scope, d_scope, b_scope) = (window_scope("e"), window_scope("d"), window_scope("b"));
         let by_id_scope = scope(" AND subscription = $S", 2);
@@ -108,11 +108,24 @@ impl Sql {
             }
         };
         Sql {
+            // Ready keys in ready order, as many as the cycle's events fill ($5), each
+            // counted at its depth (`pending`, at least 1, at most a run, $4), and no
+            // more than $1: deep lines come a few keys at a time with long runs, since
+            // every leased key costs its writes whatever it carries. The count is taken
+            // over the candidates without locking; the lease then skips the locked ones.
             lease_keys: format!(
                 "WITH picked AS (
                     SELECT topic, event_key FROM {keys}
                     WHERE ready_at <= now() AND (lease_until IS NULL OR lease_until <= now()){lease_scope}
-                    ORDER BY ready_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+                    ORDER BY ready_at
+                    LIMIT (SELECT count(*) FROM (
+                              SELECT sum(w) OVER (ORDER BY ready_at ROWS UNBOUNDED PRECEDING) - w AS before
+                              FROM (SELECT ready_at, LEAST(GREATEST(pending, 1), $4) AS w FROM {keys}
+                                    WHERE ready_at <= now()
+                                      AND (lease_until IS NULL OR lease_until <= now()){lease_scope}
+                                    ORDER BY ready_at LIMIT $1) c) s
+                           WHERE before < $5)
+                    FOR UPDATE SKIP LOCKED)
                  UPDATE {keys} k SET lease_token = $2,
                         lease_until = now() + $3 * interval '1 millisecond',
                         ready_at = now() + $3 * interval '1 millisecond'

@@ -164,11 +164,20 @@ impl Store for SqliteStore {
         let until = now.saturating_add(dur_micros(limits.lease));
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let leased = sqlx::query(AssertSqlSafe(format!(
+            // As many keys as the cycle's events fill, each at its depth (as on
+            // PostgreSQL, `lease_keys`).
             "UPDATE {keys} SET lease_token = ?1, lease_until = ?2, ready_at = ?2
              WHERE rowid IN (
                 SELECT rowid FROM {keys}
                 WHERE ready_at <= ?3 AND (lease_until IS NULL OR lease_until <= ?3){lease_scope}
-                ORDER BY ready_at LIMIT ?4)
+                ORDER BY ready_at
+                LIMIT (SELECT count(*) FROM (
+                          SELECT sum(w) OVER (ORDER BY ready_at ROWS UNBOUNDED PRECEDING) - w AS before
+                          FROM (SELECT ready_at, min(max(pending, 1), ?6) AS w FROM {keys}
+                                WHERE ready_at <= ?3
+                                  AND (lease_until IS NULL OR lease_until <= ?3){lease_scope}
+                                ORDER BY ready_at LIMIT ?4))
+                       WHERE before < ?7))
              RETURNING topic, event_key"
         )))
         .bind(token)
@@ -176,6 +185,8 @@ impl Store for SqliteStore {
         .bind(now)
         .bind(limits.max_keys as i64)
         .bind(sub)
+        .bind(limits.max_run.max(1) as i64)
+        .bind(limits.max_events as i64)
         .fetch_all(&mut *tx)
         .await?;
         // Per leased key, as on PostgreSQL: the in-line ids and sizes (never-tried delayed
