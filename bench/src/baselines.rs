@@ -210,18 +210,7 @@ impl Bench {
         let mut rows = Vec::new();
         for &rate in E2E_RATES {
             let topic = self.topic(&format!("raw_e2e_{rate}"));
-            let producer: FutureProducer =
-                producer_config(&self.brokers, Duration::from_secs(15), &BTreeMap::new())
-                    .create()?;
-            producer
-                .send(
-                    FutureRecord::<str, [u8]>::to(&topic)
-                        .payload(&b"warm"[..])
-                        .key("warm"),
-                    Duration::from_secs(10),
-                )
-                .await
-                .map_err(|(e, _)| e)?;
+            let producer = create_topic(&self.brokers, &topic).await?;
             let reader = TopicReader::start(&self.brokers, &topic)?;
             let total = (rate as f64 * self.sizes.e2e.as_secs_f64()) as usize;
             let mut sent: HashMap<i64, i64> = HashMap::with_capacity(total);

@@ -313,3 +313,20 @@ impl Drop for TopicReader {
         }
     }
 }
+
+/// Creates `topic` with one record before a reader assigns its partitions; returns the
+/// producer (mailroom's settings) that wrote it.
+pub(crate) async fn create_topic(brokers: &str, topic: &str) -> anyhow::Result<FutureProducer> {
+    let producer: FutureProducer =
+        producer_config(brokers, Duration::from_secs(15), &BTreeMap::new()).create()?;
+    producer
+        .send(
+            FutureRecord::<str, [u8]>::to(topic)
+                .payload(&b"warm"[..])
+                .key("warm"),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)?;
+    Ok(producer)
+}

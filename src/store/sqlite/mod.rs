@@ -165,19 +165,16 @@ impl Store for SqliteStore {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let leased = sqlx::query(AssertSqlSafe(format!(
             // As many keys as the cycle's events fill, each at its depth (as on
-            // PostgreSQL, `lease_keys`).
+            // PostgreSQL, `lease_keys`). One pass: the transaction holds the database,
+            // so there are no locked candidates to skip.
             "UPDATE {keys} SET lease_token = ?1, lease_until = ?2, ready_at = ?2
              WHERE rowid IN (
-                SELECT rowid FROM {keys}
-                WHERE ready_at <= ?3 AND (lease_until IS NULL OR lease_until <= ?3){lease_scope}
-                ORDER BY ready_at
-                LIMIT (SELECT count(*) FROM (
-                          SELECT sum(w) OVER (ORDER BY ready_at ROWS UNBOUNDED PRECEDING) - w AS before
-                          FROM (SELECT ready_at, min(max(pending, 1), ?6) AS w FROM {keys}
-                                WHERE ready_at <= ?3
-                                  AND (lease_until IS NULL OR lease_until <= ?3){lease_scope}
-                                ORDER BY ready_at LIMIT ?4))
-                       WHERE before < ?7))
+                SELECT rowid FROM (
+                    SELECT rowid, sum(w) OVER (ORDER BY ready_at ROWS UNBOUNDED PRECEDING) - w AS before
+                    FROM (SELECT rowid, ready_at, min(max(pending, 1), ?6) AS w FROM {keys}
+                          WHERE ready_at <= ?3 AND (lease_until IS NULL OR lease_until <= ?3){lease_scope}
+                          ORDER BY ready_at LIMIT ?4))
+                WHERE before < ?7)
              RETURNING topic, event_key"
         )))
         .bind(token)
