@@ -50,6 +50,7 @@ mod infra;
 mod intake;
 mod measure;
 mod relay;
+mod retention;
 mod scale;
 mod sql_api;
 mod wal;
@@ -71,6 +72,7 @@ const ALL: &[&str] = &[
     "list-pending",
     "sql-api",
     "wal",
+    "retention",
     "scale",
 ];
 
@@ -142,6 +144,8 @@ struct Sizes {
     raw_kafka: usize,
     e2e: Duration,
     list_calls: usize,
+    /// The retention scenario's two volumes (the second 5× the first).
+    retention: [usize; 2],
 }
 
 impl Sizes {
@@ -158,6 +162,7 @@ impl Sizes {
                 raw_kafka: 20_000,
                 e2e: duration * 2,
                 list_calls: 3,
+                retention: [4_000, 20_000],
             }
         } else {
             Sizes {
@@ -170,6 +175,7 @@ impl Sizes {
                 raw_kafka: 200_000,
                 e2e: duration * 2,
                 list_calls: 20,
+                retention: [40_000, 200_000],
             }
         }
     }
@@ -425,6 +431,7 @@ async fn main() -> anyhow::Result<()> {
             "list-pending" => bench.list_pending().await.map(|r| vec![r]),
             "sql-api" => bench.sql_api().await,
             "wal" => bench.wal().await,
+            "retention" => bench.retention(sizes.retention).await,
             "scale" => bench.scale(sizes.relay_keys).await,
             _ => unreachable!("validated by selected()"),
         };

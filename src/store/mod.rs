@@ -95,6 +95,7 @@ pub struct Claim {
     /// The token passed to `claim`, for `settle` and `renew`.
     pub token: i64,
     /// The database's clock when the claim was made; planning compares schedules to it.
+    /// (A claim that leased no key may carry the local clock: nothing plans against it.)
     pub now: DateTime<Utc>,
     /// One window per leased key.
     pub keyed: Vec<KeyWindow>,

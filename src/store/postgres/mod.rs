@@ -132,6 +132,7 @@ impl PgStore {
             .bind(vec![line.key.clone()])
             .bind(per_key)
             .bind(vec![cursor.unwrap_or(0)])
+            .bind(i64::MAX)
             .fetch_one(&self.pool)
             .await?;
         Ok(plan)

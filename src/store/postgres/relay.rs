@@ -12,7 +12,7 @@ use crate::store::Due;
 use crate::store::rows::in_due_order;
 use crate::store::{
     Claim, ClaimLimits, EventUpdate, KeyWindow, LineKey, Renewal, SettleReport, Settlement,
-    StoreError, StoreResult, fit_in_budget,
+    StoreError, StoreResult,
 };
 
 impl PgStore {
@@ -25,9 +25,6 @@ impl PgStore {
     ) -> StoreResult<Claim> {
         let sql = self.sql(queue.box_kind());
         let lease_ms = millis(limits.lease);
-        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
-            .fetch_one(&self.relay_pool)
-            .await?;
         let leased = scoped(
             q(&sql.lease_keys)
                 .bind(limits.max_keys as i64)
@@ -39,6 +36,12 @@ impl PgStore {
         )
         .fetch_all(&self.relay_pool)
         .await?;
+        // The database's time, as the lease statement saw it; without a leased key
+        // nothing reads it (it only places keyed windows' delayed events).
+        let now: DateTime<Utc> = match leased.first() {
+            Some(r) => r.try_get(3)?,
+            None => Utc::now(),
+        };
         let mut keyed = Vec::with_capacity(leased.len());
         if !leased.is_empty() {
             let mut topics = Vec::with_capacity(leased.len());
@@ -61,67 +64,36 @@ impl PgStore {
                 });
             }
             let per_key = limits.per_key(leased.len());
-            let heads = scoped(
+            let rows = scoped(
                 q(&sql.windows)
                     .bind(topics)
                     .bind(names)
                     .bind(per_key as i64)
-                    .bind(cursors),
+                    .bind(cursors)
+                    .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
                 queue,
             )
             .fetch_all(&self.relay_pool)
             .await?;
-            // In-line ids and sizes per key (in claim order, ids ascending).
-            let mut in_line: Vec<Vec<(EventId, u64)>> = vec![Vec::new(); keyed.len()];
-            for r in &heads {
+            // In claim order, ids ascending; the rows past the byte budget come back not
+            // `taken`, and their keys' windows end before them, marked full (looked at
+            // again at once).
+            let mut in_line = vec![0usize; keyed.len()];
+            for r in &rows {
                 let i = usize::try_from(r.try_get::<i64, _>("o")? - 1)
                     .map_err(|_| StoreError::Other("bad ordinality".into()))?;
                 let w = &mut keyed[i];
                 w.line_end = r.try_get("line_end")?;
                 w.delayed_at = r.try_get("delayed_at")?;
-                if let Some(id) = r.try_get::<Option<i64>, _>("id")? {
-                    let size = r.try_get::<Option<i64>, _>("size")?.unwrap_or(0).max(0) as u64;
-                    in_line[i].push((id, size));
-                }
-            }
-            for v in &mut in_line {
-                v.sort_unstable();
-            }
-            // The byte budget, shared in claim order: the keys past it get an empty
-            // window marked full (looked at again at once).
-            let mut take = fit_in_budget(
-                in_line.iter().flatten().map(|&(_, size)| size),
-                limits.max_bytes,
-            );
-            let mut ids = Vec::new();
-            for (w, v) in keyed.iter_mut().zip(&in_line) {
-                let n = take.min(v.len());
-                take -= n;
-                w.full = v.len() >= per_key as usize || n < v.len();
-                ids.extend(v[..n].iter().map(|&(id, _)| id));
-            }
-            if !ids.is_empty() {
-                let index: HashMap<LineKey, usize> = keyed
-                    .iter()
-                    .enumerate()
-                    .map(|(i, w)| (w.line.clone(), i))
-                    .collect();
-                let rows = scoped(q(&sql.events_by_id).bind(ids), queue)
-                    .fetch_all(&self.relay_pool)
-                    .await?;
-                for r in &rows {
-                    let e = decode_event(r)?;
-                    let line = LineKey {
-                        topic: e.topic.clone(),
-                        key: e.key.clone().unwrap_or_default(),
-                    };
-                    if let Some(&i) = index.get(&line) {
-                        keyed[i].rows.push(e);
+                if r.try_get::<Option<i64>, _>("id")?.is_some() {
+                    in_line[i] += 1;
+                    if r.try_get::<bool, _>("taken")? {
+                        w.rows.push(decode_event(r)?);
                     }
                 }
-                for w in &mut keyed {
-                    w.rows.sort_by_key(|e| e.id);
-                }
+            }
+            for (w, &n) in keyed.iter_mut().zip(&in_line) {
+                w.full = n >= per_key as usize || w.rows.len() < n;
             }
         }
         let unkeyed = if limits.max_unkeyed > 0 {

@@ -12,7 +12,6 @@ const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers::text AS hea
 pub(super) struct Sql {
     pub(super) lease_keys: Arc<str>,
     pub(super) windows: Arc<str>,
-    pub(super) events_by_id: Arc<str>,
     pub(super) claim_unkeyed: Arc<str>,
     pub(super) lock_keys: Arc<str>,
     pub(super) settle_events: Arc<str>,
@@ -41,9 +40,8 @@ impl Sql {
         };
         let lease_scope = scope(" AND subscription = $S", 6);
         let lease_join = scope(" AND k.subscription = $S", 6);
-        let window_scope = |alias: &str| scope(&format!(" AND {alias}.subscription = $S"), 5);
+        let window_scope = |alias: &str| scope(&format!(" AND {alias}.subscription = $S"), 6);
         let (e_scope, d_scope, b_scope) = (window_scope("e"), window_scope("d"), window_scope("b"));
-        let by_id_scope = scope(" AND subscription = $S", 2);
         let unkeyed_scope = scope(" AND u.subscription = $S", 5);
         // A never-tried event scheduled for later: not in line (docs/relay.md).
         let delayed = |a: &str| {
@@ -113,6 +111,7 @@ impl Sql {
             // more than $1: deep lines come a few keys at a time with long runs, since
             // every leased key costs its writes whatever it carries. The count is taken
             // over the candidates without locking; the lease then skips the locked ones.
+            // It returns the claim's time too, which saves a round trip per cycle.
             lease_keys: format!(
                 "WITH picked AS (
                     SELECT topic, event_key FROM {keys}
@@ -130,44 +129,59 @@ impl Sql {
                         lease_until = now() + $3 * interval '1 millisecond',
                         ready_at = now() + $3 * interval '1 millisecond'
                  FROM picked WHERE k.topic = picked.topic AND k.event_key = picked.event_key{lease_join}
-                 RETURNING k.topic, k.event_key, k.published_through"
+                 RETURNING k.topic, k.event_key, k.published_through, now()"
             )
             .into(),
-            // The front of each leased key's line, ids and sizes only (the events
-            // themselves are read by id once the byte budget is applied): up to $3
-            // in-line events in id order, skipping never-tried delayed ones; and, over
-            // the pending events before the $3-th in-line one (all of them when there
-            // are fewer), the earliest delayed schedule and the highest id. Each part
-            // walks the line and stops after $3 in-line rows plus the delayed ones in
-            // between, whatever the depth of the key. (`OFFSET 0` keeps the marks one
-            // evaluation per key.) The line starts above the key's cursor ($4): what is
-            // at or below it is published (migration 0011).
+            // The front of each leased key's line: up to $3 in-line events in id order,
+            // skipping never-tried delayed ones; and, over the pending events before the
+            // $3-th in-line one (all of them when there are fewer), the earliest delayed
+            // schedule and the highest id. Each part walks the line and stops after $3
+            // in-line rows plus the delayed ones in between, whatever the depth of the
+            // key. (`OFFSET 0` keeps the marks one evaluation per key.) The line starts
+            // above the key's cursor ($4): what is at or below it is published (migration
+            // 0011). The byte budget ($5) is shared in claim order, as `fit_in_budget`
+            // does (at least one event): every in-line row comes back, `taken` or not,
+            // but only taken rows carry their payload and headers, so one statement
+            // reads the lines and their events (a second read by id cost a round trip
+            // and 1,000 index probes a cycle). The sort under the running sum holds
+            // large payloads as TOAST pointers, and the `CASE` leaves those of rows past
+            // the budget unread.
             windows: format!(
-                "SELECT k.o, m.delayed_at, m.line_end, l.id, l.size
-                 FROM unnest($1::text[], $2::text[], $4::int8[])
-                      WITH ORDINALITY AS k(topic, event_key, through, o)
-                 CROSS JOIN LATERAL (
-                    SELECT min(d.scheduled_at) FILTER (WHERE {d_delayed}) AS delayed_at,
-                           max(d.id) AS line_end
-                    FROM {events} d
-                    WHERE d.status = 'pending'{d_scope} AND d.topic = k.topic
-                      AND d.event_key = k.event_key AND d.id > k.through
-                      AND d.id < COALESCE((
-                          SELECT b.id FROM {events} b
-                          WHERE b.status = 'pending'{b_scope} AND b.topic = k.topic
-                            AND b.event_key = k.event_key AND b.id > k.through
-                            AND NOT ({b_delayed})
-                          ORDER BY b.id OFFSET $3 - 1 LIMIT 1), 9223372036854775807)
-                    OFFSET 0) m
-                 LEFT JOIN LATERAL (
-                    SELECT e.id, {e_size} AS size FROM {events} e
-                    WHERE e.status = 'pending'{e_scope} AND e.topic = k.topic AND e.event_key = k.event_key
-                      AND e.id > k.through AND NOT ({e_delayed})
-                    ORDER BY e.id LIMIT $3) l ON true"
-            )
-            .into(),
-            events_by_id: format!(
-                "SELECT {c} FROM {events} WHERE id = ANY($1) AND status = 'pending'{by_id_scope}"
+                "SELECT w.o, w.delayed_at, w.line_end, w.id, w.size, w.taken,
+                        w.topic, w.event_key, CASE WHEN w.taken THEN w.payload END AS payload,
+                        CASE WHEN w.taken THEN w.headers::text END AS headers, w.event_type,
+                        w.idempotency_key, w.status, w.attempts, w.max_attempts, w.scheduled_at,
+                        w.created_at, w.updated_at, w.published_at, w.last_error
+                 FROM (
+                  SELECT v.*, v.id IS NOT NULL AND (v.n = 1 OR v.total <= $5) AS taken FROM (
+                   SELECT k.o, m.delayed_at, m.line_end, l.*,
+                          sum(l.size) OVER (ORDER BY k.o, l.id ROWS UNBOUNDED PRECEDING) AS total,
+                          count(l.id) OVER (ORDER BY k.o, l.id ROWS UNBOUNDED PRECEDING) AS n
+                   FROM unnest($1::text[], $2::text[], $4::int8[])
+                        WITH ORDINALITY AS k(topic, event_key, through, o)
+                   CROSS JOIN LATERAL (
+                      SELECT min(d.scheduled_at) FILTER (WHERE {d_delayed}) AS delayed_at,
+                             max(d.id) AS line_end
+                      FROM {events} d
+                      WHERE d.status = 'pending'{d_scope} AND d.topic = k.topic
+                        AND d.event_key = k.event_key AND d.id > k.through
+                        AND d.id < COALESCE((
+                            SELECT b.id FROM {events} b
+                            WHERE b.status = 'pending'{b_scope} AND b.topic = k.topic
+                              AND b.event_key = k.event_key AND b.id > k.through
+                              AND NOT ({b_delayed})
+                            ORDER BY b.id OFFSET $3 - 1 LIMIT 1), 9223372036854775807)
+                      OFFSET 0) m
+                   LEFT JOIN LATERAL (
+                      SELECT e.id, {e_size} AS size, e.topic, e.event_key, e.payload, e.headers,
+                             e.event_type, e.idempotency_key, e.status, e.attempts,
+                             e.max_attempts, e.scheduled_at, e.created_at, e.updated_at,
+                             e.published_at, e.last_error
+                      FROM {events} e
+                      WHERE e.status = 'pending'{e_scope} AND e.topic = k.topic
+                        AND e.event_key = k.event_key AND e.id > k.through AND NOT ({e_delayed})
+                      ORDER BY e.id LIMIT $3) l ON true) v) w
+                 ORDER BY w.o, w.id"
             )
             .into(),
             // Due unkeyed events in schedule order, at most $1 and $4 bytes (at least one).
