@@ -196,8 +196,12 @@ fn mailroom_config(db_url: &str, brokers: &str, relays: usize) -> anyhow::Result
         listen: Some("127.0.0.1:0".into()),
         database_url: Some(db_url.into()),
         kafka_brokers: Some(brokers.into()),
-        relays: Some(relays),
-        // Tuning experiments: the service's own variables, passed through.
+        // Tuning experiments: the service's own variables, passed through (the relay
+        // count only where the scenario runs relays).
+        relays: Some(match relays {
+            0 => 0,
+            n => env_parse("MAILROOM_RELAYS").unwrap_or(n),
+        }),
         relay_batch_size: env_parse("MAILROOM_RELAY_BATCH_SIZE"),
         relay_max_keys: env_parse("MAILROOM_RELAY_MAX_KEYS"),
         relay_max_run: env_parse("MAILROOM_RELAY_MAX_RUN"),

@@ -94,6 +94,20 @@ impl Bench {
             anyhow::ensure!(Instant::now() < limit, "{pending} events still pending");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        // Then until the relays have let every key go idle (released with nothing
+        // left), as a running service does: only idle key rows are pruned.
+        loop {
+            let busy: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM outbox_keys WHERE ready_at <> 'infinity' OR lease_token IS NOT NULL",
+            )
+            .fetch_one(&pool)
+            .await?;
+            if busy == 0 {
+                break;
+            }
+            anyhow::ensure!(Instant::now() < limit, "{busy} keys still not idle");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         app.stop().await?;
         // A day older than the retention age: the advances' times and any row-settled
         // completion (the relays settle some rows one by one, e.g. a run's tail).
@@ -113,7 +127,7 @@ impl Bench {
             .execute(&pool)
             .await?;
             sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {copy} SELECT * FROM outbox_events"
+                "INSERT INTO {copy} OVERRIDING SYSTEM VALUE SELECT * FROM outbox_events"
             )))
             .execute(&pool)
             .await?;

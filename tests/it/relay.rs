@@ -640,6 +640,75 @@ async fn one_deep_key_drains_in_runs_and_claims_cost_the_same_at_any_depth() {
     s.app.stop().await.unwrap();
 }
 
+/// A drained key goes idle: no relay leases it again until its next event, and its row
+/// says so (`ready_at` never). Its published rows stay, at or below the cursor, until
+/// retention; the release used to count them as new events, so every drained key was
+/// leased again each cycle, for as long as they were retained.
+#[tokio::test]
+async fn drained_keys_go_idle_and_are_not_leased_again() {
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut s = Service::start(quiet_config(&url)).await;
+    // 20 keys 50 deep: one claim takes them all with windows of 50, which end full, so
+    // the keys are released ready and the next claim finds their lines empty.
+    let events: Vec<pb::Event> = (0..1000)
+        .map(|i| event("idle", &format!("k{}", i % 20), format!("{i}").as_bytes()))
+        .collect();
+    for chunk in events.chunks(500) {
+        s.client
+            .enqueue_batch(pb::EnqueueBatchRequest {
+                events: chunk.to_vec(),
+            })
+            .await
+            .unwrap();
+    }
+    let mut relay = Relay::new(
+        s.app.store.clone(),
+        kafka(&broker.addr(), &[]),
+        Queue::Outbox,
+        relay_config(Duration::ZERO),
+    );
+    let mut cycles = 0;
+    while s.outbox_count(Some(Status::Pending)).await > 0 {
+        relay.cycle().await.unwrap();
+        cycles += 1;
+        assert!(cycles <= 20, "not drained after {cycles} cycles");
+    }
+    // The cycle after the drain may look at keys released ready (a full window); from
+    // then on, none is leased.
+    let mut leased = Vec::new();
+    for _ in 0..5 {
+        leased.push(relay.cycle().await.unwrap().keys);
+    }
+    assert_eq!(
+        leased[2..],
+        [0, 0, 0],
+        "keys leased per cycle after the drain: {leased:?}"
+    );
+    let pg = PgStore::connect(&url, 1).await.unwrap();
+    let (keys, ready): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE ready_at <> 'infinity' OR lease_token IS NOT NULL)
+         FROM outbox_keys",
+    )
+    .fetch_one(pg.pool())
+    .await
+    .unwrap();
+    assert_eq!((keys, ready), (20, 0), "key rows, and those not idle");
+    // The published rows are still there (the cursor covers them), and a new event
+    // wakes its key at once.
+    let retained: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events")
+        .fetch_one(pg.pool())
+        .await
+        .unwrap();
+    assert_eq!(retained, 1000);
+    enqueue(&mut s.client, event("idle", "k3", b"1000")).await;
+    let report = relay.cycle().await.unwrap();
+    assert_eq!((report.keys, report.delivered), (1, 1));
+    let records = consume(&broker.addr(), "idle", 1001, Duration::from_secs(30));
+    assert_eq!(records.len(), 1001);
+    s.app.stop().await.unwrap();
+}
+
 /// Item 8: a payload of exactly `max_payload_bytes` (1 MiB by default) is published: the
 /// producer's `message.max.bytes` is raised to fit it (librdkafka's default, 1,000,000
 /// bytes, refused it forever).

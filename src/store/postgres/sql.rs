@@ -81,9 +81,14 @@ impl Sql {
                         CASE WHEN k.ready_at < k.lease_until THEN k.ready_at END,
                         COALESCE(u.at, 'infinity'),
                         COALESCE(now() + u.after_ms * interval '1 millisecond', 'infinity'),
+                        -- Something new in line: a pending event above what the claim
+                        -- read and above the cursor. (The rows at or below the cursor are
+                        -- published; counting them kept a drained key ready, re-leased
+                        -- every cycle until retention deleted them.)
                         CASE WHEN u.seen IS NOT NULL AND EXISTS (
                                 SELECT 1 FROM {events} e WHERE e.status = 'pending'
-                                  AND e.topic = k.topic AND e.event_key = k.event_key{release_exists} AND e.id > u.seen)
+                                  AND e.topic = k.topic AND e.event_key = k.event_key{release_exists}
+                                  AND e.id > GREATEST(u.seen, k.published_through))
                              THEN now() ELSE 'infinity' END)
                  FROM u WHERE k.ctid = u.row_id AND k.lease_token = $6{release_scope}"
             );
