@@ -436,7 +436,14 @@ async fn main() -> anyhow::Result<()> {
             "sql-api" => bench.sql_api().await,
             "wal" => bench.wal().await,
             "retention" => bench.retention(sizes.retention).await,
-            "scale" => bench.scale(sizes.relay_keys).await,
+            "scale" => {
+                async {
+                    let mut rows = bench.scale(sizes.relay_keys).await?;
+                    rows.extend(bench.scale_intake().await?);
+                    Ok(rows)
+                }
+                .await
+            }
             _ => unreachable!("validated by selected()"),
         };
         match result {

@@ -1,5 +1,5 @@
-//! Scale-out (issue 15): the relay drain of one backlog with 1, 2 and 3 mailroom
-//! instances (2 relays each) over one PostgreSQL database. The instances run in this
+//! Scale-out (issue 15): the relay drain of one backlog, and the intake, with 1, 2 and 3
+//! mailroom instances over one PostgreSQL database. The instances run in this
 //! process, each a whole `App` with its own pools and producer: on a 2-core machine,
 //! separate processes would add no CPU, only address spaces.
 
@@ -74,6 +74,85 @@ impl Bench {
                 notes,
                 ..Default::default()
             });
+        }
+        Ok(rows)
+    }
+
+    /// The intake with 1, 2 and 3 instances (relays off) over one fresh database each:
+    /// unary `Enqueue` from 64 clients and `EnqueueBatch` of 100 from 16, the clients
+    /// spread round robin over the instances, closed loop for the timed duration.
+    pub(crate) async fn scale_intake(&self) -> anyhow::Result<Vec<Row>> {
+        let mut rows = Vec::new();
+        for (clients, batch) in [(64usize, 1usize), (BATCH_CLIENTS, BATCH)] {
+            for instances in 1..=3usize {
+                let (db, url) = self.dbs.fresh().await?;
+                let mut apps = Vec::with_capacity(instances);
+                let mut chans = Vec::new();
+                for _ in 0..instances {
+                    let app = App::start(
+                        mailroom_config(&url, &self.brokers, 0)?,
+                        CancellationToken::new(),
+                    )
+                    .await?;
+                    chans.push(channels(app.addr, clients.div_ceil(instances).min(64)).await?);
+                    apps.push(app);
+                }
+                // Client c talks to instance c % instances, over that instance's channels.
+                let clients_v: Arc<Vec<pb::outbox_service_client::OutboxServiceClient<Channel>>> =
+                    Arc::new(
+                        (0..clients)
+                            .map(|c| {
+                                let mine = &chans[c % instances];
+                                pb::outbox_service_client::OutboxServiceClient::new(
+                                    mine[(c / instances) % mine.len()].clone(),
+                                )
+                            })
+                            .collect(),
+                    );
+                let topic: Arc<str> = self.topic("scale-intake").into();
+                let payload: Arc<[u8]> = self.payload.clone().into();
+                let mark = CpuMark::take(self.broker_pid);
+                let (cv, t, pl) = (clients_v.clone(), topic.clone(), payload.clone());
+                let load = drive(clients, self.sizes.duration, move |c, seq| {
+                    let mut client = cv[c].clone();
+                    let events: Vec<pb::Event> = (0..batch)
+                        .map(|i| pb_event(&t, key(c * 7919 + seq as usize * batch + i, KEYS), &pl))
+                        .collect();
+                    async move {
+                        let n = events.len() as u64;
+                        if n == 1 {
+                            let event = events.into_iter().next();
+                            client.enqueue(pb::EnqueueRequest { event }).await?;
+                        } else {
+                            client
+                                .enqueue_batch(pb::EnqueueBatchRequest { events })
+                                .await?;
+                        }
+                        Ok(n)
+                    }
+                })
+                .await;
+                let (name, baseline) = if batch == 1 {
+                    (
+                        format!("scale-enqueue-c{clients}-{instances}-instance"),
+                        "raw-pg-1-row-per-tx-c64",
+                    )
+                } else {
+                    (
+                        format!("scale-batch-100-{instances}-instance"),
+                        "raw-pg-100-rows-per-stmt-c16",
+                    )
+                };
+                let mut row = load_row(&name, load, mark.since(self.broker_pid), Some(baseline));
+                row.notes.push(format!(
+                    "{clients} clients over {instances} instance(s), relays off"
+                ));
+                rows.push(row);
+                for app in apps {
+                    app.stop().await?;
+                }
+                self.dbs.drop_db(&db).await;
+            }
         }
         Ok(rows)
     }
