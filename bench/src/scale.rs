@@ -111,6 +111,8 @@ impl Bench {
                     );
                 let topic: Arc<str> = self.topic("scale-intake").into();
                 let payload: Arc<[u8]> = self.payload.clone().into();
+                let stats_pool = sqlx::PgPool::connect(&url).await?;
+                let c0 = commits(&stats_pool, &db).await;
                 let mark = CpuMark::take(self.broker_pid);
                 let (cv, t, pl) = (clients_v.clone(), topic.clone(), payload.clone());
                 let load = drive(clients, self.sizes.duration, move |c, seq| {
@@ -144,8 +146,12 @@ impl Bench {
                     )
                 };
                 let mut row = load_row(&name, load, mark.since(self.broker_pid), Some(baseline));
+                tokio::time::sleep(Duration::from_millis(600)).await; // let backends flush their stats
+                let commits = commits(&stats_pool, &db).await - c0;
+                stats_pool.close().await;
                 row.notes.push(format!(
-                    "{clients} clients over {instances} instance(s), relays off"
+                    "{clients} clients over {instances} instance(s), relays off; {commits} commits, ≈{:.1} events/commit",
+                    row.events as f64 / commits.max(1) as f64
                 ));
                 rows.push(row);
                 for app in apps {
