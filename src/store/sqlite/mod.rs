@@ -186,9 +186,10 @@ impl Store for SqliteStore {
         .bind(limits.max_events as i64)
         .fetch_all(&mut *tx)
         .await?;
-        // Per leased key, as on PostgreSQL: the in-line ids and sizes (never-tried delayed
-        // events skipped), the earliest delayed schedule before the window's end, the
-        // highest pending id; then the byte budget, then the events themselves.
+        // Per leased key, with PostgreSQL's rules: the in-line ids and sizes (never-tried
+        // delayed events skipped), the earliest delayed schedule before the window's end,
+        // the highest pending id; then the byte budget, then the events themselves.
+        // (PostgreSQL does it in one statement; here each is a cheap in-process query.)
         let line = format!("status = 'pending' AND topic = ?1 AND event_key = ?2{window_scope}");
         let delayed = "attempts = 0 AND last_error IS NULL AND scheduled_at > ?3";
         let heads_sql = format!(
