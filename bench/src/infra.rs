@@ -330,3 +330,19 @@ pub(crate) async fn create_topic(brokers: &str, topic: &str) -> anyhow::Result<F
         .map_err(|(e, _)| e)?;
     Ok(producer)
 }
+
+/// Waits until `app`'s outbox has nothing pending, for at most `within`.
+pub(crate) async fn wait_drained(app: &App, within: Duration) -> anyhow::Result<()> {
+    let limit = Instant::now() + within;
+    loop {
+        let pending = app
+            .store
+            .count_events(BoxKind::Outbox, Some(Status::Pending))
+            .await?;
+        if pending == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < limit, "{pending} events still pending");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

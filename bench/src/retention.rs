@@ -82,18 +82,8 @@ impl Bench {
             CancellationToken::new(),
         )
         .await?;
-        let limit = Instant::now() + Duration::from_secs(300);
-        loop {
-            let pending = app
-                .store
-                .count_events(BoxKind::Outbox, Some(Status::Pending))
-                .await?;
-            if pending == 0 {
-                break;
-            }
-            anyhow::ensure!(Instant::now() < limit, "{pending} events still pending");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_drained(&app, Duration::from_secs(300)).await?;
+        let limit = Instant::now() + Duration::from_secs(60);
         // Then until the relays have let every key go idle (released with nothing
         // left), as a running service does: only idle key rows are pruned.
         loop {

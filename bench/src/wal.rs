@@ -138,18 +138,7 @@ impl Bench {
         let config = mailroom_config(&url, &self.brokers, 2)?;
         let published = wal_of(&pool, false, || async {
             let app = App::start(config, CancellationToken::new()).await?;
-            let limit = Instant::now() + Duration::from_secs(120);
-            loop {
-                let pending = app
-                    .store
-                    .count_events(BoxKind::Outbox, Some(Status::Pending))
-                    .await?;
-                if pending == 0 {
-                    break;
-                }
-                anyhow::ensure!(Instant::now() < limit, "{pending} events still pending");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            wait_drained(&app, Duration::from_secs(120)).await?;
             app.stop().await?;
             Ok(())
         })

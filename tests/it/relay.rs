@@ -53,6 +53,28 @@ pub(crate) async fn accept_only() -> Service {
     Service::start(quiet_config(&url)).await
 }
 
+/// Enqueues `events` in batches of 500 (the request limit's order of magnitude).
+async fn enqueue_in_batches(s: &mut Service, events: &[pb::Event]) {
+    for chunk in events.chunks(500) {
+        s.client
+            .enqueue_batch(pb::EnqueueBatchRequest {
+                events: chunk.to_vec(),
+            })
+            .await
+            .unwrap();
+    }
+}
+
+/// A relay of the service's outbox, stepped by the test (`cycle`), publishing to `broker`.
+fn outbox_relay(s: &Service, broker: &Broker) -> Relay {
+    Relay::new(
+        s.app.store.clone(),
+        kafka(&broker.addr(), &[]),
+        Queue::Outbox,
+        relay_config(Duration::ZERO),
+    )
+}
+
 /// Fails chosen events a number of times with a chosen failure, then passes them on.
 struct ScriptedSink {
     inner: Arc<dyn Sink>,
@@ -527,20 +549,8 @@ async fn one_deep_key_drains_in_runs_and_claims_cost_the_same_at_any_depth() {
     let events: Vec<pb::Event> = (0..1000)
         .map(|i| event("deep", "one", format!("{i}").as_bytes()))
         .collect();
-    for chunk in events.chunks(500) {
-        s.client
-            .enqueue_batch(pb::EnqueueBatchRequest {
-                events: chunk.to_vec(),
-            })
-            .await
-            .unwrap();
-    }
-    let mut relay = Relay::new(
-        s.app.store.clone(),
-        kafka(&broker.addr(), &[]),
-        Queue::Outbox,
-        relay_config(Duration::ZERO),
-    );
+    enqueue_in_batches(&mut s, &events).await;
+    let mut relay = outbox_relay(&s, &broker);
     let stats = relay.stats();
     while s.outbox_count(Some(Status::Pending)).await > 0 {
         relay.cycle().await.unwrap();
@@ -654,20 +664,8 @@ async fn drained_keys_go_idle_and_are_not_leased_again() {
     let events: Vec<pb::Event> = (0..1000)
         .map(|i| event("idle", &format!("k{}", i % 20), format!("{i}").as_bytes()))
         .collect();
-    for chunk in events.chunks(500) {
-        s.client
-            .enqueue_batch(pb::EnqueueBatchRequest {
-                events: chunk.to_vec(),
-            })
-            .await
-            .unwrap();
-    }
-    let mut relay = Relay::new(
-        s.app.store.clone(),
-        kafka(&broker.addr(), &[]),
-        Queue::Outbox,
-        relay_config(Duration::ZERO),
-    );
+    enqueue_in_batches(&mut s, &events).await;
+    let mut relay = outbox_relay(&s, &broker);
     let mut cycles = 0;
     while s.outbox_count(Some(Status::Pending)).await > 0 {
         relay.cycle().await.unwrap();
