@@ -152,7 +152,7 @@ impl Sql {
             // large payloads as TOAST pointers, and the `CASE` leaves those of rows past
             // the budget unread.
             windows: format!(
-                "SELECT w.o, w.delayed_at, w.line_end, w.id, w.size, w.taken,
+                "SELECT w.o, w.delayed_at, w.line_end, w.id, w.taken,
                         w.topic, w.event_key, CASE WHEN w.taken THEN w.payload END AS payload,
                         CASE WHEN w.taken THEN w.headers::text END AS headers, w.event_type,
                         w.idempotency_key, w.status, w.attempts, w.max_attempts, w.scheduled_at,
