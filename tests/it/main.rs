@@ -17,6 +17,7 @@ mod conventions;
 mod deploy;
 mod enqueue;
 mod faults;
+mod foreign_records;
 mod hostile;
 mod inbox;
 mod metrics;
