@@ -256,7 +256,8 @@ impl Drop for ActiveSlot {
 /// One line of a cycle that goes to the sink.
 struct Outgoing<'a> {
     plan: LinePlan<'a>,
-    domain: &'a str,
+    /// The sink's fault domain of the line (a topic, or a Kafka partition).
+    domain: String,
     probe: bool,
 }
 
@@ -321,8 +322,8 @@ impl Shared {
             let now = Instant::now();
             let mut domains = self.domains.lock().expect("domains lock");
             for mut plan in plans {
-                let domain = plan.run[0].topic.as_str();
-                match domains.gate(domain, now, honour_probe_pause) {
+                let domain = self.sink.domain(plan.run[0]);
+                match domains.gate(&domain, now, honour_probe_pause) {
                     Gate::Open => out.push(Outgoing {
                         plan,
                         domain,
@@ -470,17 +471,17 @@ impl Shared {
                         .saturating_sub(lo.delivered + lo.retried + lo.failed);
                 }
                 if lo.transient && !answered {
-                    if let Some(pause) = domains.record(o.domain, true, now, &mut rng) {
+                    if let Some(pause) = domains.record(&o.domain, true, now, &mut rng) {
                         tracing::info!(
-                            topic = o.domain,
+                            domain = o.domain,
                             pause_ms = millis(pause),
-                            "destination unavailable for this topic; probing it again later"
+                            "destination unavailable for this domain (topic or partition); probing it again later"
                         );
                     }
                 } else if answered {
-                    domains.record(o.domain, false, now, &mut rng);
+                    domains.record(&o.domain, false, now, &mut rng);
                 } else if o.probe {
-                    domains.probe_abandoned(o.domain);
+                    domains.probe_abandoned(&o.domain);
                 }
                 updates.extend(lo.updates);
                 if let Some(line) = o.plan.line {

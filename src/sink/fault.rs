@@ -95,4 +95,8 @@ impl<S: Sink> Sink for FaultySink<S> {
             })
             .collect()
     }
+
+    fn domain(&self, e: &StoredEvent) -> String {
+        self.inner.domain(e)
+    }
 }

@@ -109,6 +109,13 @@ pub trait Sink: Send + Sync + 'static {
             done(i, d);
         }
     }
+
+    /// The fault domain `e` is delivered through: what one transient failure takes out
+    /// of service while the rest keeps its pace (the relay probes it on its own). By
+    /// default its topic; Kafka narrows a keyed event to its topic's partition.
+    fn domain(&self, e: &StoredEvent) -> String {
+        e.topic.clone()
+    }
 }
 
 /// `Sink::deliver` for a sink that implements `deliver_each`: gathers each line's report.
@@ -132,5 +139,8 @@ impl Sink for std::sync::Arc<dyn Sink> {
     }
     async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: LineDone<'_>) {
         self.as_ref().deliver_each(lines, done).await
+    }
+    fn domain(&self, e: &StoredEvent) -> String {
+        self.as_ref().domain(e)
     }
 }

@@ -23,6 +23,7 @@ mod inbox;
 mod metrics;
 mod otlp;
 mod overload;
+mod partitions;
 mod polyglot;
 mod relay;
 mod relay_under_load;

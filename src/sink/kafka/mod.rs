@@ -31,6 +31,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 
 mod classify;
 mod cloudevents;
+pub mod partitions;
 
 pub use classify::{ErrorClass, classify};
 pub use cloudevents::{DEFAULT_CONTENT_TYPE, cloud_event_headers};
@@ -56,6 +57,9 @@ pub struct KafkaSink {
     source: String,
     /// mailroom's delivery deadline (`kafka_message_timeout_ms`); librdkafka's own is off.
     deadline: Duration,
+    /// Each topic's partition count: keyed records go to their partition explicitly,
+    /// and each partition is a fault domain (`partitions`).
+    partitions: partitions::Partitions,
 }
 
 /// Builds the producer configuration: safe defaults first, then the operator's
@@ -131,7 +135,15 @@ impl KafkaSink {
             stuck: AtomicU32::new(0),
             source,
             deadline,
+            partitions: partitions::Partitions::default(),
         })
+    }
+
+    /// A keyed event's partition, once its topic's partition count is known.
+    fn partition(&self, e: &StoredEvent, producer: &Arc<FutureProducer>) -> Option<i32> {
+        let key = e.key.as_deref()?;
+        let count = self.partitions.count(&e.topic, producer)?;
+        Some(partitions::partition_for(key.as_bytes(), count))
     }
 
     fn current(&self) -> Arc<FutureProducer> {
@@ -176,7 +188,7 @@ impl KafkaSink {
     /// Hands one line's records to librdkafka in order, stopping at the first it refuses.
     /// Each record gets a producer span (OpenTelemetry messaging conventions), a child of
     /// the event's own trace context, kept open until the line's acknowledgements are in.
-    fn produce_line(&self, producer: &FutureProducer, line: &[&StoredEvent]) -> ProducedLine {
+    fn produce_line(&self, producer: &Arc<FutureProducer>, line: &[&StoredEvent]) -> ProducedLine {
         let mut futures = Vec::with_capacity(line.len());
         let mut spans = Vec::with_capacity(line.len());
         for e in line {
@@ -204,6 +216,9 @@ impl KafkaSink {
                 .headers(self.headers(e, trace.as_ref()));
             if let Some(k) = &e.key {
                 record = record.key(k.as_str());
+                if let Some(p) = self.partition(e, producer) {
+                    record = record.partition(p);
+                }
             }
             match producer.send_result(record) {
                 Ok(f) => {
@@ -361,6 +376,13 @@ impl Sink for KafkaSink {
             self.stuck.store(0, Ordering::Relaxed);
         } else if transient && self.stuck.fetch_add(1, Ordering::Relaxed) + 1 >= STUCK_DELIVERIES {
             self.replace("deliveries failed transiently several times in a row");
+        }
+    }
+
+    fn domain(&self, e: &StoredEvent) -> String {
+        match self.partition(e, &self.current()) {
+            Some(p) => format!("{}[{p}]", e.topic),
+            None => e.topic.clone(),
         }
     }
 }

@@ -382,6 +382,7 @@ pub async fn enqueue_reply(
 /// A record read back from a topic.
 #[derive(Debug, Clone)]
 pub struct Record {
+    pub partition: i32,
     pub key: String,
     pub payload: Vec<u8>,
     pub headers: HashMap<String, String>,
@@ -420,6 +421,7 @@ pub fn consume(brokers: &str, topic: &str, expected: usize, timeout: Duration) -
                     .unwrap_or_else(|| format!("{}:{}", m.partition(), m.offset())),
             );
             out.push(Record {
+                partition: m.partition(),
                 key: m
                     .key()
                     .map(|k| String::from_utf8_lossy(k).into_owned())

@@ -1,0 +1,151 @@
+//! Which partition a keyed record goes to, so that the relay can treat each partition as
+//! a fault domain of its own (one leaderless partition must not hold its topic's other
+//! partitions back). The partition is computed as librdkafka's `murmur2_random`
+//! partitioner (Kafka's Java default) computes it, from each topic's partition count,
+//! which is read from the cluster's metadata in the background and cached; the producer
+//! then sends the record to that partition explicitly, so the relay's domain and the
+//! record's partition agree by construction. While a topic's count is unknown, its
+//! records are partitioned by librdkafka and the whole topic is one domain.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use rdkafka::producer::{FutureProducer, Producer};
+
+/// How long a topic's partition count is trusted before it is read again (librdkafka's
+/// own `topic.metadata.refresh.interval.ms` default).
+pub const REFRESH: Duration = Duration::from_secs(300);
+
+/// Kafka's murmur2 (`org.apache.kafka.common.utils.Utils.murmur2`), seed `0x9747b28c`.
+pub fn murmur2(data: &[u8]) -> i32 {
+    const SEED: u32 = 0x9747_b28c;
+    const M: u32 = 0x5bd1_e995;
+    const R: u32 = 24;
+    let len = data.len();
+    // Kafka hashes the length as a Java int (a record is far below 4 GiB).
+    let mut h: u32 = SEED ^ u32::try_from(len).unwrap_or(u32::MAX);
+    let mut chunks = data.chunks_exact(4);
+    for c in &mut chunks {
+        let mut k = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> R;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let rest = chunks.remainder();
+    if rest.len() >= 3 {
+        h ^= u32::from(rest[2]) << 16;
+    }
+    if rest.len() >= 2 {
+        h ^= u32::from(rest[1]) << 8;
+    }
+    if !rest.is_empty() {
+        h ^= u32::from(rest[0]);
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h as i32
+}
+
+/// The partition of `key` among `count` partitions: `murmur2(key) & 0x7fffffff % count`,
+/// as librdkafka's `murmur2_random` and Kafka's Java producer choose it.
+pub fn partition_for(key: &[u8], count: i32) -> i32 {
+    (murmur2(key) & 0x7fff_ffff) % count.max(1)
+}
+
+/// Each topic's partition count and when it was read.
+type Counts = HashMap<String, (i32, Instant)>;
+
+fn record(counts: &RwLock<Counts>, topic: &str, count: i32) {
+    if count > 0
+        && let Ok(mut m) = counts.write()
+    {
+        m.insert(topic.to_string(), (count, Instant::now()));
+    }
+}
+
+/// Partition counts per topic, read from the cluster's metadata.
+#[derive(Default)]
+pub struct Partitions {
+    counts: Arc<RwLock<Counts>>,
+    reading: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Partitions {
+    /// `topic`'s partition count when known. When unknown or stale, a background read of
+    /// the metadata through `producer` is started (one per topic at a time).
+    pub fn count(&self, topic: &str, producer: &Arc<FutureProducer>) -> Option<i32> {
+        let known = self.counts.read().ok().and_then(|m| m.get(topic).copied());
+        if known.is_none_or(|(_, at)| at.elapsed() >= REFRESH) {
+            self.read_in_background(topic, producer);
+        }
+        known.map(|(n, _)| n)
+    }
+
+    /// Records a count (tests, and the background read).
+    pub fn set(&self, topic: &str, count: i32) {
+        record(&self.counts, topic, count);
+    }
+
+    fn read_in_background(&self, topic: &str, producer: &Arc<FutureProducer>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !self
+            .reading
+            .lock()
+            .is_ok_and(|mut r| r.insert(topic.to_string()))
+        {
+            return;
+        }
+        let (topic, producer) = (topic.to_string(), producer.clone());
+        let (counts, reading) = (self.counts.clone(), self.reading.clone());
+        runtime.spawn_blocking(move || {
+            match producer
+                .client()
+                .fetch_metadata(Some(&topic), Duration::from_secs(5))
+            {
+                Ok(md) => {
+                    let n = md
+                        .topics()
+                        .iter()
+                        .find(|t| t.name() == topic && t.error().is_none())
+                        .map_or(0, |t| i32::try_from(t.partitions().len()).unwrap_or(0));
+                    record(&counts, &topic, n);
+                }
+                Err(e) => tracing::debug!(topic, error = %e, "partition count not read"),
+            }
+            if let Ok(mut r) = reading.lock() {
+                r.remove(&topic);
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Kafka's own vectors (`UtilsTest.testMurmur2`).
+    #[test]
+    fn murmur2_matches_kafka() {
+        for (input, want) in [
+            ("21", -973932308),
+            ("foobar", -790332482),
+            ("a-little-bit-long-string", -985981536),
+            ("a-little-bit-longer-string", -1486304829),
+            (
+                "lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8",
+                -58897971,
+            ),
+            ("abc", 479470107),
+        ] {
+            assert_eq!(murmur2(input.as_bytes()), want, "{input}");
+        }
+        assert!((0..3).contains(&partition_for(b"any", 3)));
+    }
+}
