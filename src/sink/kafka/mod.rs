@@ -139,6 +139,11 @@ impl KafkaSink {
         })
     }
 
+    /// Records and requests librdkafka holds (queued or in flight), across all topics.
+    pub fn queued(&self) -> i32 {
+        self.current().in_flight_count()
+    }
+
     /// A keyed event's partition, once its topic's partition count is known.
     fn partition(&self, e: &StoredEvent, producer: &Arc<FutureProducer>) -> Option<i32> {
         let key = e.key.as_deref()?;
@@ -217,6 +222,22 @@ impl KafkaSink {
             if let Some(k) = &e.key {
                 record = record.key(k.as_str());
                 if let Some(p) = self.partition(e, producer) {
+                    if self.partitions.leaderless(&e.topic, p, producer) {
+                        // Not queued in librdkafka: the relay probes the partition, and
+                        // the metadata is read again every second until it has a leader.
+                        span.record("otel.status_code", "ERROR");
+                        let d = Delivery::Failed(Failure::Transient {
+                            error: format!(
+                                "kafka: partition {p} of {} has no leader (cluster metadata)",
+                                e.topic
+                            ),
+                        });
+                        return (
+                            futures,
+                            Some((d, ErrorClass::Transient, "no leader".into())),
+                            spans,
+                        );
+                    }
                     record = record.partition(p);
                 }
             }

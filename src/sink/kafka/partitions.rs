@@ -6,6 +6,13 @@
 //! then sends the record to that partition explicitly, so the relay's domain and the
 //! record's partition agree by construction. While a topic's count is unknown, its
 //! records are partitioned by librdkafka and the whole topic is one domain.
+//!
+//! The same metadata says which partitions have no leader. A record for such a
+//! partition is not handed to librdkafka at all (it would sit in the producer's queue,
+//! with every later copy the relay's probes add, until the leader returns): the sink
+//! answers it transient at once, and the metadata of a topic with a leaderless
+//! partition is read again every [`REFRESH_LEADERLESS`], so a returning leader is seen
+//! within that time.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
@@ -16,6 +23,9 @@ use rdkafka::producer::{FutureProducer, Producer};
 /// How long a topic's partition count is trusted before it is read again (librdkafka's
 /// own `topic.metadata.refresh.interval.ms` default).
 pub const REFRESH: Duration = Duration::from_secs(300);
+
+/// How often the metadata of a topic with a leaderless partition is read again.
+pub const REFRESH_LEADERLESS: Duration = Duration::from_secs(1);
 
 /// Kafka's murmur2 (`org.apache.kafka.common.utils.Utils.murmur2`), seed `0x9747b28c`.
 pub fn murmur2(data: &[u8]) -> i32 {
@@ -57,14 +67,40 @@ pub fn partition_for(key: &[u8], count: i32) -> i32 {
     (murmur2(key) & 0x7fff_ffff) % count.max(1)
 }
 
-/// Each topic's partition count and when it was read.
-type Counts = HashMap<String, (i32, Instant)>;
+/// What the metadata said of one topic, and when.
+#[derive(Debug, Clone)]
+struct Known {
+    count: i32,
+    leaderless: HashSet<i32>,
+    read_at: Instant,
+}
 
-fn record(counts: &RwLock<Counts>, topic: &str, count: i32) {
+impl Known {
+    fn stale(&self) -> bool {
+        let ttl = if self.leaderless.is_empty() {
+            REFRESH
+        } else {
+            REFRESH_LEADERLESS
+        };
+        self.read_at.elapsed() >= ttl
+    }
+}
+
+type Counts = HashMap<String, Known>;
+
+fn record(counts: &RwLock<Counts>, topic: &str, count: i32, leaderless: HashSet<i32>) {
     if count > 0
         && let Ok(mut m) = counts.write()
     {
-        m.insert(topic.to_string(), (count, Instant::now()));
+        let read_at = Instant::now();
+        m.insert(
+            topic.to_string(),
+            Known {
+                count,
+                leaderless,
+                read_at,
+            },
+        );
     }
 }
 
@@ -79,16 +115,26 @@ impl Partitions {
     /// `topic`'s partition count when known. When unknown or stale, a background read of
     /// the metadata through `producer` is started (one per topic at a time).
     pub fn count(&self, topic: &str, producer: &Arc<FutureProducer>) -> Option<i32> {
-        let known = self.counts.read().ok().and_then(|m| m.get(topic).copied());
-        if known.is_none_or(|(_, at)| at.elapsed() >= REFRESH) {
-            self.read_in_background(topic, producer);
-        }
-        known.map(|(n, _)| n)
+        self.known(topic, producer).map(|k| k.count)
     }
 
-    /// Records a count (tests, and the background read).
-    pub fn set(&self, topic: &str, count: i32) {
-        record(&self.counts, topic, count);
+    /// Whether the last metadata read said `partition` of `topic` has no leader.
+    pub fn leaderless(&self, topic: &str, partition: i32, producer: &Arc<FutureProducer>) -> bool {
+        self.known(topic, producer)
+            .is_some_and(|k| k.leaderless.contains(&partition))
+    }
+
+    fn known(&self, topic: &str, producer: &Arc<FutureProducer>) -> Option<Known> {
+        let known = self.counts.read().ok().and_then(|m| m.get(topic).cloned());
+        if known.as_ref().is_none_or(Known::stale) {
+            self.read_in_background(topic, producer);
+        }
+        known
+    }
+
+    /// Records what the metadata said (tests, and the background read).
+    pub fn set(&self, topic: &str, count: i32, leaderless: HashSet<i32>) {
+        record(&self.counts, topic, count, leaderless);
     }
 
     fn read_in_background(&self, topic: &str, producer: &Arc<FutureProducer>) {
@@ -110,12 +156,20 @@ impl Partitions {
                 .fetch_metadata(Some(&topic), Duration::from_secs(5))
             {
                 Ok(md) => {
-                    let n = md
+                    if let Some(t) = md
                         .topics()
                         .iter()
                         .find(|t| t.name() == topic && t.error().is_none())
-                        .map_or(0, |t| i32::try_from(t.partitions().len()).unwrap_or(0));
-                    record(&counts, &topic, n);
+                    {
+                        let n = i32::try_from(t.partitions().len()).unwrap_or(0);
+                        let leaderless = t
+                            .partitions()
+                            .iter()
+                            .filter(|p| p.leader() < 0)
+                            .map(|p| p.id())
+                            .collect();
+                        record(&counts, &topic, n, leaderless);
+                    }
                 }
                 Err(e) => tracing::debug!(topic, error = %e, "partition count not read"),
             }

@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod faults;
 pub mod handler;
+pub mod kafka_proxy;
 pub mod pki;
 pub mod probe;
 pub mod proxy;
