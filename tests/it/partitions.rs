@@ -116,8 +116,8 @@ async fn count(pool: &sqlx::PgPool, sql: &str) -> i64 {
         .unwrap()
 }
 
-/// One drain of a backlog over `dp` (200 keys, a third of them on partition DEAD) and
-/// `other` (60 keys), 250 events per key, by one relay with default settings over the
+/// One drain of a backlog over `dp` (200 keys, a third of them on partition DEAD, and
+/// 1,000 unkeyed events) and `other` (60 keys), 250 events per key, by one relay with default settings over the
 /// real sink, through the protocol proxy. With `hide`, partition DEAD of `dp` has no
 /// leader until the healthy events are drained and (with `outage_checks`) its lines have
 /// come back transient and been probed. Returns the time the healthy events took.
@@ -147,8 +147,20 @@ async fn drain(hide: bool, outage_checks: bool) -> Duration {
                 .unwrap();
         }
     }
+    // Unkeyed events of the topic with the dead partition go to partitions that have a
+    // leader.
+    let unkeyed = 1000;
+    for chunk in 0..unkeyed / 500 {
+        let events = (0..500)
+            .map(|i| event("dp", "", format!("u{chunk}-{i}").as_bytes()))
+            .collect();
+        s.client
+            .enqueue_batch(pb::EnqueueBatchRequest { events })
+            .await
+            .unwrap();
+    }
     let dead = (dead_keys.len() * per_key) as i64;
-    let healthy = 260 * per_key as i64 - dead;
+    let healthy = 260 * per_key as i64 - dead + unkeyed;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let dead_list = dead_keys
         .iter()
@@ -157,7 +169,7 @@ async fn drain(hide: bool, outage_checks: bool) -> Duration {
         .join(",");
     let healthy_done = format!(
         "SELECT count(*) FROM outbox_events_view WHERE status = 'completed' \
-         AND NOT (topic = 'dp' AND event_key IN ({dead_list}))"
+         AND NOT (topic = 'dp' AND event_key IS NOT NULL AND event_key IN ({dead_list}))"
     );
 
     // Default settings: the default delivery deadline (15 s) and relay configuration.
@@ -245,11 +257,12 @@ async fn drain(hide: bool, outage_checks: bool) -> Duration {
     assert_eq!(stats.delivered_after_failure.load(Ordering::Relaxed), 0);
     assert_eq!(stats.failed.load(Ordering::Relaxed), 0);
     if outage_checks {
-        let records = consume(&proxy.addr(), "dp", 200 * per_key, Duration::from_secs(60));
+        let total = 200 * per_key + unkeyed as usize;
+        let records = consume(&proxy.addr(), "dp", total, Duration::from_secs(60));
         let (per_key_ids, _dups) = first_deliveries(&records);
         assert_eq!(
             per_key_ids.values().map(Vec::len).sum::<usize>(),
-            200 * per_key,
+            total,
             "nothing lost"
         );
         for k in &dead_keys {

@@ -240,6 +240,10 @@ impl KafkaSink {
                     }
                     record = record.partition(p);
                 }
+            } else if let Some(p) = self.partitions.any_led(&e.topic, producer) {
+                // Unkeyed: any partition with a leader (librdkafka's random choice could
+                // pick one without, where the record would wait for it).
+                record = record.partition(p);
             }
             match producer.send_result(record) {
                 Ok(f) => {
@@ -363,6 +367,14 @@ impl Sink for KafkaSink {
             }
             return;
         }
+        // A topic's first records wait (a second at most) for its partitions and leaders.
+        let topics = lines
+            .iter()
+            .filter_map(|l| l.first())
+            .map(|e| e.topic.as_str());
+        self.partitions
+            .learn(topics, &producer, Duration::from_secs(1))
+            .await;
         let deadline = tokio::time::Instant::now() + self.deadline;
         // Every line is handed to librdkafka first, so the whole cycle is pipelined.
         let mut running = FuturesUnordered::new();

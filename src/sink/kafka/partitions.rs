@@ -124,10 +124,21 @@ impl Partitions {
             .is_some_and(|k| k.leaderless.contains(&partition))
     }
 
+    /// A random partition of `topic` that has a leader, once the metadata is known and
+    /// only while some partition has none (otherwise librdkafka's own choice is as good).
+    pub fn any_led(&self, topic: &str, producer: &Arc<FutureProducer>) -> Option<i32> {
+        let k = self.known(topic, producer)?;
+        if k.leaderless.is_empty() {
+            return None;
+        }
+        let led: Vec<i32> = (0..k.count).filter(|p| !k.leaderless.contains(p)).collect();
+        (!led.is_empty()).then(|| led[rand::random_range(0..led.len())])
+    }
+
     fn known(&self, topic: &str, producer: &Arc<FutureProducer>) -> Option<Known> {
         let known = self.counts.read().ok().and_then(|m| m.get(topic).cloned());
         if known.as_ref().is_none_or(Known::stale) {
-            self.read_in_background(topic, producer);
+            let _ = self.read_in_background(topic, producer);
         }
         known
     }
@@ -137,46 +148,77 @@ impl Partitions {
         record(&self.counts, topic, count, leaderless);
     }
 
-    fn read_in_background(&self, topic: &str, producer: &Arc<FutureProducer>) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
+    /// Reads the metadata of the topics among `topics` never read yet, waiting up to
+    /// `within` for them, so that a topic's first records already go to partitions
+    /// that have a leader. Later reads happen in the background.
+    pub async fn learn<'a>(
+        &self,
+        topics: impl IntoIterator<Item = &'a str>,
+        producer: &Arc<FutureProducer>,
+        within: Duration,
+    ) {
+        let unknown: HashSet<&str> = {
+            let Ok(m) = self.counts.read() else {
+                return;
+            };
+            topics.into_iter().filter(|t| !m.contains_key(*t)).collect()
         };
+        let reads: Vec<_> = unknown
+            .into_iter()
+            .filter_map(|t| self.read_in_background(t, producer))
+            .collect();
+        let _ = tokio::time::timeout(within, futures::future::join_all(reads)).await;
+    }
+
+    /// Starts reading `topic`'s metadata unless a read is already running; the handle
+    /// of the read it started.
+    fn read_in_background(
+        &self,
+        topic: &str,
+        producer: &Arc<FutureProducer>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
         if !self
             .reading
             .lock()
             .is_ok_and(|mut r| r.insert(topic.to_string()))
         {
-            return;
+            return None;
         }
         let (topic, producer) = (topic.to_string(), producer.clone());
         let (counts, reading) = (self.counts.clone(), self.reading.clone());
-        runtime.spawn_blocking(move || {
-            match producer
-                .client()
-                .fetch_metadata(Some(&topic), Duration::from_secs(5))
-            {
-                Ok(md) => {
-                    if let Some(t) = md
-                        .topics()
-                        .iter()
-                        .find(|t| t.name() == topic && t.error().is_none())
-                    {
-                        let n = i32::try_from(t.partitions().len()).unwrap_or(0);
-                        let leaderless = t
-                            .partitions()
-                            .iter()
-                            .filter(|p| p.leader() < 0)
-                            .map(|p| p.id())
-                            .collect();
-                        record(&counts, &topic, n, leaderless);
-                    }
-                }
-                Err(e) => tracing::debug!(topic, error = %e, "partition count not read"),
-            }
+        Some(runtime.spawn_blocking(move || {
+            read(&topic, &producer, &counts);
             if let Ok(mut r) = reading.lock() {
                 r.remove(&topic);
             }
-        });
+        }))
+    }
+}
+
+/// Reads `topic`'s partition count and leaderless partitions from the cluster (blocking).
+fn read(topic: &str, producer: &FutureProducer, counts: &RwLock<Counts>) {
+    match producer
+        .client()
+        .fetch_metadata(Some(topic), Duration::from_secs(5))
+    {
+        Ok(md) => {
+            if let Some(t) = md
+                .topics()
+                .iter()
+                .find(|t| t.name() == topic && t.error().is_none())
+            {
+                let n = i32::try_from(t.partitions().len()).unwrap_or(0);
+                let leaderless = t
+                    .partitions()
+                    .iter()
+                    .filter(|p| p.leader() < 0)
+                    .map(|p| p.id())
+                    .collect();
+                record(counts, topic, n, leaderless);
+            }
+        }
+        Err(e) => tracing::debug!(topic, error = %e, "partition count not read"),
     }
 }
 
