@@ -81,6 +81,14 @@ impl Domains {
             self.map.remove(domain);
             return None;
         }
+        if let Some(p) = self.map.get(domain)
+            && !p.in_flight
+            && now < p.due
+        {
+            // Another line of an outage already recorded (lines in flight when it began
+            // come back one by one): one outage, one step of backoff.
+            return Some(p.pause);
+        }
         let (min, max) = (self.min, self.max);
         let p = self.map.entry(domain.to_string()).or_insert_with(|| Probe {
             backoff: ProbeBackoff::new(min, max),
@@ -115,6 +123,23 @@ mod tests {
 
     fn rng() -> rand::rngs::StdRng {
         rand::rngs::StdRng::seed_from_u64(3)
+    }
+
+    #[test]
+    fn the_lines_of_one_outage_step_the_backoff_once() {
+        let mut d = Domains::new(Duration::from_millis(200), Duration::from_secs(5));
+        let t0 = Instant::now();
+        let mut r = rng();
+        let first = d.record("down", true, t0, &mut r).unwrap();
+        for _ in 0..20 {
+            assert_eq!(d.record("down", true, t0, &mut r), Some(first));
+        }
+        assert_eq!(d.gate("down", t0 + first, true), Gate::Probe);
+        let second = d.record("down", true, t0 + first, &mut r).unwrap();
+        assert!(
+            second >= Duration::from_millis(200),
+            "a failed probe steps it: {second:?}"
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
-use crate::support::kafka_proxy::KafkaProxy;
+use crate::support::kafka_proxy::{KafkaProxy, NOT_LEADER_OR_FOLLOWER};
 use crate::support::*;
 
 /// The partition count of `topic` (created by the first produce on tansu).
@@ -217,7 +217,8 @@ async fn drain(hide: bool, outage_checks: bool) -> Duration {
         let probes = stats.transient.load(Ordering::Relaxed);
         let mut queued = 0;
         let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(3) {
+        // Longer than the longest probe pause (5 s).
+        while t.elapsed() < Duration::from_secs(6) {
             queued = queued.max(sink.queued());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -298,4 +299,126 @@ async fn a_leaderless_partition_does_not_slow_the_rest() {
         "the healthy partitions kept {:.0} % of their pace",
         ratio * 100.0
     );
+}
+
+/// A partition that loses its leader after the sink read the topic's metadata: its
+/// lines come back transient at the delivery deadline, which makes the sink read the
+/// metadata again, and from then on its probes queue nothing more in librdkafka. The
+/// deadline is 2 s here (not the default 15 s) to keep the test short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_that_loses_its_leader_later_is_seen_and_queues_nothing_more() {
+    let proxy = KafkaProxy::listen().await;
+    let broker = Broker::start_advertising(free_port(), &proxy.addr());
+    proxy.set_upstream(&broker.addr());
+    create_topics(&proxy.addr(), &["late"]).await;
+    let (url, mut s) = quiet_pg().await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let deadline = Duration::from_secs(2);
+    let sink = Arc::new(
+        KafkaSink::new(
+            producer_config(&proxy.addr(), deadline, &Default::default()),
+            "mailroom-test".into(),
+            deadline,
+        )
+        .unwrap(),
+    );
+    let relay = Relay::new(
+        s.app.store.clone(),
+        sink.clone(),
+        Queue::Outbox,
+        RelayConfig::default(),
+    );
+    let stats = relay.stats();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    let keys: Vec<String> = (0..30).map(|k| format!("late-{k}")).collect();
+    let send_round = |round: usize| {
+        keys.iter()
+            .map(|k| event("late", k, format!("{round}").as_bytes()))
+            .collect::<Vec<_>>()
+    };
+    s.client
+        .enqueue_batch(pb::EnqueueBatchRequest {
+            events: send_round(0),
+        })
+        .await
+        .unwrap();
+    let done = "SELECT count(*) FROM outbox_events_view WHERE status = 'completed'";
+    eventually(
+        Duration::from_secs(30),
+        "the first round published",
+        || async { count(&pool, done).await == 30 },
+    )
+    .await;
+
+    // The leader dies: its broker refuses the partition's batches, and the metadata
+    // shows no leader.
+    proxy.hide_leader("late", DEAD);
+    proxy.refuse_produce("late", DEAD, NOT_LEADER_OR_FOLLOWER);
+    for round in 1..=10 {
+        s.client
+            .enqueue_batch(pb::EnqueueBatchRequest {
+                events: send_round(round),
+            })
+            .await
+            .unwrap();
+    }
+    let dead = keys
+        .iter()
+        .filter(|k| partition_for(k.as_bytes(), PARTITIONS) == DEAD)
+        .count() as i64;
+    eventually(
+        Duration::from_secs(60),
+        "the other partitions published",
+        || async { count(&pool, done).await == 30 + (30 - dead) * 10 },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(60),
+        "the dead partition held back",
+        || async { stats.held_back.load(Ordering::Relaxed) > 0 },
+    )
+    .await;
+    assert!(proxy.hidden_answers() > 0, "the proxy hid the leader");
+    assert!(
+        proxy.refusals() > 0,
+        "the proxy refused the partition's batches"
+    );
+    // Probes go on, and librdkafka's queue does not grow with them.
+    let before = sink.queued();
+    let probes = stats.transient.load(Ordering::Relaxed);
+    // Longer than the longest probe pause (5 s).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        stats.transient.load(Ordering::Relaxed) > probes,
+        "probed meanwhile"
+    );
+    let after = sink.queued();
+    eprintln!("late leader loss: {before} records held, {after} after 6 s of probes");
+    assert!(
+        after <= before,
+        "no probe copies queued: {before} then {after}"
+    );
+    let spent = count(
+        &pool,
+        "SELECT count(*) FROM outbox_events_view WHERE attempts > 0 OR status = 'failed'",
+    )
+    .await;
+    assert_eq!(spent, 0, "no attempt spent");
+
+    proxy.show_leaders();
+    proxy.accept_produce();
+    eventually(Duration::from_secs(60), "everything published", || async {
+        count(&pool, done).await == 330
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap();
+    let records = consume(&proxy.addr(), "late", 330, Duration::from_secs(60));
+    let (per_key, _dups) = first_deliveries(&records);
+    for (k, ids) in &per_key {
+        assert_eq!(ids.len(), 11, "key {k}: nothing lost");
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "key {k} in order");
+    }
+    s.app.stop().await.unwrap();
 }

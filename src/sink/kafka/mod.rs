@@ -144,6 +144,12 @@ impl KafkaSink {
         self.current().in_flight_count()
     }
 
+    /// Whether `e` goes to a partition the metadata shows without a leader.
+    fn leaderless(&self, e: &StoredEvent, producer: &Arc<FutureProducer>) -> bool {
+        self.partition(e, producer)
+            .is_some_and(|p| self.partitions.leaderless(&e.topic, p, producer))
+    }
+
     /// A keyed event's partition, once its topic's partition count is known.
     fn partition(&self, e: &StoredEvent, producer: &Arc<FutureProducer>) -> Option<i32> {
         let key = e.key.as_deref()?;
@@ -222,7 +228,7 @@ impl KafkaSink {
             if let Some(k) = &e.key {
                 record = record.key(k.as_str());
                 if let Some(p) = self.partition(e, producer) {
-                    if self.partitions.leaderless(&e.topic, p, producer) {
+                    if self.leaderless(e, producer) {
                         // Not queued in librdkafka: the relay probes the partition, and
                         // the metadata is read again every second until it has a leader.
                         span.record("otel.status_code", "ERROR");
@@ -396,7 +402,14 @@ impl Sink for KafkaSink {
         let (mut delivered, mut transient, mut broken) = (false, false, None);
         while let Some((i, d, notes)) = running.next().await {
             delivered |= notes.delivered;
-            transient |= notes.transient;
+            if notes.transient
+                && let Some(e) = lines[i].first()
+            {
+                // A line held back for a leaderless partition says nothing about the
+                // producer: it must not count towards replacing it.
+                transient |= !self.leaderless(e, &producer);
+                self.partitions.refresh(&e.topic, &producer);
+            }
             if notes.broken.is_some() {
                 broken = notes.broken;
             }

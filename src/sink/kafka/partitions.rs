@@ -170,6 +170,12 @@ impl Partitions {
         let _ = tokio::time::timeout(within, futures::future::join_all(reads)).await;
     }
 
+    /// Reads `topic`'s metadata again now, in the background (a delivery to it came back
+    /// transient: a leader may have gone).
+    pub fn refresh(&self, topic: &str, producer: &Arc<FutureProducer>) {
+        let _ = self.read_in_background(topic, producer);
+    }
+
     /// Starts reading `topic`'s metadata unless a read is already running; the handle
     /// of the read it started.
     fn read_in_background(
