@@ -10,13 +10,13 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
+use mailroom::domain::admin::EventsQuery;
 use mailroom::domain::{BoxKind, Status};
 use mailroom::inbox::consumer::{ConsumerFaults, TASK_PANICS};
 use mailroom::pb;
 use mailroom::pb::handle_response::Outcome;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use sqlx::Connection as _;
 
 use crate::support::probe::*;
 use crate::support::*;
@@ -131,17 +131,25 @@ async fn inbox_count(s: &Service, status: Status) -> i64 {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn foreign_records_reach_the_handler_as_bytes_and_never_stop_a_subscription() {
+/// A broker, a handler that keeps every request, and the service with one subscription
+/// `name` over the topic `name` (metrics on, `faults` injected).
+async fn subscribed(name: &str, faults: ConsumerFaults) -> (Broker, Keeper, Service) {
     let broker = Broker::start();
     let handler = Keeper::default();
     let url = serve_handler(handler.clone()).await;
     let db = fresh_pg().await;
     let mut c = config(&db);
     kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(1));
-    c.subscriptions = vec![subscription("foreign", &["foreign"], &url)];
+    c.subscriptions = vec![subscription(name, &[name], &url)];
     c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.inbox_faults = faults;
     let s = Service::start(c).await;
+    (broker, handler, s)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_records_reach_the_handler_as_bytes_and_never_stop_a_subscription() {
+    let (broker, handler, s) = subscribed("foreign", ConsumerFaults::default()).await;
 
     // The raw records first, in one partition, so that everything after them waits
     // behind them in the log.
@@ -276,19 +284,11 @@ async fn foreign_records_reach_the_handler_as_bytes_and_never_stop_a_subscriptio
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_task_that_dies_is_restarted_and_readiness_and_metrics_show_it() {
-    let broker = Broker::start();
-    let handler = Keeper::default();
-    let url = serve_handler(handler.clone()).await;
-    let db = fresh_pg().await;
-    let mut c = config(&db);
-    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(1));
-    c.subscriptions = vec![subscription("fragile", &["fragile"], &url)];
-    c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
-    c.inbox_faults = ConsumerFaults {
+    let faults = ConsumerFaults {
         record_panic: Some("poison-read".into()),
         task_panic: Some("kill-task".into()),
     };
-    let s = Service::start(c).await;
+    let (broker, handler, s) = subscribed("fragile", faults).await;
     let p = producer(&broker.addr());
 
     // A record whose reading panics: stored failed with the reason, the rest handled.
@@ -306,11 +306,25 @@ async fn a_consumer_task_that_dies_is_restarted_and_readiness_and_metrics_show_i
         inbox_count(&s, Status::Completed).await == 2 && inbox_count(&s, Status::Failed).await == 1
     })
     .await;
-    let why: String =
-        sqlx::query_scalar("SELECT last_error FROM inbox_events WHERE status = 'failed'")
-            .fetch_one(&mut sqlx::PgConnection::connect(&db).await.unwrap())
-            .await
-            .unwrap();
+    let failed = s
+        .app
+        .store
+        .list_events(
+            BoxKind::Inbox,
+            &EventsQuery {
+                status: Some(Status::Failed),
+                filter: Default::default(),
+                page_size: 10,
+                before_id: None,
+            },
+        )
+        .await
+        .unwrap();
+    let why = failed.events[0]
+        .event
+        .last_error
+        .clone()
+        .unwrap_or_default();
     assert!(why.contains("injected fault: record_panic"), "{why}");
     assert!(
         why.contains("fragile:0:1"),

@@ -109,6 +109,38 @@ async fn create_topics(brokers: &str, topics: &[&str]) {
     }
 }
 
+/// A relay with default settings over a real Kafka sink to `brokers` whose delivery
+/// deadline is `deadline`, running until the returned token is cancelled.
+fn start_relay(
+    s: &Service,
+    brokers: &str,
+    deadline: Duration,
+) -> (
+    Arc<KafkaSink>,
+    Arc<mailroom::relay::RelayStats>,
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
+    let sink = Arc::new(
+        KafkaSink::new(
+            producer_config(brokers, deadline, &Default::default()),
+            "mailroom-test".into(),
+            deadline,
+        )
+        .unwrap(),
+    );
+    let relay = Relay::new(
+        s.app.store.clone(),
+        sink.clone(),
+        Queue::Outbox,
+        RelayConfig::default(),
+    );
+    let stats = relay.stats();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    (sink, stats, stop, task)
+}
+
 async fn count(pool: &sqlx::PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_string()))
         .fetch_one(pool)
@@ -173,23 +205,7 @@ async fn drain(hide: bool, outage_checks: bool) -> Duration {
     );
 
     // Default settings: the default delivery deadline (15 s) and relay configuration.
-    let deadline = Duration::from_secs(15);
-    let sink = KafkaSink::new(
-        producer_config(&proxy.addr(), deadline, &Default::default()),
-        "mailroom-test".into(),
-        deadline,
-    )
-    .unwrap();
-    let sink = Arc::new(sink);
-    let relay = Relay::new(
-        s.app.store.clone(),
-        sink.clone(),
-        Queue::Outbox,
-        RelayConfig::default(),
-    );
-    let stats = relay.stats();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let task = tokio::spawn(relay.run(stop.clone()));
+    let (sink, stats, stop, task) = start_relay(&s, &proxy.addr(), Duration::from_secs(15));
     let t0 = Instant::now();
     while count(&pool, &healthy_done).await < healthy {
         assert!(
@@ -313,24 +329,7 @@ async fn a_partition_that_loses_its_leader_later_is_seen_and_queues_nothing_more
     create_topics(&proxy.addr(), &["late"]).await;
     let (url, mut s) = quiet_pg().await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    let deadline = Duration::from_secs(2);
-    let sink = Arc::new(
-        KafkaSink::new(
-            producer_config(&proxy.addr(), deadline, &Default::default()),
-            "mailroom-test".into(),
-            deadline,
-        )
-        .unwrap(),
-    );
-    let relay = Relay::new(
-        s.app.store.clone(),
-        sink.clone(),
-        Queue::Outbox,
-        RelayConfig::default(),
-    );
-    let stats = relay.stats();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let task = tokio::spawn(relay.run(stop.clone()));
+    let (sink, stats, stop, task) = start_relay(&s, &proxy.addr(), Duration::from_secs(2));
     let keys: Vec<String> = (0..30).map(|k| format!("late-{k}")).collect();
     let send_round = |round: usize| {
         keys.iter()
