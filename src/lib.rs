@@ -6,7 +6,8 @@
 //! Layers, bottom up (`scripts/module-graph.py` checks that no module imports one that
 //! imports it back; `docs/architecture.md` shows the graph):
 //! - `domain`  — events, statuses, boxes, enqueue outcomes, topic rules and request
-//!   limits; `domain::admin` the operator's queries and outcomes.
+//!   limits; `domain::admin` the operator's queries and outcomes; `domain::headers`
+//!   Kafka record headers as bytes beside their text view.
 //! - `pb`      — generated protobuf/gRPC code, and `pb::time` (Timestamp, Duration,
 //!   RetryInfo as Rust times).
 //! - `secret`, `tls` — secrets `Debug` never shows; TLS settings as files, and the tonic
@@ -17,12 +18,15 @@
 //!   (`store/admin_flow.rs`) over each engine's statements.
 //! - `error`   — the service's typed errors; store errors become these once, here.
 //! - `telemetry` — logs (it owns `LogFormat`), OTLP trace export, joining callers' traces.
-//! - `sink`    — destinations (it owns `SinkConfig`): Kafka, local JSON lines, faults.
+//! - `sink`    — destinations (it owns `SinkConfig`): Kafka (each partition a fault
+//!   domain, `sink::kafka::partitions`), local JSON lines, faults.
 //! - `relay`   — the engine both boxes share: claim, per-key ordering, backoff, settle;
 //!   its counters and latency histograms (`relay::stats`).
 //! - `intake`  — the outbox's middle layer: group commit of concurrent `Enqueue`s.
-//! - `inbox`   — the inbox (it owns `SubscriptionConfig`): Kafka intake with dedup,
-//!   dispatch to `HandlerService`, and `inbox::Inbox`, the middle layer of `Receive`.
+//! - `inbox`   — the inbox (it owns `SubscriptionConfig`): Kafka intake with dedup
+//!   (records copied out as bytes by `inbox::record`, the one `unsafe` module), dispatch
+//!   to `HandlerService`, each subscription's tasks restarted by `inbox::supervisor`, and
+//!   `inbox::Inbox`, the middle layer of `Receive`.
 //! - `admin`   — the operator's middle layer: runs the store's admin half, wakes requeued
 //!   keys, page tokens.
 //! - `metrics`, `health`, `retention` — Prometheus on its own port; `grpc.health.v1`;
