@@ -35,6 +35,8 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Where relays publish.
     pub sink: SinkConfig,
+    /// How often each topic's `max.message.bytes` is read again (Kafka sink).
+    pub kafka_topic_limits_refresh: Duration,
     /// `MAILROOM_SOURCE`; `None` means `mailroom/<installation id>` (see `app::ce_source`).
     pub source: Option<String>,
     /// Relay tasks in this process.
