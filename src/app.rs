@@ -263,7 +263,10 @@ impl App {
             subscriptions: config.subscriptions.clone(),
             source: config.sink.clone(),
             relay: config.relay,
-            limits: config.limits,
+            limits: crate::domain::Limits {
+                max_payload_bytes: config.inbox_max_payload_bytes,
+                ..config.limits
+            },
             faults: config.inbox_faults.clone(),
         };
         let (inbox_handles, inbox_tasks) =

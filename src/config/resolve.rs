@@ -65,6 +65,9 @@ impl Config {
             ),
             listen_notify: s.listen_notify.unwrap_or(true),
             limits,
+            inbox_max_payload_bytes: s
+                .max_payload_bytes
+                .unwrap_or(crate::sink::kafka::topic_limits::KAFKA_DEFAULT_MAX_MESSAGE_BYTES),
             max_batch_bytes,
             intake,
             shutdown_grace: Duration::from_millis(s.shutdown_grace_ms.unwrap_or(30_000)),

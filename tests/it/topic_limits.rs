@@ -148,7 +148,7 @@ fn batch_bytes(r: &Record) -> usize {
 /// `max_payload_bytes`, `max_header_bytes` of headers, the longest key and type) is
 /// accepted for a topic at stock Kafka's limit and published, and the record read back
 /// is within 1,048,588 bytes. Before: the default payload limit was 1 MiB, and the
-/// largest event's record was 1,067,xxx bytes: stock Kafka refuses it forever.
+/// largest event's record was 1,066,673 bytes: stock Kafka refuses it forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_largest_default_event_fits_stock_kafka_and_is_published() {
     let broker = Broker::start();
