@@ -26,6 +26,7 @@ use crate::relay::{Relay, RelayStats};
 use crate::sink::Sink;
 use crate::sink::SinkConfig;
 use crate::sink::fault::FaultySink;
+use crate::sink::kafka::topic_limits::TopicLimits;
 use crate::sink::kafka::{KafkaSink, fit_record_size, producer_config, record_bytes_needed};
 use crate::sink::local::LocalSink;
 use crate::store::Store;
@@ -156,10 +157,19 @@ async fn base_sink(config: &Config, source: String) -> anyhow::Result<Arc<dyn Si
                     .map_err(anyhow::Error::msg)?;
                     c
                 },
-                source,
+                source.clone(),
                 *message_timeout,
             )
-            .context("creating the Kafka producer")?,
+            .context("creating the Kafka producer")?
+            .with_topic_limits(
+                TopicLimits::new(
+                    brokers,
+                    properties,
+                    source,
+                    config.kafka_topic_limits_refresh,
+                )
+                .context("creating the Kafka admin client (topic limits)")?,
+            ),
         ),
         SinkConfig::Local { path: None } => Arc::new(LocalSink::stdout()),
         SinkConfig::Local { path: Some(p) } => Arc::new(
@@ -247,12 +257,16 @@ impl App {
                 background.clone(),
             )));
         }
-        let intake = Intake::start(store.clone(), config.intake, wakeup);
+        let intake = Intake::start(store.clone(), config.intake, wakeup)
+            .with_topic_limits(sink.topic_limits());
         let inbox_config = crate::inbox::InboxConfig {
             subscriptions: config.subscriptions.clone(),
             source: config.sink.clone(),
             relay: config.relay,
-            limits: config.limits,
+            limits: crate::domain::Limits {
+                max_payload_bytes: config.inbox_max_payload_bytes,
+                ..config.limits
+            },
             faults: config.inbox_faults.clone(),
         };
         let (inbox_handles, inbox_tasks) =

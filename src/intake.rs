@@ -2,6 +2,10 @@
 //! transaction, one multi-row insert, then every waiting caller is answered. Throughput
 //! grows with concurrency instead of being capped by one commit per event.
 //!
+//! Before anything is queued, each event's Kafka record is checked against its topic's
+//! `max.message.bytes` as the cluster reports it (`sink::kafka::topic_limits`), when the
+//! sink has such limits: an event the broker would refuse is never stored.
+//!
 //! The queue in front of the writers is bounded; when it is full the caller is told at
 //! once (`Overloaded`) rather than queued without bound. A caller is answered only after
 //! the commit of its events.
@@ -12,7 +16,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
 use crate::domain::{Enqueued, NewEvent};
-use crate::error::Error;
+use crate::error::{Error, FieldViolation};
+use crate::sink::kafka::topic_limits::TopicLimits;
 use crate::store::{Admission, Store};
 
 type Reply = oneshot::Sender<Result<Vec<Enqueued>, Error>>;
@@ -64,6 +69,7 @@ pub struct Intake {
     tx: mpsc::Sender<Job>,
     queued: Arc<AtomicUsize>,
     queue_bytes: usize,
+    topic_limits: Option<TopicLimits>,
 }
 
 /// Bytes an event weighs in the intake's budgets.
@@ -133,6 +139,38 @@ impl Intake {
             tx,
             queued: Arc::new(AtomicUsize::new(0)),
             queue_bytes: config.queue_bytes,
+            topic_limits: None,
+        }
+    }
+
+    /// Checks each event's record against its topic's limit in `limits` (`check_records`).
+    pub fn with_topic_limits(mut self, limits: Option<TopicLimits>) -> Self {
+        self.topic_limits = limits;
+        self
+    }
+
+    /// Refuses (`InvalidArgument`, on the field `field(i)` names) every event whose Kafka
+    /// record would be over its topic's `max.message.bytes`, counted as the producer will
+    /// send it. Topics whose limit is unknown pass: the configured limits are checked
+    /// already.
+    pub async fn check_records(
+        &self,
+        events: &[NewEvent],
+        field: impl Fn(usize) -> String,
+    ) -> Result<(), Error> {
+        let Some(limits) = &self.topic_limits else {
+            return Ok(());
+        };
+        let mut violations = Vec::new();
+        for (i, e) in events.iter().enumerate() {
+            if let Err(too_large) = limits.check(e).await {
+                violations.push(FieldViolation::new(field(i), too_large.to_string()));
+            }
+        }
+        if violations.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(violations))
         }
     }
 
@@ -328,6 +366,7 @@ mod tests {
             tx,
             queued: Arc::new(AtomicUsize::new(0)),
             queue_bytes,
+            topic_limits: None,
         }
     }
 

@@ -58,6 +58,9 @@ impl pb::outbox_service_server::OutboxService for OutboxApi {
         let state = convert::tracestate(request.metadata());
         let mut event = convert::enqueue_request(request.into_inner(), &self.limits)?;
         convert::attach_trace(&mut event, trace.as_deref(), state.as_deref());
+        self.intake
+            .check_records(std::slice::from_ref(&event), |_| "event.payload".into())
+            .await?;
         let topic = event.topic.clone();
         let stored = self.intake.submit(vec![event], false).await?;
         self.count(std::iter::once(topic.as_str()), &stored);
@@ -82,6 +85,9 @@ impl pb::outbox_service_server::OutboxService for OutboxApi {
         for e in &mut events {
             convert::attach_trace(e, trace.as_deref(), state.as_deref());
         }
+        self.intake
+            .check_records(&events, |i| format!("events[{i}].payload"))
+            .await?;
         let topics: Vec<String> = match &self.metrics {
             Some(_) => events.iter().map(|e| e.topic.clone()).collect(),
             None => Vec::new(),

@@ -35,6 +35,8 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Where relays publish.
     pub sink: SinkConfig,
+    /// How often each topic's `max.message.bytes` is read again (Kafka sink).
+    pub kafka_topic_limits_refresh: Duration,
     /// `MAILROOM_SOURCE`; `None` means `mailroom/<installation id>` (see `app::ce_source`).
     pub source: Option<String>,
     /// Relay tasks in this process.
@@ -45,6 +47,11 @@ pub struct Config {
     pub listen_notify: bool,
     /// What one event may carry, and the largest batch.
     pub limits: Limits,
+    /// The largest payload of a Kafka record the inbox stores for handling:
+    /// `max_payload_bytes` when set, else stock Kafka's 1,048,588-byte batch (a record a
+    /// default cluster carries is not over it; the outbox's default is lower only to
+    /// leave room for its own headers).
+    pub inbox_max_payload_bytes: usize,
     /// Largest `EnqueueBatch` request on the wire (`Enqueue` is limited to one event:
     /// `enqueue_request_bytes`).
     pub max_batch_bytes: usize,

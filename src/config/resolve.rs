@@ -60,8 +60,14 @@ impl Config {
             source: s.source.clone().filter(|x| !x.is_empty()),
             relays,
             relay,
+            kafka_topic_limits_refresh: Duration::from_millis(
+                s.kafka_topic_limits_refresh_ms.unwrap_or(60_000).max(100),
+            ),
             listen_notify: s.listen_notify.unwrap_or(true),
             limits,
+            inbox_max_payload_bytes: s
+                .max_payload_bytes
+                .unwrap_or(crate::sink::kafka::topic_limits::KAFKA_DEFAULT_MAX_MESSAGE_BYTES),
             max_batch_bytes,
             intake,
             shutdown_grace: Duration::from_millis(s.shutdown_grace_ms.unwrap_or(30_000)),
@@ -229,11 +235,35 @@ fn relay(
     Ok(relay)
 }
 
+/// The default payload limit: what stock Kafka's record batch (`message.max.bytes`,
+/// 1,048,588 bytes) leaves after the largest headers and `RECORD_OVERHEAD_BYTES` (key,
+/// CloudEvents attributes, trace context and framing), so the largest event mailroom
+/// accepts by default can be published to a default cluster. `None`: no room left.
+pub(super) fn default_max_payload(max_header_bytes: usize) -> Option<usize> {
+    use crate::sink::kafka::{
+        RECORD_OVERHEAD_BYTES, topic_limits::KAFKA_DEFAULT_MAX_MESSAGE_BYTES,
+    };
+    KAFKA_DEFAULT_MAX_MESSAGE_BYTES
+        .checked_sub(max_header_bytes + RECORD_OVERHEAD_BYTES)
+        .filter(|&n| n > 0)
+}
+
 fn limits(s: &Settings, retry: RetryPolicy, sink: &SinkConfig) -> Result<Limits, ConfigError> {
+    let max_header_bytes = s.max_header_bytes.unwrap_or(16 * 1024);
+    let max_payload_bytes = match s.max_payload_bytes {
+        Some(n) => n,
+        None => default_max_payload(max_header_bytes).ok_or_else(|| {
+            bad(
+                "max_header_bytes (MAILROOM_MAX_HEADER_BYTES)",
+                "leaves no room for a payload in stock Kafka's 1048588-byte record; set \
+                 max_payload_bytes (MAILROOM_MAX_PAYLOAD_BYTES) too",
+            )
+        })?,
+    };
     let limits = Limits {
-        max_payload_bytes: s.max_payload_bytes.unwrap_or(1024 * 1024),
+        max_payload_bytes,
         max_headers: s.max_headers.unwrap_or(64),
-        max_header_bytes: s.max_header_bytes.unwrap_or(16 * 1024),
+        max_header_bytes,
         max_batch: s.max_batch.unwrap_or(1000),
         default_max_attempts: retry.max_attempts,
         ..Limits::default()

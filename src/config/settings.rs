@@ -48,6 +48,10 @@ pub struct Settings {
     /// failure [default: 15000].
     #[arg(long, env = "MAILROOM_KAFKA_MESSAGE_TIMEOUT_MS", global = true)]
     pub kafka_message_timeout_ms: Option<u64>,
+    /// How often each topic's `max.message.bytes` is read again from the cluster, in ms
+    /// [default: 60000].
+    #[arg(long, env = "MAILROOM_KAFKA_TOPIC_LIMITS_REFRESH_MS", global = true)]
+    pub kafka_topic_limits_refresh_ms: Option<u64>,
     /// Local sink target: `stdout` or a file path for JSON lines [default: stdout].
     #[arg(long, env = "MAILROOM_LOCAL_SINK", global = true)]
     pub local_sink: Option<String>,
@@ -91,7 +95,8 @@ pub struct Settings {
     /// Default attempt budget per event [default: 6].
     #[arg(long, env = "MAILROOM_MAX_ATTEMPTS", global = true)]
     pub max_attempts: Option<u32>,
-    /// Largest payload in bytes [default: 1048576].
+    /// Largest payload in bytes [default: 1015820, so that the largest event fits stock
+    /// Kafka's 1048588-byte record batch: 1048588 - max_header_bytes - 16384].
     #[arg(long, env = "MAILROOM_MAX_PAYLOAD_BYTES", global = true)]
     pub max_payload_bytes: Option<usize>,
     /// Most events in one EnqueueBatch [default: 1000].
@@ -303,6 +308,7 @@ impl Settings {
             kafka_brokers,
             kafka_properties,
             kafka_message_timeout_ms,
+            kafka_topic_limits_refresh_ms,
             local_sink,
             source,
             relays,

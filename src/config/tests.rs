@@ -12,6 +12,42 @@ fn defaults_are_the_embedded_service() {
     assert_eq!(c.database_url, "sqlite://mailroom.db");
     assert_eq!(c.sink, SinkConfig::Local { path: None });
     assert_eq!(c.limits.max_batch, 1000);
+    assert_eq!(c.limits.max_payload_bytes, 1_015_820);
+}
+
+/// The default payload limit leaves room in stock Kafka's record batch for the largest
+/// headers and `RECORD_OVERHEAD_BYTES`, whatever `max_header_bytes` is (issue 23, item 5).
+#[test]
+fn the_default_payload_fits_stock_kafka() {
+    use crate::sink::kafka::topic_limits::KAFKA_DEFAULT_MAX_MESSAGE_BYTES;
+    use crate::sink::kafka::{RECORD_OVERHEAD_BYTES, record_bytes_needed};
+    for headers in [None, Some(1024), Some(64 * 1024)] {
+        let c = Config::resolve(Settings {
+            max_header_bytes: headers,
+            ..Settings::default()
+        })
+        .unwrap();
+        let l = c.limits;
+        assert_eq!(
+            record_bytes_needed(l.max_payload_bytes, l.max_header_bytes),
+            KAFKA_DEFAULT_MAX_MESSAGE_BYTES,
+            "{headers:?}"
+        );
+    }
+    assert_eq!(RECORD_OVERHEAD_BYTES, 16 * 1024);
+    let e = Config::resolve(Settings {
+        max_header_bytes: Some(1024 * 1024),
+        ..Settings::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("MAILROOM_MAX_PAYLOAD_BYTES"), "{e}");
+    // An explicit payload limit is the operator's.
+    let c = Config::resolve(Settings {
+        max_payload_bytes: Some(1024 * 1024),
+        ..Settings::default()
+    })
+    .unwrap();
     assert_eq!(c.limits.max_payload_bytes, 1024 * 1024);
 }
 

@@ -362,7 +362,9 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_payload_bytes: 1024 * 1024,
+            // Stock Kafka's 1,048,588-byte record batch less the largest headers and
+            // 16 KiB of key, CloudEvents attributes and framing (`config::resolve`).
+            max_payload_bytes: 1_015_820,
             max_headers: 64,
             max_header_bytes: 16 * 1024,
             max_key_bytes: 1024,

@@ -99,4 +99,8 @@ impl<S: Sink> Sink for FaultySink<S> {
     fn domain(&self, e: &StoredEvent) -> String {
         self.inner.domain(e)
     }
+
+    fn topic_limits(&self) -> Option<super::kafka::topic_limits::TopicLimits> {
+        self.inner.topic_limits()
+    }
 }

@@ -116,6 +116,12 @@ pub trait Sink: Send + Sync + 'static {
     fn domain(&self, e: &StoredEvent) -> String {
         e.topic.clone()
     }
+
+    /// The destination's per-topic record limits, which the intake checks events
+    /// against; `None`: only the configured limits apply.
+    fn topic_limits(&self) -> Option<kafka::topic_limits::TopicLimits> {
+        None
+    }
 }
 
 /// `Sink::deliver` for a sink that implements `deliver_each`: gathers each line's report.
@@ -142,5 +148,8 @@ impl Sink for std::sync::Arc<dyn Sink> {
     }
     fn domain(&self, e: &StoredEvent) -> String {
         self.as_ref().domain(e)
+    }
+    fn topic_limits(&self) -> Option<kafka::topic_limits::TopicLimits> {
+        self.as_ref().topic_limits()
     }
 }

@@ -69,11 +69,13 @@ async fn oversized_requests_are_refused_per_method_without_buffering_them() {
         .max_decoding_message_size(usize::MAX);
     let baseline = vm_hwm_bytes(pid);
 
-    // Per method: a batch of 8 MiB is fine although one Enqueue may carry ~1 MiB.
+    // Per method: a batch of 8 MiB is fine although one Enqueue may carry ~1 MiB (9
+    // payloads of 1,000,000 bytes: the default payload limit is 1,015,820 bytes, to fit
+    // stock Kafka).
     let ok = client
         .enqueue_batch(pb::EnqueueBatchRequest {
-            events: (0..8)
-                .map(|i| big_event(&format!("ok{i}"), MIB - 1024))
+            events: (0..9)
+                .map(|i| big_event(&format!("ok{i}"), 1_000_000))
                 .collect(),
         })
         .await;

@@ -32,3 +32,4 @@ mod security;
 mod sql_api;
 mod store;
 mod tls;
+mod topic_limits;

@@ -562,7 +562,7 @@ async fn validation_errors_have_documented_sqlstates_and_store_nothing() {
         (format!("mailroom.enqueue({})", long(250)), "MR001", "topic"),
         (format!("mailroom.enqueue('t', {})", long(1025)), "MR002", "key"),
         (
-            "mailroom.enqueue('t', payload => convert_to(repeat('x', 1048577), 'UTF8'))".into(),
+            "mailroom.enqueue('t', payload => convert_to(repeat('x', 1015821), 'UTF8'))".into(),
             "MR003",
             "payload",
         ),
@@ -639,7 +639,7 @@ async fn validation_errors_have_documented_sqlstates_and_store_nothing() {
     assert_eq!(sqlstate(&e).0, "22021");
     // The limits are exactly gRPC's defaults: the largest valid values pass.
     let id: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT mailroom.enqueue({}, {}, convert_to(repeat('x', 1048576), 'UTF8'),
+        "SELECT mailroom.enqueue({}, {}, convert_to(repeat('x', 1015820), 'UTF8'),
              jsonb_build_object('h', repeat('v', 16383)), {}, {}, '9999-12-31T23:59:59Z', 100)",
         long(249),
         long(1024),

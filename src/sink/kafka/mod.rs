@@ -32,6 +32,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 mod classify;
 mod cloudevents;
 pub mod partitions;
+pub mod topic_limits;
 
 pub use classify::{ErrorClass, classify};
 pub use cloudevents::{DEFAULT_CONTENT_TYPE, cloud_event_headers};
@@ -60,6 +61,8 @@ pub struct KafkaSink {
     /// Each topic's partition count: keyed records go to their partition explicitly,
     /// and each partition is a fault domain (`partitions`).
     partitions: partitions::Partitions,
+    /// Each topic's `max.message.bytes`: a record over it is refused here, counted.
+    topic_limits: Option<topic_limits::TopicLimits>,
 }
 
 /// Builds the producer configuration: safe defaults first, then the operator's
@@ -136,7 +139,15 @@ impl KafkaSink {
             source,
             deadline,
             partitions: partitions::Partitions::default(),
+            topic_limits: None,
         })
+    }
+
+    /// Refuses (counted) a record over its topic's `max.message.bytes` before the broker
+    /// does (a broker's refusal stops the gapless producer, and every topic with it).
+    pub fn with_topic_limits(mut self, limits: topic_limits::TopicLimits) -> Self {
+        self.topic_limits = Some(limits);
+        self
     }
 
     /// Records and requests librdkafka holds (queued or in flight), across all topics.
@@ -250,6 +261,15 @@ impl KafkaSink {
                 // Unkeyed: any partition with a leader (librdkafka's random choice could
                 // pick one without, where the record would wait for it).
                 record = record.partition(p);
+            }
+            if let Some(too_large) = self.topic_limits.as_ref().and_then(|l| l.refusal(e)) {
+                span.record("otel.status_code", "ERROR");
+                let error = format!("kafka: not sent: {too_large}");
+                let d = Delivery::Failed(Failure::Counted {
+                    error: error.clone(),
+                    retry_at: None,
+                });
+                return (futures, Some((d, ErrorClass::Counted, error)), spans);
             }
             match producer.send_result(record) {
                 Ok(f) => {
@@ -373,7 +393,8 @@ impl Sink for KafkaSink {
             }
             return;
         }
-        // A topic's first records wait (a second at most) for its partitions and leaders.
+        // A topic's first records wait (a second at most) for its partitions and leaders,
+        // and for its record size limit.
         let topics = lines
             .iter()
             .filter_map(|l| l.first())
@@ -381,6 +402,9 @@ impl Sink for KafkaSink {
         self.partitions
             .learn(topics, &producer, Duration::from_secs(1))
             .await;
+        if let Some(limits) = &self.topic_limits {
+            limits.learn(lines.iter().flatten().copied()).await;
+        }
         let deadline = tokio::time::Instant::now() + self.deadline;
         // Every line is handed to librdkafka first, so the whole cycle is pipelined.
         let mut running = FuturesUnordered::new();
@@ -423,6 +447,10 @@ impl Sink for KafkaSink {
         } else if transient && self.stuck.fetch_add(1, Ordering::Relaxed) + 1 >= STUCK_DELIVERIES {
             self.replace("deliveries failed transiently several times in a row");
         }
+    }
+
+    fn topic_limits(&self) -> Option<topic_limits::TopicLimits> {
+        self.topic_limits.clone()
     }
 
     fn domain(&self, e: &StoredEvent) -> String {
