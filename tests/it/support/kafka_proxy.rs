@@ -1,31 +1,79 @@
 //! A Kafka protocol proxy for faults tansu never produces: it forwards every request and
 //! response frame byte for byte, and decodes (with the `kafka-protocol` crate, at the
-//! version each request names) only the responses it is told to change. Today that is
-//! one fault: `hide_leader` makes `Metadata` answer that a partition has no leader
-//! (`LEADER_NOT_AVAILABLE`, leader -1), as a real cluster does while a partition's
-//! leader is down, so clients queue its records and keep asking. The broker behind it
-//! must advertise the proxy's address (`Broker::start_advertising`), so that every
-//! connection a client opens goes through the proxy.
+//! version each request names) only what it is told to change:
+//! - `hide_leader`: `Metadata` answers that a partition has no leader
+//!   (`LEADER_NOT_AVAILABLE`, leader -1), as a real cluster does while a partition's
+//!   leader is down, so clients queue its records and keep asking;
+//! - `refuse_produce`: a `Produce` request's data for a partition is taken out before the
+//!   request goes on, and the response answers that partition with a chosen error code
+//!   (`NOT_LEADER_OR_FOLLOWER` when its leader just died). Nothing of a refused batch is
+//!   appended, so the idempotent producer's sequence stays the broker's;
+//! - `refuse_marker`: the same for a partition batch any of whose (uncompressed) records
+//!   holds a byte marker, as a broker refuses one record (`INVALID_RECORD`,
+//!   `POLICY_VIOLATION`...) and with it its whole batch (KIP-467).
+//!
+//! Like a real broker, once a batch of a producer's partition is refused, a later batch
+//! of that producer and partition (same epoch, higher base sequence) is not appended but
+//! answered `OUT_OF_ORDER_SEQUENCE_NUMBER` until the refused sequence is sent again or
+//! the producer's id or epoch changes (`out_of_order` counts those answers).
+//!
+//! The broker behind it must advertise the proxy's address (`Broker::start_advertising`),
+//! so that every connection a client opens goes through the proxy.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use kafka_protocol::messages::{ApiKey, MetadataResponse, ResponseHeader};
+use kafka_protocol::messages::produce_response::{PartitionProduceResponse, TopicProduceResponse};
+use kafka_protocol::messages::{
+    ApiKey, MetadataResponse, ProduceRequest, ProduceResponse, RequestHeader, ResponseHeader,
+};
 use kafka_protocol::protocol::{Decodable, Encodable};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Kafka's `LEADER_NOT_AVAILABLE`.
 const LEADER_NOT_AVAILABLE: i16 = 5;
+/// Kafka's `NOT_LEADER_OR_FOLLOWER`.
+pub const NOT_LEADER_OR_FOLLOWER: i16 = 6;
 
 #[derive(Default)]
 struct Faults {
     hidden: Mutex<HashSet<(String, i32)>>,
     /// Metadata responses in which a leader was hidden: proof that the fault fired.
     hidden_answers: AtomicU64,
+    refused: Mutex<HashMap<(String, i32), i16>>,
+    /// Byte markers: a partition batch holding one is refused with its code.
+    markers: Mutex<Vec<(Vec<u8>, i16)>>,
+    /// Partition batches answered with an error instead of being appended.
+    refusals: AtomicU64,
+    /// (producer id, topic, partition) -> (epoch, base sequence) of its refused batch.
+    gaps: Mutex<HashMap<(i64, String, i32), (i16, i32)>>,
+    /// Batches answered `OUT_OF_ORDER_SEQUENCE_NUMBER` behind a refused one.
+    out_of_order: AtomicU64,
 }
+
+/// Kafka's `OUT_OF_ORDER_SEQUENCE_NUMBER`.
+pub const OUT_OF_ORDER_SEQUENCE_NUMBER: i16 = 45;
+/// Kafka's `INVALID_RECORD`.
+pub const INVALID_RECORD: i16 = 87;
+
+/// (producer id, epoch, base sequence) of a v2 record batch (fixed offsets of its header).
+fn batch_identity(records: &[u8]) -> Option<(i64, i16, i32)> {
+    let at = |o: usize, n: usize| records.get(o..o + n);
+    let pid = i64::from_be_bytes(at(43, 8)?.try_into().ok()?);
+    let epoch = i16::from_be_bytes(at(51, 2)?.try_into().ok()?);
+    let seq = i32::from_be_bytes(at(53, 4)?.try_into().ok()?);
+    // -1: not an idempotent producer, no sequence to keep.
+    (pid >= 0).then_some((pid, epoch, seq))
+}
+
+/// Partitions a Produce request had taken out, with the error each is answered.
+type Refused = Vec<(kafka_protocol::messages::TopicName, i32, i16)>;
+
+/// Correlation id -> (api key, version, partitions refused) of each request in flight.
+type Pending = HashMap<i32, (i16, i16, Refused)>;
 
 /// A running proxy on 127.0.0.1:`port`.
 pub struct KafkaProxy {
@@ -87,6 +135,41 @@ impl KafkaProxy {
         self.faults.hidden.lock().unwrap().clear();
     }
 
+    /// From now on, `Produce` data for `topic`'s `partition` is answered `error_code`
+    /// and never reaches the broker.
+    pub fn refuse_produce(&self, topic: &str, partition: i32, error_code: i16) {
+        self.faults
+            .refused
+            .lock()
+            .unwrap()
+            .insert((topic.to_string(), partition), error_code);
+    }
+
+    /// `Produce` goes through whole again.
+    pub fn accept_produce(&self) {
+        self.faults.refused.lock().unwrap().clear();
+    }
+
+    /// From now on, a `Produce` partition batch holding `marker` is answered
+    /// `error_code` and never reaches the broker.
+    pub fn refuse_marker(&self, marker: &[u8], error_code: i16) {
+        self.faults
+            .markers
+            .lock()
+            .unwrap()
+            .push((marker.to_vec(), error_code));
+    }
+
+    /// Batches answered `OUT_OF_ORDER_SEQUENCE_NUMBER` behind a refused one so far.
+    pub fn out_of_order(&self) -> u64 {
+        self.faults.out_of_order.load(Ordering::Relaxed)
+    }
+
+    /// Partition batches refused so far.
+    pub fn refusals(&self) -> u64 {
+        self.faults.refusals.load(Ordering::Relaxed)
+    }
+
     /// Metadata responses that hid a leader so far.
     pub fn hidden_answers(&self) -> u64 {
         self.faults.hidden_answers.load(Ordering::Relaxed)
@@ -104,40 +187,65 @@ async fn frame(r: &mut (impl AsyncReadExt + Unpin)) -> Option<Bytes> {
 async fn connection(client: TcpStream, server: TcpStream, faults: Arc<Faults>) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
-    let (mut cr, mut cw) = client.into_split();
+    let (mut cr, cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
-    // Correlation id -> (api key, version) of each request in flight.
-    let pending: Arc<Mutex<HashMap<i32, (i16, i16)>>> = Arc::default();
-    let p = pending.clone();
+    // Both directions answer the client: responses, and Produce requests refused whole.
+    let cw = Arc::new(tokio::sync::Mutex::new(cw));
+    let pending: Arc<Mutex<Pending>> = Arc::default();
+    let (p, f, to_client) = (pending.clone(), faults.clone(), cw.clone());
     let requests = async move {
-        while let Some(f) = frame(&mut cr).await {
-            if f.len() >= 8 {
-                let mut h = f.clone();
-                let (key, version, correlation) = (h.get_i16(), h.get_i16(), h.get_i32());
-                p.lock().unwrap().insert(correlation, (key, version));
-            }
-            let mut out = BytesMut::with_capacity(f.len() + 4);
-            out.put_i32(i32::try_from(f.len()).unwrap());
-            out.put_slice(&f);
-            if sw.write_all(&out).await.is_err() {
+        while let Some(frame) = frame(&mut cr).await {
+            if frame.len() < 8 {
                 return;
+            }
+            let mut h = frame.clone();
+            let (key, version, correlation) = (h.get_i16(), h.get_i16(), h.get_i32());
+            let (frame, refused) = if key == ApiKey::Produce as i16 {
+                refuse(frame.clone(), version, &f).unwrap_or((Some(frame), Vec::new()))
+            } else {
+                (Some(frame), Vec::new())
+            };
+            match frame {
+                Some(frame) => {
+                    p.lock()
+                        .unwrap()
+                        .insert(correlation, (key, version, refused));
+                    if sw.write_all(&framed(&frame)).await.is_err() {
+                        return;
+                    }
+                }
+                // Every partition refused: the proxy answers alone.
+                None => {
+                    let answer = produce_answer(correlation, version, &refused);
+                    if to_client
+                        .lock()
+                        .await
+                        .write_all(&framed(&answer))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
             }
         }
     };
     let responses = async move {
-        while let Some(f) = frame(&mut sr).await {
-            let correlation = f.clone().get_i32();
+        while let Some(frame) = frame(&mut sr).await {
+            let correlation = frame.clone().get_i32();
             let api = pending.lock().unwrap().remove(&correlation);
-            let f = match api {
-                Some((key, version)) if key == ApiKey::Metadata as i16 => {
-                    rewrite_metadata(f.clone(), version, &faults).unwrap_or(f)
+            let frame = match api {
+                Some((key, version, _)) if key == ApiKey::Metadata as i16 => {
+                    rewrite_metadata(frame.clone(), version, &faults).unwrap_or(frame)
                 }
-                _ => f,
+                Some((key, version, refused))
+                    if key == ApiKey::Produce as i16 && !refused.is_empty() =>
+                {
+                    add_refusals(frame.clone(), version, &refused).unwrap_or(frame)
+                }
+                _ => frame,
             };
-            let mut out = BytesMut::with_capacity(f.len() + 4);
-            out.put_i32(i32::try_from(f.len()).unwrap());
-            out.put_slice(&f);
-            if cw.write_all(&out).await.is_err() {
+            if cw.lock().await.write_all(&framed(&frame)).await.is_err() {
                 return;
             }
         }
@@ -146,6 +254,131 @@ async fn connection(client: TcpStream, server: TcpStream, faults: Arc<Faults>) {
         _ = requests => {}
         _ = responses => {}
     }
+}
+
+/// `payload` with its size prefix.
+fn framed(payload: &[u8]) -> BytesMut {
+    let mut out = BytesMut::with_capacity(payload.len() + 4);
+    out.put_i32(i32::try_from(payload.len()).unwrap());
+    out.put_slice(payload);
+    out
+}
+
+/// A Produce request without the refused partitions' data (`None` if nothing is left),
+/// and what was taken out; `None` when nothing is refused.
+fn refuse(mut frame: Bytes, version: i16, faults: &Faults) -> Option<(Option<Bytes>, Refused)> {
+    let rules = faults.refused.lock().unwrap().clone();
+    let markers = faults.markers.lock().unwrap().clone();
+    if rules.is_empty() && markers.is_empty() && faults.gaps.lock().unwrap().is_empty() {
+        return None;
+    }
+    let header_version = ApiKey::Produce.request_header_version(version);
+    let header = RequestHeader::decode(&mut frame, header_version).ok()?;
+    let mut body = ProduceRequest::decode(&mut frame, version).ok()?;
+    if body.acks == 0 {
+        // No response to add refusals to; not used by mailroom (acks=all).
+        return None;
+    }
+    let mut refused = Refused::new();
+    let mut gaps = faults.gaps.lock().unwrap();
+    for t in &mut body.topic_data {
+        let name = t.name.to_string();
+        t.partition_data.retain(|p| {
+            let records = p.records.as_deref().unwrap_or_default();
+            let id = batch_identity(records);
+            let gap_key = id.map(|(pid, _, _)| (pid, name.clone(), p.index));
+            // Behind a refused batch of the same producer and epoch: not appended.
+            if let (Some((_, epoch, seq)), Some(k)) = (id, &gap_key)
+                && let Some(&(e, s)) = gaps.get(k)
+            {
+                if e == epoch && seq > s {
+                    faults.out_of_order.fetch_add(1, Ordering::Relaxed);
+                    refused.push((t.name.clone(), p.index, OUT_OF_ORDER_SEQUENCE_NUMBER));
+                    return false;
+                }
+                gaps.remove(k);
+            }
+            let code = rules.get(&(name.clone(), p.index)).copied().or_else(|| {
+                markers
+                    .iter()
+                    .find(|(m, _)| records.windows(m.len()).any(|w| w == m.as_slice()))
+                    .map(|(_, c)| *c)
+            });
+            match code {
+                Some(code) => {
+                    faults.refusals.fetch_add(1, Ordering::Relaxed);
+                    if let (Some((_, epoch, seq)), Some(k)) = (id, gap_key) {
+                        gaps.insert(k, (epoch, seq));
+                    }
+                    refused.push((t.name.clone(), p.index, code));
+                    false
+                }
+                None => true,
+            }
+        });
+    }
+    drop(gaps);
+    if refused.is_empty() {
+        return None;
+    }
+    body.topic_data.retain(|t| !t.partition_data.is_empty());
+    if body.topic_data.is_empty() {
+        return Some((None, refused));
+    }
+    let mut out = BytesMut::new();
+    header.encode(&mut out, header_version).ok()?;
+    body.encode(&mut out, version).ok()?;
+    Some((Some(out.freeze()), refused))
+}
+
+fn refusal(index: i32, code: i16) -> PartitionProduceResponse {
+    let mut r = PartitionProduceResponse::default();
+    r.index = index;
+    r.error_code = code;
+    r.base_offset = -1;
+    r.log_append_time_ms = -1;
+    r.log_start_offset = -1;
+    r
+}
+
+/// The broker's Produce response with the refused partitions' answers added.
+fn add_refusals(mut frame: Bytes, version: i16, refused: &Refused) -> Option<Bytes> {
+    let header_version = ApiKey::Produce.response_header_version(version);
+    let header = ResponseHeader::decode(&mut frame, header_version).ok()?;
+    let mut body = ProduceResponse::decode(&mut frame, version).ok()?;
+    for (name, index, code) in refused {
+        match body.responses.iter_mut().find(|t| &t.name == name) {
+            Some(t) => t.partition_responses.push(refusal(*index, *code)),
+            None => {
+                let mut t = TopicProduceResponse::default();
+                t.name = name.clone();
+                t.partition_responses.push(refusal(*index, *code));
+                body.responses.push(t);
+            }
+        }
+    }
+    let mut out = BytesMut::new();
+    header.encode(&mut out, header_version).ok()?;
+    body.encode(&mut out, version).ok()?;
+    Some(out.freeze())
+}
+
+/// The proxy's own Produce response when every partition of a request was refused.
+fn produce_answer(correlation: i32, version: i16, refused: &Refused) -> Bytes {
+    let header_version = ApiKey::Produce.response_header_version(version);
+    let mut header = ResponseHeader::default();
+    header.correlation_id = correlation;
+    let mut body = ProduceResponse::default();
+    for (name, index, code) in refused {
+        let mut t = TopicProduceResponse::default();
+        t.name = name.clone();
+        t.partition_responses.push(refusal(*index, *code));
+        body.responses.push(t);
+    }
+    let mut out = BytesMut::new();
+    header.encode(&mut out, header_version).unwrap();
+    body.encode(&mut out, version).unwrap();
+    out.freeze()
 }
 
 /// The metadata response with the hidden partitions' leaders removed; `None` when
