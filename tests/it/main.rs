@@ -6,6 +6,7 @@
 // A panic is how a test fails.
 #![allow(clippy::unwrap_used)]
 
+mod broker_refusal;
 mod support;
 
 mod access;

@@ -7,7 +7,15 @@
 //! - `refuse_produce`: a `Produce` request's data for a partition is taken out before the
 //!   request goes on, and the response answers that partition with a chosen error code
 //!   (`NOT_LEADER_OR_FOLLOWER` when its leader just died). Nothing of a refused batch is
-//!   appended, so the idempotent producer's sequence stays the broker's.
+//!   appended, so the idempotent producer's sequence stays the broker's;
+//! - `refuse_marker`: the same for a partition batch any of whose (uncompressed) records
+//!   holds a byte marker, as a broker refuses one record (`INVALID_RECORD`,
+//!   `POLICY_VIOLATION`...) and with it its whole batch (KIP-467).
+//!
+//! Like a real broker, once a batch of a producer's partition is refused, a later batch
+//! of that producer and partition (same epoch, higher base sequence) is not appended but
+//! answered `OUT_OF_ORDER_SEQUENCE_NUMBER` until the refused sequence is sent again or
+//! the producer's id or epoch changes (`out_of_order` counts those answers).
 //!
 //! The broker behind it must advertise the proxy's address (`Broker::start_advertising`),
 //! so that every connection a client opens goes through the proxy.
@@ -36,8 +44,32 @@ struct Faults {
     /// Metadata responses in which a leader was hidden: proof that the fault fired.
     hidden_answers: AtomicU64,
     refused: Mutex<HashMap<(String, i32), i16>>,
+    /// Byte markers: a partition batch holding one is refused with its code.
+    markers: Mutex<Vec<(Vec<u8>, i16)>>,
     /// Partition batches answered with an error instead of being appended.
     refusals: AtomicU64,
+    /// (producer id, topic, partition) -> (epoch, base sequence) of its refused batch.
+    gaps: Mutex<Gaps>,
+    /// Batches answered `OUT_OF_ORDER_SEQUENCE_NUMBER` behind a refused one.
+    out_of_order: AtomicU64,
+}
+
+/// (producer id, topic, partition) -> (epoch, base sequence) of its refused batch.
+type Gaps = HashMap<(i64, String, i32), (i16, i32)>;
+
+/// Kafka's `OUT_OF_ORDER_SEQUENCE_NUMBER`.
+pub const OUT_OF_ORDER_SEQUENCE_NUMBER: i16 = 45;
+/// Kafka's `INVALID_RECORD`.
+pub const INVALID_RECORD: i16 = 87;
+
+/// (producer id, epoch, base sequence) of a v2 record batch (fixed offsets of its header).
+fn batch_identity(records: &[u8]) -> Option<(i64, i16, i32)> {
+    let at = |o: usize, n: usize| records.get(o..o + n);
+    let pid = i64::from_be_bytes(at(43, 8)?.try_into().ok()?);
+    let epoch = i16::from_be_bytes(at(51, 2)?.try_into().ok()?);
+    let seq = i32::from_be_bytes(at(53, 4)?.try_into().ok()?);
+    // -1: not an idempotent producer, no sequence to keep.
+    (pid >= 0).then_some((pid, epoch, seq))
 }
 
 /// Partitions a Produce request had taken out, with the error each is answered.
@@ -119,6 +151,21 @@ impl KafkaProxy {
     /// `Produce` goes through whole again.
     pub fn accept_produce(&self) {
         self.faults.refused.lock().unwrap().clear();
+    }
+
+    /// From now on, a `Produce` partition batch holding `marker` is answered
+    /// `error_code` and never reaches the broker.
+    pub fn refuse_marker(&self, marker: &[u8], error_code: i16) {
+        self.faults
+            .markers
+            .lock()
+            .unwrap()
+            .push((marker.to_vec(), error_code));
+    }
+
+    /// Batches answered `OUT_OF_ORDER_SEQUENCE_NUMBER` behind a refused one so far.
+    pub fn out_of_order(&self) -> u64 {
+        self.faults.out_of_order.load(Ordering::Relaxed)
     }
 
     /// Partition batches refused so far.
@@ -224,7 +271,8 @@ fn framed(payload: &[u8]) -> BytesMut {
 /// and what was taken out; `None` when nothing is refused.
 fn refuse(mut frame: Bytes, version: i16, faults: &Faults) -> Option<(Option<Bytes>, Refused)> {
     let rules = faults.refused.lock().unwrap().clone();
-    if rules.is_empty() {
+    let markers = faults.markers.lock().unwrap().clone();
+    if rules.is_empty() && markers.is_empty() && faults.gaps.lock().unwrap().is_empty() {
         return None;
     }
     let header_version = ApiKey::Produce.request_header_version(version);
@@ -235,23 +283,47 @@ fn refuse(mut frame: Bytes, version: i16, faults: &Faults) -> Option<(Option<Byt
         return None;
     }
     let mut refused = Refused::new();
+    let mut gaps = faults.gaps.lock().unwrap();
     for t in &mut body.topic_data {
         let name = t.name.to_string();
-        t.partition_data
-            .retain(|p| match rules.get(&(name.clone(), p.index)) {
+        t.partition_data.retain(|p| {
+            let records = p.records.as_deref().unwrap_or_default();
+            let id = batch_identity(records);
+            let gap_key = id.map(|(pid, _, _)| (pid, name.clone(), p.index));
+            // Behind a refused batch of the same producer and epoch: not appended.
+            if let (Some((_, epoch, seq)), Some(k)) = (id, &gap_key)
+                && let Some(&(e, s)) = gaps.get(k)
+            {
+                if e == epoch && seq > s {
+                    faults.out_of_order.fetch_add(1, Ordering::Relaxed);
+                    refused.push((t.name.clone(), p.index, OUT_OF_ORDER_SEQUENCE_NUMBER));
+                    return false;
+                }
+                gaps.remove(k);
+            }
+            let code = rules.get(&(name.clone(), p.index)).copied().or_else(|| {
+                markers
+                    .iter()
+                    .find(|(m, _)| records.windows(m.len()).any(|w| w == m.as_slice()))
+                    .map(|(_, c)| *c)
+            });
+            match code {
                 Some(code) => {
-                    refused.push((t.name.clone(), p.index, *code));
+                    faults.refusals.fetch_add(1, Ordering::Relaxed);
+                    if let (Some((_, epoch, seq)), Some(k)) = (id, gap_key) {
+                        gaps.insert(k, (epoch, seq));
+                    }
+                    refused.push((t.name.clone(), p.index, code));
                     false
                 }
                 None => true,
-            });
+            }
+        });
     }
+    drop(gaps);
     if refused.is_empty() {
         return None;
     }
-    faults
-        .refusals
-        .fetch_add(refused.len() as u64, Ordering::Relaxed);
     body.topic_data.retain(|t| !t.partition_data.is_empty());
     if body.topic_data.is_empty() {
         return Some((None, refused));
