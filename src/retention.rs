@@ -8,6 +8,10 @@
 //! - Failed events: kept until an operator requeues (or cancels and purges) them, or,
 //!   when `failed` is set, deleted that long after they failed (default: kept forever).
 //! - Idle key rows: deleted once they have no pending event and no lease.
+//! - The inbox, by the same rules and settings: completed messages (aged since they were
+//!   handled), failed ones when `failed` is set, idle key rows. A completed message is
+//!   the inbox's memory of its id, so `completed` is also the inbox's dedup window: a
+//!   redelivery after it is handled again.
 //!
 //! Each round deletes batch after batch until a batch comes back short, pausing briefly
 //! between batches so that the deletes never monopolise the database.
@@ -54,6 +58,12 @@ pub struct RoundReport {
     pub failed: u64,
     /// Idle key rows deleted.
     pub keys: u64,
+    /// Completed inbox messages deleted.
+    pub inbox_completed: u64,
+    /// Failed inbox messages deleted.
+    pub inbox_failed: u64,
+    /// Idle inbox key rows deleted.
+    pub inbox_keys: u64,
 }
 
 /// Pause between two batches of one round.
@@ -103,6 +113,24 @@ pub async fn run_round(
         store.prune_idle_keys(config.batch)
     })
     .await?;
+    // The inbox, by the same rules: its completed rows are its dedup memory, so the
+    // completed age is also the window inside which a redelivery is dropped.
+    if let Some(age) = config.completed {
+        r.inbox_completed = drain(config.batch, shutdown, || {
+            store.purge_inbox(Finished::Completed, age, config.batch)
+        })
+        .await?;
+    }
+    if let Some(age) = config.failed {
+        r.inbox_failed = drain(config.batch, shutdown, || {
+            store.purge_inbox(Finished::Failed, age, config.batch)
+        })
+        .await?;
+    }
+    r.inbox_keys = drain(config.batch, shutdown, || {
+        store.prune_idle_inbox_keys(config.batch)
+    })
+    .await?;
     Ok(r)
 }
 
@@ -128,13 +156,18 @@ pub async fn run(
                         completed = r.completed,
                         failed = r.failed,
                         keys = r.keys,
+                        inbox_completed = r.inbox_completed,
+                        inbox_failed = r.inbox_failed,
+                        inbox_keys = r.inbox_keys,
                         "retention deleted expired rows"
                     );
                 }
                 if let Some(m) = &metrics {
                     m.retention_deleted("completed", r.completed);
                     m.retention_deleted("failed", r.failed);
-                    m.keys_pruned(r.keys);
+                    m.keys_pruned(r.keys + r.inbox_keys);
+                    m.retention_deleted("inbox_completed", r.inbox_completed);
+                    m.retention_deleted("inbox_failed", r.inbox_failed);
                 }
             }
             Err(e) => tracing::warn!(error = %e, "retention round failed; retrying next round"),

@@ -7,6 +7,10 @@
 //! Key rows are pruned only when idle (`ready_at` = never), unleased and without pending
 //! events. Every writer that needs a key row creates it with an upsert under the row's
 //! lock (enqueue, requeue, cancel), so a pruned key comes back on its next event.
+//!
+//! The inbox (`inbox_events`, `inbox_keys`) follows the same rules with its own calls:
+//! its rows are settled one by one (no cursor), and its key rows are upserted by every
+//! receive, so a pruned inbox key also comes back with its next message.
 
 use std::time::Duration;
 
@@ -50,4 +54,17 @@ pub trait RetentionStore: Send + Sync {
     /// Deletes up to `limit` idle outbox key rows: no pending event, no lease, not
     /// scheduled. Returns how many it deleted.
     async fn prune_idle_keys(&self, limit: u32) -> StoreResult<u64>;
+
+    /// Deletes up to `limit` inbox messages `finished` for more than `older_than`,
+    /// oldest first (completed ones aged by when they were handled). A message whose row
+    /// is gone is no longer a duplicate: this age is the inbox's dedup window.
+    async fn purge_inbox(
+        &self,
+        finished: Finished,
+        older_than: Duration,
+        limit: u32,
+    ) -> StoreResult<u64>;
+
+    /// Deletes up to `limit` idle inbox key rows (same rule as the outbox's).
+    async fn prune_idle_inbox_keys(&self, limit: u32) -> StoreResult<u64>;
 }

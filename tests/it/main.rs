@@ -21,6 +21,7 @@ mod faults;
 mod foreign_records;
 mod hostile;
 mod inbox;
+mod inbox_retention;
 mod metrics;
 mod otlp;
 mod overload;

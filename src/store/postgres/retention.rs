@@ -107,4 +107,49 @@ impl RetentionStore for PgStore {
         .await?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
+
+    async fn purge_inbox(
+        &self,
+        finished: Finished,
+        older_than: Duration,
+        limit: u32,
+    ) -> StoreResult<u64> {
+        // Both names are constants of `Finished`, never caller text. Completed rows use
+        // `inbox_events_completed (published_at)` (migration 0013), failed ones
+        // `inbox_events_failed (updated_at)`.
+        let (status, time_column) = (finished.status(), finished.since_column());
+        let r = sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM inbox_events WHERE id IN (
+                 SELECT id FROM inbox_events
+                 WHERE status = '{status}'
+                   AND {time_column} < now() - make_interval(secs => $1)
+                 ORDER BY {time_column}
+                 LIMIT $2
+                 FOR UPDATE SKIP LOCKED)
+             AND status = '{status}'"
+        )))
+        .bind(secs(older_than))
+        .bind(i64::from(limit))
+        .execute(self.relay_pool())
+        .await?;
+        Ok(r.rows_affected())
+    }
+
+    async fn prune_idle_inbox_keys(&self, limit: u32) -> StoreResult<u64> {
+        let r = sqlx::query(
+            "DELETE FROM inbox_keys WHERE (subscription, topic, event_key) IN (
+                 SELECT k.subscription, k.topic, k.event_key FROM inbox_keys k
+                 WHERE k.ready_at = 'infinity' AND k.lease_token IS NULL AND k.pending = 0
+                   AND NOT EXISTS (SELECT 1 FROM inbox_events e WHERE e.status = 'pending'
+                                   AND e.subscription = k.subscription
+                                   AND e.topic = k.topic AND e.event_key = k.event_key)
+                 LIMIT $1
+                 FOR UPDATE SKIP LOCKED)
+             AND ready_at = 'infinity' AND lease_token IS NULL AND pending = 0",
+        )
+        .bind(i64::from(limit))
+        .execute(self.relay_pool())
+        .await?;
+        Ok(r.rows_affected())
+    }
 }
