@@ -351,6 +351,17 @@ impl HandlerSink {
             {
                 timed_out()
             }
+            // A connection dropped mid-call: `UNKNOWN` with the transport's error as its
+            // source (a status the handler sent has none).
+            Ok(Err(status))
+                if status.code() == tonic::Code::Unknown
+                    && std::error::Error::source(&status).is_some() =>
+            {
+                Answer::NoAnswer {
+                    error: format!("handler: connection lost mid-call: {}", status.message()),
+                    timed_out: false,
+                }
+            }
             Ok(Err(status)) => match classify_status(&status) {
                 Failure::Transient { error } if status.code() == tonic::Code::Unavailable => {
                     Answer::NoAnswer {
