@@ -9,8 +9,19 @@
 //! | retry, counted | attempt spent; due at `not_before` or after the backoff |
 //! | retry, not counted | no attempt spent; due at `not_before` (or in 1 s); still holds its key |
 //! | reject | failed at once, with the reason |
-//! | gRPC `UNAVAILABLE`, connection refused or reset | transient: nothing spent, the cycle stops |
-//! | timeout, any other gRPC status | counted |
+//! | gRPC `UNAVAILABLE`, connection refused or reset, and a probe of the handler fails | transient: nothing spent, the cycle stops |
+//! | the same, but the handler answers a probe right after | the failure follows the message: transient the first time, counted from the [`POISON_STRIKES`]th in a row |
+//! | timeout, and a probe of the handler fails (a vanished host, a partition) | transient |
+//! | timeout while the handler answers a probe | counted |
+//! | `UNAUTHENTICATED`, `PERMISSION_DENIED` (a rotated token: the operator's fault) | transient; counted in `mailroom_inbox_handler_auth_refused`, logged once per change |
+//! | any other gRPC status | counted |
+//!
+//! The probe is a `grpc.health.v1.Health/Check` on the handler's channel, bounded by
+//! [`PROBE_TIMEOUT`]: any gRPC answer (even `UNIMPLEMENTED`) shows the handler's server
+//! is up, so a crash that follows one message (a poison message) ends in `failed`
+//! after its attempts, while a handler that is really down spends nothing. The channel
+//! keeps HTTP/2 and TCP keepalives, so a host that vanishes without a reset is found
+//! dead and redialled rather than waited on.
 //!
 //! Each call has a client span of its own, [`HANDLE_SPAN`] (OpenTelemetry RPC
 //! conventions, with the message's `messaging.*` attributes), a child of the message's
@@ -21,8 +32,9 @@
 //! mailroom's exact-bytes entries, which arrive decoded as `record_headers` and
 //! `record_key` (`domain::headers`).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
@@ -36,6 +48,23 @@ use crate::sink::{Delivery, Failure, Sink};
 
 /// The handler call's span name (OpenTelemetry RPC conventions: `package.Service/Method`).
 pub const HANDLE_SPAN: &str = "mailroom.v1.HandlerService/Handle";
+
+/// Transport failures of one message in a row, each followed by a probe the handler
+/// answered, after which they count: the first may be a coincidence (a handler
+/// restarting while the message was in flight); the second follows the message.
+pub const POISON_STRIKES: u32 = 2;
+
+/// How long the probe after a failure waits for the handler to answer.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// HTTP/2 PING interval on the handler's channel, and how long a PING may go unanswered.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// TCP keepalive on the handler's connection.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
+
+/// Messages remembered with strikes at most: a bound, cleared when reached.
+const SUSPECTS_MAX: usize = 10_000;
 
 /// Wait before an uncounted retry that named no time.
 const DEFER_DEFAULT: Duration = Duration::from_secs(1);
@@ -55,6 +84,24 @@ pub struct HandlerSink {
     /// overlap while a slow line finishes).
     slots: tokio::sync::Semaphore,
     latency: Arc<Latency>,
+    /// The probe: the handler's gRPC health service, on the same channel.
+    health: tonic_health::pb::health_client::HealthClient<Channel>,
+    /// Transport failures in a row per inbox id, while the handler answered probes.
+    strikes: Mutex<HashMap<i64, u32>>,
+    /// Calls the handler refused with `UNAUTHENTICATED`/`PERMISSION_DENIED`.
+    auth_refused: Arc<AtomicU64>,
+    /// Whether the last answer was an auth refusal (logged once per change).
+    refusing: AtomicBool,
+}
+
+/// How a call ended, before the probe decides what it costs.
+enum CallEnd {
+    /// The handler answered: what it costs.
+    Answered(Delivery),
+    /// The handler refused our credentials.
+    AuthRefused(String),
+    /// No answer from the handler: a transport failure, or a timeout.
+    NoAnswer { error: String, timed_out: bool },
 }
 
 impl HandlerSink {
@@ -66,7 +113,12 @@ impl HandlerSink {
         use anyhow::Context as _;
         let mut endpoint = Endpoint::from_shared(sub.handler.clone())
             .with_context(|| format!("subscription {}: handler URL", sub.name))?
-            .connect_timeout(sub.handler_timeout.min(Duration::from_secs(5)));
+            .connect_timeout(sub.handler_timeout.min(Duration::from_secs(5)))
+            // A host that vanishes without a reset is found dead by its keepalives.
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
+            .tcp_keepalive(Some(TCP_KEEPALIVE));
         if sub.handler.starts_with("https://") {
             let tls = sub
                 .handler_tls
@@ -100,8 +152,13 @@ impl HandlerSink {
                     80
                 }),
         );
+        let channel = endpoint.connect_lazy();
         Ok(HandlerSink {
-            client: HandlerServiceClient::new(endpoint.connect_lazy()),
+            client: HandlerServiceClient::new(channel.clone()),
+            health: tonic_health::pb::health_client::HealthClient::new(channel),
+            strikes: Mutex::new(HashMap::new()),
+            auth_refused: Arc::new(AtomicU64::new(0)),
+            refusing: AtomicBool::new(false),
             subscription: sub.name.clone(),
             server,
             timeout: sub.handler_timeout,
@@ -117,7 +174,94 @@ impl HandlerSink {
         self.latency.clone()
     }
 
+    /// Calls the handler refused with `UNAUTHENTICATED`/`PERMISSION_DENIED`.
+    pub fn auth_refused(&self) -> Arc<AtomicU64> {
+        self.auth_refused.clone()
+    }
+
+    /// Hands `e` to the handler, and decides what a failure costs (the table above).
     async fn handle(&self, e: &StoredEvent) -> Delivery {
+        match self.call(e).await {
+            CallEnd::Answered(d) => {
+                self.forget(e.id);
+                if self.refusing.swap(false, Ordering::Relaxed) {
+                    tracing::info!(subscription = %self.subscription, "handler accepts mailroom's credentials again");
+                }
+                d
+            }
+            CallEnd::AuthRefused(error) => {
+                self.auth_refused.fetch_add(1, Ordering::Relaxed);
+                if !self.refusing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(subscription = %self.subscription, %error, "handler refuses mailroom's credentials: nothing is spent until it accepts them");
+                }
+                Delivery::Failed(Failure::Transient { error })
+            }
+            CallEnd::NoAnswer { error, timed_out } => {
+                if !self.probe().await {
+                    // Nobody answers: the handler (or the way to it) is down.
+                    return Delivery::Failed(Failure::Transient {
+                        error: format!("{error}; handler unreachable (probe unanswered)"),
+                    });
+                }
+                if timed_out {
+                    self.forget(e.id);
+                    return Delivery::Failed(Failure::Counted {
+                        error,
+                        retry_at: None,
+                    });
+                }
+                let strikes = self.strike(e.id);
+                if strikes >= POISON_STRIKES {
+                    Delivery::Failed(Failure::Counted {
+                        error: format!(
+                            "{error}; the handler failed on this message {strikes} times in a row while answering probes"
+                        ),
+                        retry_at: None,
+                    })
+                } else {
+                    Delivery::Failed(Failure::Transient { error })
+                }
+            }
+        }
+    }
+
+    /// Whether the handler's server answers a health check (any gRPC status but
+    /// `UNAVAILABLE` is an answer) within [`PROBE_TIMEOUT`].
+    async fn probe(&self) -> bool {
+        let mut health = self.health.clone();
+        let mut req = tonic::Request::new(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        });
+        req.set_timeout(PROBE_TIMEOUT);
+        match tokio::time::timeout(PROBE_TIMEOUT, health.check(req)).await {
+            Err(_) => false,
+            Ok(Ok(_)) => true,
+            Ok(Err(s)) => !matches!(
+                s.code(),
+                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+            ),
+        }
+    }
+
+    /// One more strike against inbox id `id`; returns its strikes.
+    fn strike(&self, id: i64) -> u32 {
+        let mut s = self.strikes.lock().unwrap_or_else(|p| p.into_inner());
+        if s.len() >= SUSPECTS_MAX && !s.contains_key(&id) {
+            s.clear();
+        }
+        let n = s.entry(id).or_insert(0);
+        *n += 1;
+        *n
+    }
+
+    fn forget(&self, id: i64) {
+        let mut s = self.strikes.lock().unwrap_or_else(|p| p.into_inner());
+        if !s.is_empty() {
+            s.remove(&id);
+        }
+    }
+
+    async fn call(&self, e: &StoredEvent) -> CallEnd {
         let message_id = e.idempotency_key.clone().unwrap_or_default();
         let stored_tp = e.headers.get("traceparent").map(String::as_str);
         let stored_ts = e.headers.get("tracestate").map(String::as_str);
@@ -191,11 +335,9 @@ impl HandlerSink {
         let elapsed = started.elapsed();
         self.latency.observe(elapsed);
         record_answer(&span, &answer);
-        let timed_out = || {
-            Delivery::Failed(Failure::Counted {
-                error: format!("handler timed out after {} ms", self.timeout.as_millis()),
-                retry_at: None,
-            })
+        let timed_out = || CallEnd::NoAnswer {
+            error: format!("handler timed out after {} ms", self.timeout.as_millis()),
+            timed_out: true,
         };
         match answer {
             Err(_) => timed_out(),
@@ -209,8 +351,30 @@ impl HandlerSink {
             {
                 timed_out()
             }
-            Ok(Err(status)) => Delivery::Failed(classify_status(&status)),
-            Ok(Ok(resp)) => cap_defer(outcome(resp.into_inner()), self.max_defer),
+            // A connection dropped mid-call: `UNKNOWN` with the transport's error as its
+            // source (a status the handler sent has none).
+            Ok(Err(status))
+                if status.code() == tonic::Code::Unknown
+                    && std::error::Error::source(&status).is_some() =>
+            {
+                CallEnd::NoAnswer {
+                    error: format!("handler: connection lost mid-call: {}", status.message()),
+                    timed_out: false,
+                }
+            }
+            Ok(Err(status)) => match classify_status(&status) {
+                Failure::Transient { error } if status.code() == tonic::Code::Unavailable => {
+                    CallEnd::NoAnswer {
+                        error,
+                        timed_out: false,
+                    }
+                }
+                Failure::Transient { error } => CallEnd::AuthRefused(error),
+                f => CallEnd::Answered(Delivery::Failed(f)),
+            },
+            Ok(Ok(resp)) => {
+                CallEnd::Answered(cap_defer(outcome(resp.into_inner()), self.max_defer))
+            }
         }
     }
 
@@ -274,12 +438,15 @@ fn record_answer(
     }
 }
 
-/// A gRPC error from the handler: unreachable is the environment's fault, anything else
-/// the message's.
+/// A gRPC error from the handler: unreachable, or refusing our credentials, is the
+/// environment's (or the operator's) fault, anything else the message's. (`handle`
+/// then probes an unreachable handler to tell a poison message from an outage.)
 pub fn classify_status(status: &tonic::Status) -> Failure {
     let error = format!("handler: {:?}: {}", status.code(), status.message());
     match status.code() {
-        tonic::Code::Unavailable => Failure::Transient { error },
+        tonic::Code::Unavailable | tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+            Failure::Transient { error }
+        }
         // A google.rpc.RetryInfo in the status is honoured: not before its delay.
         _ => Failure::Counted {
             error,

@@ -65,6 +65,8 @@ pub struct InboxHandles {
     pub intake_stats: Arc<HashMap<String, Arc<consumer::IntakeStats>>>,
     /// Duration of each Handle call, per subscription.
     pub handler_latency: Arc<HashMap<String, Arc<crate::relay::Latency>>>,
+    /// Handle calls refused with `UNAUTHENTICATED`/`PERMISSION_DENIED`, per subscription.
+    pub handler_auth_refused: Arc<HashMap<String, Arc<std::sync::atomic::AtomicU64>>>,
     /// Each subscription's task restarts and crash-loop state.
     pub task_health: Arc<HashMap<String, Arc<supervisor::TaskHealth>>>,
 }
@@ -105,12 +107,14 @@ pub fn start(
     let mut dispatch_stats = HashMap::new();
     let mut intake_stats = HashMap::new();
     let mut handler_latency = HashMap::new();
+    let mut handler_auth_refused = HashMap::new();
     let mut task_health = HashMap::new();
     let mut tasks = Vec::new();
     for sub in &config.subscriptions {
         let sink = handler::HandlerSink::new(sub)?;
         let latency = sink.latency();
         handler_latency.insert(sub.name.clone(), latency);
+        handler_auth_refused.insert(sub.name.clone(), sink.auth_refused());
         let relay_config = RelayConfig {
             retry: sub.retry,
             // Leases of lines in flight are renewed every third of the lease, so one
@@ -186,6 +190,7 @@ pub fn start(
             dispatch_stats: Arc::new(dispatch_stats),
             intake_stats: Arc::new(intake_stats),
             handler_latency: Arc::new(handler_latency),
+            handler_auth_refused: Arc::new(handler_auth_refused),
             task_health: Arc::new(task_health),
         },
         tasks,

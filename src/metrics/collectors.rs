@@ -224,6 +224,21 @@ impl Collector for InboxCollector {
                 }
             }
         }
+        {
+            let mut e = encoder.encode_descriptor(
+                "mailroom_inbox_handler_auth_refused",
+                "Handle calls the handler refused with UNAUTHENTICATED or PERMISSION_DENIED \
+                 (no attempt spent).",
+                None,
+                MetricType::Counter,
+            )?;
+            for s in &subs {
+                if let Some(c) = self.inbox.handler_auth_refused.get(*s) {
+                    e.encode_family(&[("subscription", s.as_str())])?
+                        .encode_counter::<NoLabelSet, _, u64>(&load(c), None)?;
+                }
+            }
+        }
         let mut e = encoder.encode_descriptor(
             "mailroom_inbox_handle_seconds",
             "Duration of one HandlerService.Handle call.",

@@ -19,6 +19,7 @@ mod deploy;
 mod enqueue;
 mod faults;
 mod foreign_records;
+mod handler_failures;
 mod hostile;
 mod inbox;
 mod inbox_retention;
