@@ -22,10 +22,12 @@ fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
-#[async_trait::async_trait]
-impl RetentionStore for PgStore {
-    async fn purge(
+impl PgStore {
+    /// Deletes up to `limit` rows of `events` (a table name constant) whose status is
+    /// `finished` and older than `older_than`, oldest first, skipping rows a relay holds.
+    async fn delete_finished(
         &self,
+        events: &str,
         finished: Finished,
         older_than: Duration,
         limit: u32,
@@ -33,8 +35,8 @@ impl RetentionStore for PgStore {
         // Both names are constants of `Finished`, never caller text.
         let (status, time_column) = (finished.status(), finished.since_column());
         let r = sqlx::query(AssertSqlSafe(format!(
-            "DELETE FROM outbox_events WHERE id IN (
-                 SELECT id FROM outbox_events
+            "DELETE FROM {events} WHERE id IN (
+                 SELECT id FROM {events}
                  WHERE status = '{status}'
                    AND {time_column} < now() - make_interval(secs => $1)
                  ORDER BY {time_column}
@@ -46,7 +48,21 @@ impl RetentionStore for PgStore {
         .bind(i64::from(limit))
         .execute(self.relay_pool())
         .await?;
-        let explicit = r.rows_affected();
+        Ok(r.rows_affected())
+    }
+}
+
+#[async_trait::async_trait]
+impl RetentionStore for PgStore {
+    async fn purge(
+        &self,
+        finished: Finished,
+        older_than: Duration,
+        limit: u32,
+    ) -> StoreResult<u64> {
+        let explicit = self
+            .delete_finished("outbox_events", finished, older_than, limit)
+            .await?;
         if finished != Finished::Completed || explicit >= u64::from(limit) {
             return Ok(explicit);
         }
@@ -114,25 +130,10 @@ impl RetentionStore for PgStore {
         older_than: Duration,
         limit: u32,
     ) -> StoreResult<u64> {
-        // Both names are constants of `Finished`, never caller text. Completed rows use
-        // `inbox_events_completed (published_at)` (migration 0013), failed ones
-        // `inbox_events_failed (updated_at)`.
-        let (status, time_column) = (finished.status(), finished.since_column());
-        let r = sqlx::query(AssertSqlSafe(format!(
-            "DELETE FROM inbox_events WHERE id IN (
-                 SELECT id FROM inbox_events
-                 WHERE status = '{status}'
-                   AND {time_column} < now() - make_interval(secs => $1)
-                 ORDER BY {time_column}
-                 LIMIT $2
-                 FOR UPDATE SKIP LOCKED)
-             AND status = '{status}'"
-        )))
-        .bind(secs(older_than))
-        .bind(i64::from(limit))
-        .execute(self.relay_pool())
-        .await?;
-        Ok(r.rows_affected())
+        // Completed rows use `inbox_events_completed (published_at)` (migration 0013),
+        // failed ones `inbox_events_failed (updated_at)`.
+        self.delete_finished("inbox_events", finished, older_than, limit)
+            .await
     }
 
     async fn prune_idle_inbox_keys(&self, limit: u32) -> StoreResult<u64> {
