@@ -79,14 +79,6 @@ fn b64(b: &[u8]) -> String {
     STANDARD.encode(b)
 }
 
-fn producer(brokers: &str) -> FutureProducer {
-    rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("message.timeout.ms", "10000")
-        .create()
-        .unwrap()
-}
-
 /// Sends one record to partition 0 and waits for its acknowledgement.
 async fn send(
     p: &FutureProducer,
@@ -166,7 +158,7 @@ async fn foreign_records_reach_the_handler_as_bytes_and_never_stop_a_subscriptio
              "headers": [[b64(b"ce\x00x"), b64(b"v")]]},
         ]),
     );
-    let p = producer(&broker.addr());
+    let p = raw_producer(&broker.addr());
     send(&p, "foreign", None, None, OwnedHeaders::new()).await;
     let null_value = OwnedHeaders::new().insert(Header::<&[u8]> {
         key: "nothing",
@@ -289,7 +281,7 @@ async fn a_consumer_task_that_dies_is_restarted_and_readiness_and_metrics_show_i
         task_panic: Some("kill-task".into()),
     };
     let (broker, handler, s) = subscribed("fragile", faults).await;
-    let p = producer(&broker.addr());
+    let p = raw_producer(&broker.addr());
 
     // A record whose reading panics: stored failed with the reason, the rest handled.
     for payload in ["before", "poison-read", "after"] {

@@ -440,14 +440,6 @@ async fn a_python_grpcio_handler_is_a_subscriber() {
 // Issue 11: guarantees under real faults. Records come from an independent rdkafka
 // producer with headers of its own, as any CloudEvents producer would write them.
 
-fn raw_producer(brokers: &str) -> FutureProducer {
-    rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("message.timeout.ms", "10000")
-        .create()
-        .unwrap()
-}
-
 async fn produce(
     p: &FutureProducer,
     topic: &str,

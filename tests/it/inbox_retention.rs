@@ -26,23 +26,6 @@ impl Script for Accept {
     }
 }
 
-async fn count(url: &str, sql: &str) -> i64 {
-    use sqlx::Connection;
-    if url.starts_with("postgres") {
-        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_string()))
-            .fetch_one(&mut c)
-            .await
-            .unwrap()
-    } else {
-        let mut c = sqlx::SqliteConnection::connect(url).await.unwrap();
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_string()))
-            .fetch_one(&mut c)
-            .await
-            .unwrap()
-    }
-}
-
 async fn exec(url: &str, sql: &str) {
     use sqlx::Connection;
     if url.starts_with("postgres") {
@@ -83,7 +66,7 @@ async fn inbox_retention_purges_old_rows_and_keeps_the_dedup_window() {
             assert!(!r.duplicate, "{id}");
         }
         eventually(Duration::from_secs(20), "all handled", || async {
-            count(
+            count_rows(
                 &url,
                 "SELECT count(*) FROM inbox_events WHERE status = 'completed'",
             )
@@ -92,7 +75,7 @@ async fn inbox_retention_purges_old_rows_and_keeps_the_dedup_window() {
         })
         .await;
         eventually(Duration::from_secs(20), "keys idle", || async {
-            count(
+            count_rows(
                 &url,
                 "SELECT count(*) FROM inbox_keys WHERE lease_token IS NULL AND pending = 0",
             )
@@ -133,8 +116,11 @@ async fn inbox_retention_purges_old_rows_and_keeps_the_dedup_window() {
         let r = run_round(s.app.store.as_ref(), &cfg, &stop).await.unwrap();
         assert_eq!((r.inbox_completed, r.inbox_failed), (2, 0), "{r:?}");
         assert_eq!(r.inbox_keys, 3, "every key is idle: {r:?}");
-        assert_eq!(count(&url, "SELECT count(*) FROM inbox_events").await, 2);
-        assert_eq!(count(&url, "SELECT count(*) FROM inbox_keys").await, 0);
+        assert_eq!(
+            count_rows(&url, "SELECT count(*) FROM inbox_events").await,
+            2
+        );
+        assert_eq!(count_rows(&url, "SELECT count(*) FROM inbox_keys").await, 0);
 
         // Inside the window: dropped as a duplicate. After it: handled again.
         let again = receive(&mut inbox, "ret", "recent", "b", "x").await;
@@ -156,7 +142,7 @@ async fn inbox_retention_purges_old_rows_and_keeps_the_dedup_window() {
         let r = run_round(s.app.store.as_ref(), &cfg, &stop).await.unwrap();
         assert_eq!(r.inbox_failed, 1, "{r:?}");
         assert_eq!(
-            count(
+            count_rows(
                 &url,
                 "SELECT count(*) FROM inbox_events WHERE message_id = 'rpc:gone-bad'"
             )

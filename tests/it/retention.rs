@@ -28,23 +28,6 @@ async fn exec(url: &str, sql: &str) {
     }
 }
 
-async fn count(url: &str, sql: &str) -> i64 {
-    use sqlx::Connection;
-    if url.starts_with("postgres") {
-        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_string()))
-            .fetch_one(&mut c)
-            .await
-            .unwrap()
-    } else {
-        let mut c = sqlx::SqliteConnection::connect(url).await.unwrap();
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_string()))
-            .fetch_one(&mut c)
-            .await
-            .unwrap()
-    }
-}
-
 /// Retention deletes old completed events, then (when asked) old failed ones, and idle
 /// unleased keys; never pending events, recent rows, leased or busy keys.
 #[tokio::test]
@@ -114,8 +97,9 @@ async fn retention_removes_only_what_it_should() {
         };
         let r = run_round(s.app.store.as_ref(), &cfg, &stop).await.unwrap();
         assert_eq!((r.completed, r.failed), (4, 0), "{r:?}");
-        let left =
-            |url: String| async move { count(&url, "SELECT count(*) FROM outbox_events").await };
+        let left = |url: String| async move {
+            count_rows(&url, "SELECT count(*) FROM outbox_events").await
+        };
         assert_eq!(left(url.clone()).await, 8);
         for id in [4, 5, 6, 7, 8, 9, 10, 11] {
             assert!(
@@ -156,7 +140,7 @@ async fn retention_removes_only_what_it_should() {
         // a pruned key works.
         let id = enqueue(&mut s.client, event("ret", "a", b"again")).await;
         assert_eq!(
-            count(
+            count_rows(
                 &url,
                 "SELECT count(*) FROM outbox_keys WHERE event_key = 'a' AND pending = 1"
             )
@@ -172,7 +156,7 @@ async fn retention_removes_only_what_it_should() {
             .await
             .unwrap();
         assert_eq!(
-            count(
+            count_rows(
                 &url,
                 "SELECT count(*) FROM outbox_keys WHERE event_key = 'e' AND pending = 1"
             )
@@ -205,7 +189,7 @@ async fn retention_runs_in_the_background() {
     )
     .await;
     eventually(Duration::from_secs(10), "expired rows deleted", || async {
-        count(&url, "SELECT count(*) FROM outbox_events").await == 5
+        count_rows(&url, "SELECT count(*) FROM outbox_events").await == 5
     })
     .await;
     // The round counts what it deleted once it has finished (idle keys come last).

@@ -585,3 +585,30 @@ pub async fn hold_in_transaction(url: &str, stmt: &str) -> (sqlx::PgConnection, 
         .rows_affected();
     (conn, touched)
 }
+
+/// A plain rdkafka producer, as another team's service would run one.
+pub fn raw_producer(brokers: &str) -> rdkafka::producer::FutureProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("message.timeout.ms", "10000")
+        .create()
+        .unwrap()
+}
+
+/// One `count(*)`-like scalar from the database at `url` (PostgreSQL or SQLite).
+pub async fn count_rows(url: &str, sql: &str) -> i64 {
+    use sqlx::Connection;
+    if url.starts_with("postgres") {
+        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_string()))
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+    } else {
+        let mut c = sqlx::SqliteConnection::connect(url).await.unwrap();
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_string()))
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+    }
+}
