@@ -231,3 +231,77 @@ impl Fragile {
         serve_handler(self).await
     }
 }
+
+/// A handler host that vanishes without a reset: the proxy silences the open connection
+/// for good (every byte read and dropped, nothing closed) while new connections reach
+/// the handler, as when a host dies and its address is taken over. The calls time out
+/// and the probe on the same connection finds nobody: nothing is spent. The channel's
+/// HTTP/2 keepalive finds the connection dead and redials, so everything is handled, in
+/// order. Without keepalives the channel waits on the dead connection forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_connection_that_goes_silent_spends_nothing_and_is_redialled() {
+    let handler = Fragile::default();
+    let url = handler.clone().serve_plain().await;
+    let proxy = Proxy::start(url.trim_start_matches("http://").to_string()).await;
+    let db = fresh_pg().await;
+    let mut c = quiet_config(&db);
+    let mut sub = subscription("silent", &[], &format!("http://127.0.0.1:{}", proxy.port));
+    quick_retries(&mut sub);
+    c.subscriptions = vec![sub];
+    let s = Service::start(c).await;
+    let mut ic = inbox_client(&s).await;
+    let completed = || async {
+        s.app
+            .store
+            .count_events(BoxKind::Inbox, Some(Status::Completed))
+            .await
+            .unwrap()
+    };
+    for i in 0..3 {
+        receive(&mut ic, "silent", &format!("m-{i}"), "k", &format!("{i}")).await;
+    }
+    eventually(Duration::from_secs(30), "handled before", || async {
+        completed().await == 3
+    })
+    .await;
+
+    proxy.freeze_open();
+    let mut ids = vec![];
+    for i in 3..8 {
+        let r = receive(&mut ic, "silent", &format!("m-{i}"), "k", &format!("{i}")).await;
+        ids.push(r.id);
+    }
+    let stats = s.app.inbox.dispatch_stats["silent"].clone();
+    // 2 s timeouts, 2 s probes and 10 s + 5 s keepalives: well within a minute.
+    eventually(
+        Duration::from_secs(60),
+        "handled after a redial",
+        || async { completed().await == 8 },
+    )
+    .await;
+    assert!(
+        proxy.swallowed.load(Ordering::Relaxed) > 0,
+        "the silenced connection swallowed the calls"
+    );
+    assert!(
+        stats.transient_events.load(Ordering::Relaxed) > 0,
+        "the silence was seen as an outage"
+    );
+    for id in ids {
+        let e = stored(&s, id).await;
+        assert_eq!(
+            (e.status, e.attempts),
+            (Status::Completed, 0),
+            "nothing spent: {e:?}"
+        );
+    }
+    let calls: Vec<String> = handler
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| c.1.clone())
+        .collect();
+    let want: Vec<String> = (0..8).map(|i| i.to_string()).collect();
+    assert_eq!(calls, want, "every message, once, in order");
+}

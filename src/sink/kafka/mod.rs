@@ -16,10 +16,14 @@
 //! of any later copy of it or of its successors, so the first copy of every record of a
 //! key reaches the partition in id order. The cost is duplicates after an outage
 //! (docs/relay.md, "Ordering under failures").
+//!
+//! A broker's refusal, fatal to that producer and blind to which record of the batch
+//! was at fault, narrows the refused topic onto a producer of its own that sends one
+//! record at a time (`narrowing`; docs/relay.md, "Broker refusals").
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -31,6 +35,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 
 mod classify;
 mod cloudevents;
+pub mod narrowing;
 pub mod partitions;
 pub mod topic_limits;
 
@@ -63,6 +68,9 @@ pub struct KafkaSink {
     partitions: partitions::Partitions,
     /// Each topic's `max.message.bytes`: a record over it is refused here, counted.
     topic_limits: Option<topic_limits::TopicLimits>,
+    /// Topics whose records the broker refused lately, published one record at a time
+    /// by a producer of their own (`narrowing`).
+    narrowed: narrowing::Narrowed,
 }
 
 /// Builds the producer configuration: safe defaults first, then the operator's
@@ -133,6 +141,7 @@ impl KafkaSink {
     ) -> Result<Self, KafkaError> {
         let producer: FutureProducer = config.create()?;
         Ok(KafkaSink {
+            narrowed: narrowing::Narrowed::new(&config),
             config,
             producer: RwLock::new(Arc::new(producer)),
             stuck: AtomicU32::new(0),
@@ -144,7 +153,7 @@ impl KafkaSink {
     }
 
     /// Refuses (counted) a record over its topic's `max.message.bytes` before the broker
-    /// does (a broker's refusal stops the gapless producer, and every topic with it).
+    /// does (a broker's refusal would stop the shared producer and narrow the topic).
     pub fn with_topic_limits(mut self, limits: topic_limits::TopicLimits) -> Self {
         self.topic_limits = Some(limits);
         self
@@ -153,6 +162,11 @@ impl KafkaSink {
     /// Records and requests librdkafka holds (queued or in flight), across all topics.
     pub fn queued(&self) -> i32 {
         self.current().in_flight_count()
+    }
+
+    /// Topics published one record at a time after a broker refusal (`narrowing`).
+    pub fn narrowed_topics(&self) -> usize {
+        self.narrowed.count()
     }
 
     /// Whether `e` goes to a partition the metadata shows without a leader.
@@ -168,18 +182,41 @@ impl KafkaSink {
         Some(partitions::partition_for(key.as_bytes(), count))
     }
 
+    /// The narrowed topics' producer when a line of the cycle needs it.
+    fn narrowed_producer(&self, narrowed: &[bool]) -> Option<Arc<FutureProducer>> {
+        if !narrowed.contains(&true) {
+            return None;
+        }
+        match self.narrowed.producer() {
+            Ok(p) if p.client().fatal_error().is_none() => Some(p),
+            Ok(_) => {
+                self.narrowed.replace("fatal producer error");
+                self.narrowed.producer().ok()
+            }
+            Err(e) => {
+                // Its lines go through the shared producer, as before narrowing.
+                tracing::error!(error = %e, "could not create the narrowed topics' producer");
+                None
+            }
+        }
+    }
+
     fn current(&self) -> Arc<FutureProducer> {
         self.producer.read().expect("producer lock").clone()
     }
 
-    fn replace(&self, why: &str) {
+    /// Replaces `broken` unless a concurrent delivery already did: a second replacement
+    /// would drop the records the first one's successor holds.
+    fn replace(&self, broken: &Arc<FutureProducer>, why: &str) {
+        let mut slot = self.producer.write().expect("producer lock");
+        if !Arc::ptr_eq(&slot, broken) {
+            return;
+        }
         match self.config.create::<FutureProducer>() {
             Ok(p) => {
                 tracing::warn!(reason = why, "replacing Kafka producer");
-                let old = std::mem::replace(
-                    &mut *self.producer.write().expect("producer lock"),
-                    Arc::new(p),
-                );
+                let old = std::mem::replace(&mut *slot, Arc::new(p));
+                drop(slot);
                 self.stuck.store(0, Ordering::Relaxed);
                 // Dropping a producer purges and flushes for up to 500 ms: not on a
                 // runtime thread.
@@ -301,18 +338,60 @@ type ProducedLine = (
 struct LineNotes {
     delivered: bool,
     transient: bool,
+    /// The broker refused a record of the line (its topic is narrowed).
+    refused: bool,
     broken: Option<String>,
+}
+
+/// What a broker's refusal of a record means for the line. `exact`: the record was
+/// alone in its batch (a narrowed topic), so the refusal is its own and spends its
+/// attempt; otherwise the batch may have been refused for another record, and nothing
+/// is spent until narrowing finds the one at fault.
+fn refusal(err: &KafkaError, exact: bool) -> Delivery {
+    if exact {
+        return Delivery::Failed(failure(err, ErrorClass::Counted));
+    }
+    Delivery::Failed(Failure::Transient {
+        error: format!(
+            "kafka: the broker refused a record batch holding this event ({err}); its \
+             topic is published one record at a time until the record at fault is found"
+        ),
+    })
+}
+
+/// Whether `err` purged a record because the broker refused another batch, which the
+/// gapless guarantee makes fatal to the whole producer.
+fn purged_for_a_refusal(err: &KafkaError, producer: &Weak<FutureProducer>) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    matches!(
+        err.rdkafka_error_code(),
+        Some(C::PurgeQueue | C::PurgeInflight | C::Fatal)
+    ) && producer
+        .upgrade()
+        .is_some_and(|p| matches!(p.client().fatal_error(), Some((C::GaplessGuarantee, _))))
+}
+
+/// Lets go of a producer; the last holder of a replaced one drops it off the runtime
+/// (dropping flushes for up to 500 ms).
+fn release(producer: Arc<FutureProducer>) {
+    if Arc::strong_count(&producer) == 1 {
+        tokio::task::spawn_blocking(move || drop(producer));
+    }
 }
 
 /// Awaits a line's acknowledgements in order until `deadline`. After the first record
 /// that is not acknowledged, later ones are reported only if they already were (a gap
 /// the relay counts as `delivered_after_failure`); otherwise they were not attempted.
+/// `exact`: each record was alone in its batch (see [`refusal`]). `producer`: the one
+/// the line went through.
 async fn await_line(
     futures: Vec<DeliveryFuture>,
     refused: Option<(Delivery, ErrorClass, String)>,
     len: usize,
     deadline: tokio::time::Instant,
     timeout: Duration,
+    exact: bool,
+    producer: Weak<FutureProducer>,
 ) -> (Vec<Delivery>, LineNotes) {
     let mut out = vec![Delivery::NotAttempted; len];
     let mut notes = LineNotes::default();
@@ -331,14 +410,25 @@ async fn await_line(
                 notes.delivered = true;
                 Delivery::Delivered
             }
+            Ok(Ok(Err((err, _)))) if purged_for_a_refusal(&err, &producer) => {
+                // Not this record's doing, nor an outage: it goes again at once, on the
+                // new producer, and its topic is not taken for down.
+                notes.broken = Some(err.to_string());
+                Delivery::NotAttempted
+            }
             Ok(Ok(Err((err, _)))) => {
                 let class = class_of(&err);
                 match class {
                     ErrorClass::ProducerBroken => notes.broken = Some(err.to_string()),
                     ErrorClass::Transient => notes.transient = true,
-                    ErrorClass::Counted => {}
+                    // A delivery report's permanent error is the broker's refusal.
+                    ErrorClass::Counted => notes.refused = true,
                 }
-                Delivery::Failed(failure(&err, class))
+                if class == ErrorClass::Counted {
+                    refusal(&err, exact)
+                } else {
+                    Delivery::Failed(failure(&err, class))
+                }
             }
             Ok(Err(_canceled)) => {
                 notes.transient = true;
@@ -379,19 +469,11 @@ impl Sink for KafkaSink {
     }
 
     async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: LineDone<'_>) {
-        let producer = self.current();
+        let mut producer = self.current();
         if let Some((_, why)) = producer.client().fatal_error() {
-            self.replace(&format!("fatal producer error: {why}"));
-            for (i, l) in lines.iter().enumerate() {
-                let mut d = vec![Delivery::NotAttempted; l.len()];
-                if let Some(first) = d.first_mut() {
-                    *first = Delivery::Failed(Failure::Transient {
-                        error: format!("kafka: producer failed: {why}"),
-                    });
-                }
-                done(i, d);
-            }
-            return;
+            // A fatal error is this producer's state, not an outage: go on with a new one.
+            self.replace(&producer, &format!("fatal producer error: {why}"));
+            release(std::mem::replace(&mut producer, self.current()));
         }
         // A topic's first records wait (a second at most) for its partitions and leaders,
         // and for its record size limit.
@@ -406,13 +488,29 @@ impl Sink for KafkaSink {
             limits.learn(lines.iter().flatten().copied()).await;
         }
         let deadline = tokio::time::Instant::now() + self.deadline;
+        let narrowed: Vec<bool> = lines
+            .iter()
+            .map(|l| {
+                l.first()
+                    .is_some_and(|e| self.narrowed.is_narrowed(&e.topic))
+            })
+            .collect();
+        let careful = self.narrowed_producer(&narrowed);
         // Every line is handed to librdkafka first, so the whole cycle is pipelined.
         let mut running = FuturesUnordered::new();
         for (i, line) in lines.iter().enumerate() {
-            let (futures, refused, spans) = self.produce_line(&producer, line);
+            let (through, head_only) = match (&careful, narrowed[i]) {
+                // A narrowed topic: the line's head alone, in a batch of its own.
+                (Some(careful), true) => (careful.clone(), true),
+                _ => (producer.clone(), false),
+            };
+            let sent = if head_only { &line[..1] } else { &line[..] };
+            let (futures, refused, spans) = self.produce_line(&through, sent);
+            let through = Arc::downgrade(&through);
             let (len, timeout) = (line.len(), self.deadline);
             running.push(async move {
-                let (d, notes) = await_line(futures, refused, len, deadline, timeout).await;
+                let (d, notes) =
+                    await_line(futures, refused, len, deadline, timeout, head_only, through).await;
                 // A producer span ends at its record's acknowledgement (or failure).
                 for (span, d) in spans.iter().zip(&d) {
                     if !matches!(d, Delivery::Delivered) {
@@ -425,10 +523,23 @@ impl Sink for KafkaSink {
         }
         let (mut delivered, mut transient, mut broken) = (false, false, None);
         while let Some((i, d, notes)) = running.next().await {
-            delivered |= notes.delivered;
-            if notes.transient
-                && let Some(e) = lines[i].first()
-            {
+            let Some(e) = lines[i].first() else {
+                done(i, d);
+                continue;
+            };
+            if notes.refused {
+                self.narrowed.narrow(&e.topic);
+            }
+            if narrowed[i] && careful.is_some() {
+                // The narrowed topics' producer answers for itself only.
+                if let Some(why) = notes.broken {
+                    self.narrowed.replace(&why);
+                }
+                done(i, d);
+                continue;
+            }
+            delivered |= notes.delivered || notes.refused;
+            if notes.transient {
                 // A line held back for a leaderless partition says nothing about the
                 // producer: it must not count towards replacing it.
                 transient |= !self.leaderless(e, &producer);
@@ -439,14 +550,17 @@ impl Sink for KafkaSink {
             }
             done(i, d);
         }
-        drop(producer);
         if let Some(why) = broken {
-            self.replace(&why);
+            self.replace(&producer, &why);
         } else if delivered {
             self.stuck.store(0, Ordering::Relaxed);
         } else if transient && self.stuck.fetch_add(1, Ordering::Relaxed) + 1 >= STUCK_DELIVERIES {
-            self.replace("deliveries failed transiently several times in a row");
+            self.replace(
+                &producer,
+                "deliveries failed transiently several times in a row",
+            );
         }
+        release(producer);
     }
 
     fn topic_limits(&self) -> Option<topic_limits::TopicLimits> {

@@ -61,6 +61,8 @@ type Gaps = HashMap<(i64, String, i32), (i16, i32)>;
 pub const OUT_OF_ORDER_SEQUENCE_NUMBER: i16 = 45;
 /// Kafka's `INVALID_RECORD`.
 pub const INVALID_RECORD: i16 = 87;
+/// Kafka's `MESSAGE_TOO_LARGE` (a record batch over `message.max.bytes`).
+pub const MESSAGE_TOO_LARGE: i16 = 10;
 
 /// (producer id, epoch, base sequence) of a v2 record batch (fixed offsets of its header).
 fn batch_identity(records: &[u8]) -> Option<(i64, i16, i32)> {

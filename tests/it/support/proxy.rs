@@ -5,8 +5,10 @@
 //! before it is forwarded, in both directions, order kept), drop the open connections
 //! while still accepting new ones (`drop_connections`), and forward to another target
 //! (`retarget`), or freeze every open connection without closing it (`stall`: bytes are
-//! held, in order, until `unstall`; the peers see a silent network). By default none of
-//! that happens: it forwards as it always did.
+//! held, in order, until `unstall`; the peers see a silent network), or silence the open
+//! connections for good while new ones work (`freeze_open`: a host that vanished
+//! without a reset, its address taken over). By default none of that happens: it
+//! forwards as it always did.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +26,10 @@ pub struct Proxy {
     delay_ms: Arc<AtomicU64>,
     target: Arc<Mutex<String>>,
     stalled: watch::Sender<bool>,
+    /// `freeze_open` calls so far: a connection opened before the latest goes silent.
+    frozen: watch::Sender<u64>,
+    /// Chunks the frozen connections swallowed (proof the freeze bit).
+    pub swallowed: Arc<AtomicU64>,
     /// Stalls so far, and chunks that a stall held back (proof that a stall bit).
     pub stalls: Arc<AtomicU64>,
     pub held_chunks: Arc<AtomicU64>,
@@ -32,14 +38,22 @@ pub struct Proxy {
     pub dropped: Arc<AtomicU64>,
 }
 
-/// Copies one direction, each chunk held back by the current delay, and not forwarded
-/// while the proxy is stalled.
+/// A connection's silence: the freezes it was born after, and the swallowed-chunk count.
+struct Silence {
+    born: u64,
+    frozen: watch::Receiver<u64>,
+    swallowed: Arc<AtomicU64>,
+}
+
+/// Copies one direction, each chunk held back by the current delay, not forwarded while
+/// the proxy is stalled, and never again once the connection is frozen.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     delay_ms: Arc<AtomicU64>,
     mut stalled: watch::Receiver<bool>,
     held: Arc<AtomicU64>,
+    silence: Silence,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -47,6 +61,11 @@ async fn pump(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        if *silence.frozen.borrow() > silence.born {
+            // Read and dropped: the peer's TCP stack acknowledges, nothing answers.
+            silence.swallowed.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
         let d = delay_ms.load(Ordering::Relaxed);
         if d > 0 {
             tokio::time::sleep(Duration::from_millis(d)).await;
@@ -73,6 +92,9 @@ impl Proxy {
         let up = Arc::new(AtomicBool::new(true));
         let (generation, _) = watch::channel(0u64);
         let (stalled, _) = watch::channel(false);
+        let (frozen, _) = watch::channel(0u64);
+        let swallowed = Arc::new(AtomicU64::new(0));
+        let (frozen_tx, swallowed2) = (frozen.clone(), swallowed.clone());
         let held_chunks = Arc::new(AtomicU64::new(0));
         let open = Arc::new(AtomicU64::new(0));
         let open2 = open.clone();
@@ -96,6 +118,12 @@ impl Proxy {
                 let target = target2.lock().unwrap().clone();
                 let mut cut = gen_tx.subscribe();
                 let (delay, stall, held) = (delay2.clone(), stall_tx.clone(), held2.clone());
+                let silence = |frozen: &watch::Sender<u64>| Silence {
+                    born: *frozen.borrow(),
+                    frozen: frozen.subscribe(),
+                    swallowed: swallowed2.clone(),
+                };
+                let (up_silence, down_silence) = (silence(&frozen_tx), silence(&frozen_tx));
                 let open = open2.clone();
                 tokio::spawn(async move {
                     let Ok(outbound) = TcpStream::connect(&target).await else {
@@ -106,9 +134,16 @@ impl Proxy {
                     let _ = outbound.set_nodelay(true);
                     let (ir, iw) = inbound.into_split();
                     let (or, ow) = outbound.into_split();
-                    let up =
-                        tokio::spawn(pump(ir, ow, delay.clone(), stall.subscribe(), held.clone()));
-                    let down = tokio::spawn(pump(or, iw, delay, stall.subscribe(), held));
+                    let up = tokio::spawn(pump(
+                        ir,
+                        ow,
+                        delay.clone(),
+                        stall.subscribe(),
+                        held.clone(),
+                        up_silence,
+                    ));
+                    let down =
+                        tokio::spawn(pump(or, iw, delay, stall.subscribe(), held, down_silence));
                     let (a, b) = (up.abort_handle(), down.abort_handle());
                     tokio::select! {
                         _ = async { let _ = up.await; let _ = down.await; } => {}
@@ -129,6 +164,8 @@ impl Proxy {
             delay_ms,
             target,
             stalled,
+            frozen,
+            swallowed,
             stalls: Arc::new(AtomicU64::new(0)),
             held_chunks,
             open,
@@ -140,6 +177,12 @@ impl Proxy {
     pub fn stall(&self) {
         self.stalls.fetch_add(1, Ordering::SeqCst);
         self.stalled.send_replace(true);
+    }
+
+    /// Silences every open connection for good, without closing it: what either side
+    /// sends is read and dropped. New connections forward as before.
+    pub fn freeze_open(&self) {
+        self.frozen.send_modify(|n| *n += 1);
     }
 
     /// Forwards what a stall held, then everything as before.
