@@ -86,7 +86,9 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
                 .context("running migrations")?;
             pool.close().await;
         }
-        Arc::new(PgStore::from_pools(pg_pools(config).await?))
+        let store = PgStore::from_pools(pg_pools(config).await?);
+        sync_sql_limits(&store, &config.limits).await;
+        Arc::new(store)
     } else {
         let store = Arc::new(
             SqliteStore::connect(&config.database_url)
@@ -99,6 +101,20 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
         store
     };
     Ok(store)
+}
+
+/// Keeps the SQL API's limits equal to the service's (a replica that may not write them
+/// says so and goes on: gRPC is unaffected, and the SQL API keeps the row's limits).
+async fn sync_sql_limits(store: &PgStore, limits: &crate::domain::Limits) {
+    match store.sync_sql_limits(limits).await {
+        Ok(true) => tracing::info!("SQL API limits (mailroom_sql_settings) set to the service's"),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(
+            error = %e,
+            "could not set the SQL API's limits (mailroom_sql_settings) to the service's: \
+             SQL enqueues keep the row's limits until a replica with UPDATE on it starts"
+        ),
+    }
 }
 
 /// The CloudEvents `ce_source` of published events: `MAILROOM_SOURCE` when set, else

@@ -19,6 +19,18 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use crate::support::kafka_proxy::{KafkaProxy, NOT_LEADER_OR_FOLLOWER};
 use crate::support::*;
 
+/// This process's resident set, in KiB.
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 /// The partition count of `topic` (created by the first produce on tansu).
 fn partition_count(p: &FutureProducer, topic: &str) -> i32 {
     let md = p
@@ -233,13 +245,32 @@ async fn drain(hide: bool, outage_checks: bool) -> Duration {
         let probes = stats.transient.load(Ordering::Relaxed);
         let first = sink.queued();
         let mut queued = first;
+        let rss_first = rss_kib();
+        let mut rss_max = rss_first;
         let t = Instant::now();
-        // Longer than the longest probe pause (5 s).
-        while t.elapsed() < Duration::from_secs(6) {
+        // Longer than the longest probe pause (5 s); `MAILROOM_TEST_OUTAGE_SECS` holds
+        // the outage longer by hand (the 5 minutes: 300).
+        let hold = std::env::var("MAILROOM_TEST_OUTAGE_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(Duration::from_secs(6), Duration::from_secs);
+        while t.elapsed() < hold {
             queued = queued.max(sink.queued());
+            rss_max = rss_max.max(rss_kib());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let last = sink.queued();
+        eprintln!(
+            "outage of {hold:?}: test process RSS {} MiB at first, at most {} MiB",
+            rss_first / 1024,
+            rss_max / 1024
+        );
+        // Probing allocates nothing that stays: the process (service, relay, proxy,
+        // test) grows by less than 64 MiB over the outage.
+        assert!(
+            rss_max < rss_first + 64 * 1024,
+            "memory stays bounded during the outage: {rss_first} KiB then {rss_max} KiB"
+        );
         assert!(
             stats.transient.load(Ordering::Relaxed) > probes,
             "the dead partition was probed again"

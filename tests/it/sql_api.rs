@@ -1071,3 +1071,52 @@ async fn overlapping_idempotent_retries_wait_for_the_first_transaction() {
     }
     s.app.stop().await.unwrap();
 }
+
+/// The SQL API validates with the service's limits: a service started with
+/// `max_attempts` 10 and a 2,000-byte payload limit writes them into
+/// `mailroom_sql_settings`, so an SQL event gets 10 attempts (6 before: the row kept
+/// its defaults) and a 3,000-byte payload is `MR003`, as it is for gRPC; a row edited by
+/// hand is set back at the next start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sql_api_follows_the_services_limits() {
+    let url = fresh_pg().await;
+    let mut c = quiet_config(&url);
+    c.limits.default_max_attempts = 10;
+    c.limits.max_payload_bytes = 2000;
+    let s = Service::start(c.clone()).await;
+    let (_, pool) = app_role(&url).await;
+    let id: i64 = sqlx::query_scalar("SELECT mailroom.enqueue('sql.limits', 'k', 'x'::bytea)")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let e = s
+        .app
+        .store
+        .get_event(mailroom::domain::BoxKind::Outbox, id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.max_attempts, 10, "the service's default_max_attempts");
+    let err = sqlx::query("SELECT mailroom.enqueue('sql.limits', 'k', $1)")
+        .bind(vec![0u8; 3000])
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&err), ("MR003".into(), Some("payload".into())));
+    s.app.stop().await.unwrap();
+
+    // Drift by hand is undone at the next start.
+    let mut a = admin(&url).await;
+    sqlx::query("UPDATE mailroom_sql_settings SET default_max_attempts = 3")
+        .execute(&mut a)
+        .await
+        .unwrap();
+    let s = Service::start(c).await;
+    let attempts: i32 =
+        sqlx::query_scalar("SELECT default_max_attempts FROM mailroom_sql_settings")
+            .fetch_one(&mut a)
+            .await
+            .unwrap();
+    assert_eq!(attempts, 10);
+    s.app.stop().await.unwrap();
+}

@@ -14,6 +14,7 @@ pub mod notify;
 mod relay;
 mod retention;
 mod sql;
+mod sql_settings;
 mod write;
 
 use std::sync::Arc;
