@@ -23,8 +23,9 @@ impl FieldViolation {
     }
 }
 
-/// The service's errors; `api::status` maps each to a gRPC status.
-#[derive(Debug, thiserror::Error)]
+/// The service's errors; `api::status` maps each to a gRPC status. `Clone`: a group
+/// commit's one failure answers every request of the group, each with its own status.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     /// The request is invalid; every offending field is named (`INVALID_ARGUMENT`).
     #[error("invalid argument: {}", .0.iter().map(|v| format!("{}: {}", v.field, v.description)).collect::<Vec<_>>().join("; "))]

@@ -312,7 +312,7 @@ async fn commit_group(store: &dyn Store, group: Vec<Job>, wakeup: &Wakeup) {
             let e = Error::from(e);
             tracing::warn!(error = %e, events = events.len(), "enqueue transaction failed");
             for j in group {
-                let _ = j.reply.send(Err(clone_err(&e)));
+                let _ = j.reply.send(Err(e.clone()));
             }
         }
         Ok(admissions) => {
@@ -345,14 +345,6 @@ async fn commit_group(store: &dyn Store, group: Vec<Job>, wakeup: &Wakeup) {
                 });
             }
         }
-    }
-}
-
-fn clone_err(e: &Error) -> Error {
-    match e {
-        Error::Unavailable(m) => Error::Unavailable(m.clone()),
-        Error::Overloaded(m) => Error::Overloaded(m.clone()),
-        other => Error::Internal(other.to_string()),
     }
 }
 

@@ -174,12 +174,16 @@ fn status_of(e: Error) -> Status {
             }
             Error::DeadlineExceeded(m) => {
                 tracing::warn!(error = %m, "answering DEADLINE_EXCEEDED");
+                // Often another transaction holding the event's key (an SQL API caller's
+                // open transaction: commit order makes the enqueue wait for it).
                 status(
                     Code::DeadlineExceeded,
-                    "the database cancelled the query after its statement timeout; nothing was changed",
+                    "the database cancelled the query after its statement timeout; nothing \
+                     was changed and the request may be retried (a transaction that holds \
+                     the key, such as an open SQL API transaction, delays it until it ends)",
                     reason::STATEMENT_TIMEOUT,
                     none(),
-                    None,
+                    Some(RETRY_UNAVAILABLE),
                 )
             }
             Error::Unauthenticated => status(
@@ -262,7 +266,7 @@ mod tests {
                 Error::DeadlineExceeded("57014".into()),
                 Code::DeadlineExceeded,
                 reason::STATEMENT_TIMEOUT,
-                None,
+                Some(RETRY_UNAVAILABLE),
             ),
             (
                 Error::Unauthenticated,
