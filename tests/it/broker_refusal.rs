@@ -236,9 +236,9 @@ async fn other_topics_keep_their_pace_while_one_topic_is_refused() {
         "the broker refused at least 20 times during each drain: {refused:?}"
     );
     // Run one after the other on a quiet machine, the drain beside the refusals kept
-    // 92-106 % of the pace. Run at the same time on 2 saturated cores it keeps 81-83 %:
-    // the refusing relay settles its fast-failing lines in settles of their own, and
-    // those transactions take CPU from the other drain. The bar leaves room for that.
+    // 92-106 % of the pace. Run at the same time on 2 saturated cores it keeps 81-83 %,
+    // probably because the refusing relay settles its fast-failing lines in settles of
+    // their own, whose transactions take CPU from the other drain (not profiled). The bar leaves room for that.
     assert!(
         ratio >= 0.75,
         "other kept {:.0} % of its pace",
