@@ -1,7 +1,8 @@
 //! Inbox identities that hold beyond one log (issue 23, item 2): records without `ce_id`
 //! are still told apart after their topic is deleted and recreated or their cluster is
 //! replaced (offsets start at 0 again), and rows stored under the older place-only
-//! identity still drop redeliveries.
+//! identity still drop redeliveries; structured-mode CloudEvents are identified by
+//! their `source` and `id`.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
@@ -14,7 +15,7 @@ use mailroom::pb;
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::message::OwnedHeaders;
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use crate::support::*;
@@ -253,4 +254,133 @@ async fn rows_stored_under_the_place_alone_still_drop_a_redelivery_after_an_upgr
         );
         s.app.stop().await.unwrap();
     }
+}
+
+/// Writes one record to partition 0 of `topic` with `headers`.
+async fn send(p: &FutureProducer, topic: &str, value: &[u8], headers: &[(&str, &str)]) {
+    let mut h = OwnedHeaders::new();
+    for (k, v) in headers {
+        h = h.insert(Header {
+            key: k,
+            value: Some(v.as_bytes()),
+        });
+    }
+    let r = FutureRecord::<str, [u8]>::to(topic)
+        .partition(0)
+        .key("k")
+        .payload(value)
+        .headers(h);
+    p.send(r, Duration::from_secs(10)).await.unwrap();
+}
+
+/// A structured-mode CloudEvent, as Dapr writes one.
+fn structured_event(id: &str, source: &str, n: u32) -> Vec<u8> {
+    serde_json::json!({
+        "specversion": "1.0", "id": id, "source": source, "type": "order.created",
+        "datacontenttype": "application/json", "data": {"n": n},
+    })
+    .to_string()
+    .into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_cloud_events_are_deduplicated_by_source_and_id() {
+    let broker = Broker::start();
+    let handler = Keeper::default();
+    let url = serve_handler(handler.clone()).await;
+    let db = fresh_pg().await;
+    let mut c = config(&db);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(1));
+    c.subscriptions = vec![subscription("structured", &["structured"], &url)];
+    let s = Service::start(c).await;
+    let stats = s.app.inbox.intake_stats["structured"].clone();
+    let p = raw_producer(&broker.addr());
+    let ct = [(
+        "content-type",
+        "application/cloudevents+json; charset=utf-8",
+    )];
+    let first = structured_event("evt-1", "/dapr/orders", 1);
+    send(&p, "structured", &first, &ct).await;
+    // The same event again (a producer's retry), at another offset.
+    send(
+        &p,
+        "structured",
+        &structured_event("evt-1", "/dapr/orders", 1),
+        &ct,
+    )
+    .await;
+    send(&p, "structured", b"{not json", &ct).await;
+    send(
+        &p,
+        "structured",
+        br#"{"specversion":"1.0","source":"/dapr/orders"}"#,
+        &ct,
+    )
+    .await;
+    // The same id from another source is another event.
+    let other = structured_event("evt-1", "/dapr/billing", 2);
+    send(&p, "structured", &other, &ct).await;
+    // The same event in binary mode.
+    let binary = [("ce_id", "evt-1"), ("ce_source", "/dapr/orders")];
+    send(&p, "structured", b"binary twin", &binary).await;
+
+    let read = within(Duration::from_secs(60), || {
+        stats.received.load(Ordering::Relaxed) >= 6
+    })
+    .await;
+    assert!(read, "6 records read");
+    let want: BTreeSet<Vec<u8>> = [
+        first.clone(),
+        b"{not json".to_vec(),
+        br#"{"specversion":"1.0","source":"/dapr/orders"}"#.to_vec(),
+        other.clone(),
+    ]
+    .into();
+    let seen = || -> BTreeSet<Vec<u8>> { handler.calls().into_iter().map(|c| c.payload).collect() };
+    within(Duration::from_secs(15), || seen() == want).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        handler.calls().len(),
+        4,
+        "one event handled once, the malformed ones delivered: {:?}",
+        handler
+            .calls()
+            .iter()
+            .map(|c| &c.message_id)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(seen(), want);
+    assert_eq!(stats.duplicates.load(Ordering::Relaxed), 2);
+
+    let calls = handler.calls();
+    let event = calls.iter().find(|c| c.payload == first).unwrap();
+    assert_eq!(event.message_id, "ce:12:/dapr/orders:evt-1");
+    assert_eq!(event.r#type, "order.created");
+    for (k, v) in [
+        ("ce_id", "evt-1"),
+        ("ce_source", "/dapr/orders"),
+        ("ce_type", "order.created"),
+        ("ce_specversion", "1.0"),
+        ("ce_datacontenttype", "application/json"),
+        ("content-type", ct[0].1),
+    ] {
+        assert_eq!(event.headers.get(k).map(String::as_str), Some(v), "{k}");
+    }
+    let exact: Vec<&[u8]> = event.record_headers.iter().map(|h| &h.name[..]).collect();
+    assert_eq!(exact, [&b"content-type"[..]], "the record's own headers");
+    let billing = calls.iter().find(|c| c.payload == other).unwrap();
+    assert_eq!(billing.message_id, "ce:13:/dapr/billing:evt-1");
+    for bad in calls
+        .iter()
+        .filter(|c| c.payload != first && c.payload != other)
+    {
+        assert!(
+            bad.message_id.starts_with("kafka:structured:0:") && bad.message_id.contains('@'),
+            "a malformed event is identified by its place: {}",
+            bad.message_id
+        );
+        assert_eq!(bad.r#type, "");
+        assert!(!bad.headers.contains_key("ce_id"));
+    }
+    s.app.stop().await.unwrap();
 }
