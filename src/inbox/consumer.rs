@@ -235,7 +235,19 @@ pub async fn store_batch(
     places: &[Place],
     stats: &IntakeStats,
 ) -> Result<(), StoreError> {
-    let held = legacy::stored_untimed(store, subscription, messages, places).await?;
+    let held = match legacy::stored_untimed(store, subscription, messages, places).await {
+        Ok(held) => held,
+        // Never a reason to stall: at worst an old record is handled once more.
+        Err(StoreError::Refused(error)) => {
+            tracing::warn!(
+                subscription,
+                error,
+                "looking up place-only ids refused; skipped"
+            );
+            vec![None; messages.len()]
+        }
+        Err(e) => return Err(e),
+    };
     let known = held.iter().flatten().count();
     if known == 0 {
         return store_split(store, subscription, messages, places, stats).await;
