@@ -264,7 +264,8 @@ pub fn idempotency_scope(topic: &str, key: &str) -> String {
 #[derive(Debug, Clone, PartialEq)]
 pub struct InboundMessage {
     /// Deduplication identity, namespaced by origin (`src/inbox/identity.rs`):
-    /// `ce:…` (ce_source and ce_id), `kafka:topic:partition:offset`, or `rpc:<id>`.
+    /// `ce:…` (a CloudEvent's source and id, binary or structured mode),
+    /// `kafka:topic:partition:offset@timestamp`, or `rpc:<id>`.
     pub message_id: String,
     /// The message's topic.
     pub topic: String,

@@ -21,7 +21,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::SubscriptionConfig;
 use super::identity;
-use super::record::Record;
+use super::legacy;
+use super::record::{Place, Record};
+use super::structured::{self, StructuredEvent};
 use super::supervisor::panic_text;
 use crate::domain::InboundMessage;
 use crate::domain::Limits;
@@ -55,11 +57,29 @@ pub struct IntakeStats {
 }
 
 /// The dedup identity of a record (see [`identity`]): (`ce_source`, `ce_id`) when it
-/// has a `ce_id` header, else topic:partition:offset.
-pub fn message_id(r: &Record) -> String {
-    match r.header("ce_id") {
-        Some(id) => identity::cloud_event(r.header("ce_source").unwrap_or_default(), id),
-        None => identity::kafka(&r.topic, r.partition, r.offset),
+/// has a `ce_id` header, else (`source`, `id`) of its structured CloudEvent, else its
+/// place in the log and its timestamp.
+pub fn message_id(r: &Record, event: Option<&StructuredEvent>) -> String {
+    match (r.header("ce_id"), event) {
+        (Some(id), _) => identity::cloud_event(r.header("ce_source").unwrap_or_default(), id),
+        (None, Some(e)) => identity::cloud_event(e.source.as_bytes(), e.id.as_bytes()),
+        (None, None) => r.place().identity(),
+    }
+}
+
+/// The record's structured CloudEvent, unless it is a binary-mode one (a `ce_id` header
+/// decides, as it always has). One that cannot be read is delivered as a plain record.
+fn structured_event(r: &Record) -> Option<StructuredEvent> {
+    if r.header("ce_id").is_some() {
+        return None;
+    }
+    match structured::read(r)? {
+        Ok(e) => Some(e),
+        Err(why) => {
+            tracing::debug!(topic = %r.topic, partition = r.partition, offset = r.offset,
+                error = %why, "malformed structured CloudEvent: identified by its place");
+            None
+        }
     }
 }
 
@@ -67,8 +87,11 @@ pub fn message_id(r: &Record) -> String {
 /// them, or a payload over `max_payload_bytes`, make the message `failed` at once (the
 /// reason is its last error), with the key replaced by `sha256:<hex>` and the headers
 /// cut to the limits so that the row can always be stored. Headers the text map cannot
-/// hold exactly are kept as bytes too (`domain::headers`).
+/// hold exactly are kept as bytes too (`domain::headers`). A structured CloudEvent's
+/// attributes join the map as `ce_<name>` (binary mode's names), where no header of the
+/// record has that name and within the limits.
 pub fn inbound(m: &Record, max_attempts: u32, limits: &Limits) -> InboundMessage {
+    let event = structured_event(m);
     let mut problems = Vec::new();
     let mut headers = BTreeMap::new();
     let (mut count, mut bytes, mut kept_bytes, mut cut) = (0usize, 0usize, 0usize, 0usize);
@@ -94,7 +117,20 @@ pub fn inbound(m: &Record, max_attempts: u32, limits: &Limits) -> InboundMessage
     // mailroom's.
     headers.remove(headers::RECORD_HEADERS);
     headers.remove(headers::RECORD_KEY);
-    if !headers::map_is_exact(&m.headers) && raw_bytes <= limits.max_header_bytes {
+    let within = count <= limits.max_headers && bytes <= limits.max_header_bytes;
+    let mut shown = false;
+    for (k, v) in event.iter().flat_map(|e| &e.attributes).filter(|_| within) {
+        if !headers.contains_key(k)
+            && headers.len() < limits.max_headers
+            && kept_bytes + k.len() + v.len() <= limits.max_header_bytes
+        {
+            kept_bytes += k.len() + v.len();
+            headers.insert(k.clone(), v.clone());
+            shown = true;
+        }
+    }
+    // With attributes in the map, the map is no longer the record's headers: keep those.
+    if (shown || !headers::map_is_exact(&m.headers)) && raw_bytes <= limits.max_header_bytes {
         headers.insert(
             headers::RECORD_HEADERS.to_string(),
             headers::encode(&m.headers),
@@ -136,18 +172,22 @@ pub fn inbound(m: &Record, max_attempts: u32, limits: &Limits) -> InboundMessage
             limits.max_payload_bytes
         ));
     }
-    let event_type = m.header("ce_type").map(text).filter(|t| {
-        let ok = t.len() <= MAX_TYPE_BYTES;
-        if !ok {
-            problems.push(format!(
-                "ce_type is {} bytes: the limit is {MAX_TYPE_BYTES}",
-                t.len()
-            ));
-        }
-        ok
-    });
+    let event_type = m
+        .header("ce_type")
+        .map(text)
+        .or_else(|| event.as_ref().and_then(|e| e.event_type.clone()))
+        .filter(|t| {
+            let ok = t.len() <= MAX_TYPE_BYTES;
+            if !ok {
+                problems.push(format!(
+                    "ce_type is {} bytes: the limit is {MAX_TYPE_BYTES}",
+                    t.len()
+                ));
+            }
+            ok
+        });
     InboundMessage {
-        message_id: message_id(m),
+        message_id: message_id(m, event.as_ref()),
         topic: m.topic.clone(),
         key,
         payload: payload.to_vec(),
@@ -184,22 +224,54 @@ pub fn consumer_config(
     c
 }
 
-/// Where a record sits in the log.
-#[derive(Debug, Clone)]
-pub struct Place {
-    /// The topic.
-    pub topic: String,
-    /// The partition.
-    pub partition: i32,
-    /// The offset.
-    pub offset: i64,
+/// Stores a batch, but for records an older version stored under their place alone
+/// (`legacy`: duplicates). An unreachable database (any error but a refusal) is
+/// returned: the caller retries the whole batch, and records already stored come back
+/// as duplicates.
+pub async fn store_batch(
+    store: &dyn Store,
+    subscription: &str,
+    messages: &[InboundMessage],
+    places: &[Place],
+    stats: &IntakeStats,
+) -> Result<(), StoreError> {
+    let held = match legacy::stored_untimed(store, subscription, messages, places).await {
+        Ok(held) => held,
+        // Never a reason to stall: at worst an old record is handled once more.
+        Err(StoreError::Refused(error)) => {
+            tracing::warn!(
+                subscription,
+                error,
+                "looking up place-only ids refused; skipped"
+            );
+            vec![None; messages.len()]
+        }
+        Err(e) => return Err(e),
+    };
+    let known = held.iter().flatten().count();
+    if known == 0 {
+        return store_split(store, subscription, messages, places, stats).await;
+    }
+    let (rest, rest_places): (Vec<InboundMessage>, Vec<Place>) = messages
+        .iter()
+        .zip(places)
+        .zip(&held)
+        .filter(|(_, h)| h.is_none())
+        .map(|((m, p), _)| (m.clone(), p.clone()))
+        .unzip();
+    store_split(store, subscription, &rest, &rest_places, stats).await?;
+    tracing::debug!(
+        subscription,
+        known,
+        "records stored before under their place alone"
+    );
+    stats.duplicates.fetch_add(known as u64, Ordering::Relaxed);
+    Ok(())
 }
 
 /// Stores a batch, isolating records the database refuses: a refused batch is split in
-/// halves (in order) until the refused record is alone, which is then quarantined. An
-/// unreachable database (any error but a refusal) is returned: the caller retries the
-/// whole batch, and records already stored come back as duplicates.
-pub async fn store_batch(
+/// halves (in order) until the refused record is alone, which is then quarantined.
+async fn store_split(
     store: &dyn Store,
     subscription: &str,
     messages: &[InboundMessage],
@@ -278,7 +350,7 @@ async fn quarantine(
         ..m.clone()
     };
     let bare = InboundMessage {
-        message_id: identity::kafka(&place.topic, place.partition, place.offset),
+        message_id: place.identity(),
         payload: Vec::new(),
         failure: Some(format!(
             "{why}; stored without its content: read it at {}:{}:{}",
@@ -351,7 +423,7 @@ pub fn inbound_contained(
             tracing::error!(topic = %r.topic, partition = r.partition, offset = r.offset,
                 panic = %why, "reading this record panicked: stored as failed");
             InboundMessage {
-                message_id: identity::kafka(&r.topic, r.partition, r.offset),
+                message_id: r.place().identity(),
                 topic: r.topic.clone(),
                 key: None,
                 payload: Vec::new(),
@@ -410,14 +482,7 @@ pub async fn run(
             .iter()
             .map(|r| inbound_contained(r, sub.retry.max_attempts, &limits, &faults))
             .collect();
-        let places: Vec<Place> = batch
-            .iter()
-            .map(|r| Place {
-                topic: r.topic.clone(),
-                partition: r.partition,
-                offset: r.offset,
-            })
-            .collect();
+        let places: Vec<Place> = batch.iter().map(Record::place).collect();
         if !store_until_stored(&*store, &sub.name, &messages, &places, &stats, &shutdown).await {
             return;
         }
@@ -614,12 +679,85 @@ mod tests {
 
     #[test]
     fn the_identity_is_source_and_id_or_the_place_in_the_log() {
+        let id = |r: &Record| inbound(r, 3, &Limits::default()).message_id;
         let a = record(b"k", &[("ce_id", b"1"), ("ce_source", b"billing")]);
         let b = record(b"k", &[("ce_id", b"1"), ("ce_source", b"mailroom/x")]);
-        let c = record(b"k", &[]);
-        assert_eq!(message_id(&a), "ce:7:billing:1");
-        assert_ne!(message_id(&a), message_id(&b));
-        assert_eq!(message_id(&c), "kafka:t:0:7");
+        let mut c = record(b"k", &[]);
+        assert_eq!(id(&a), "ce:7:billing:1");
+        assert_ne!(id(&a), id(&b));
+        assert_eq!(id(&c), "kafka:t:0:7", "no timestamp: the place alone");
+        c.timestamp_ms = Some(1_764_600_000_123);
+        assert_eq!(id(&c), "kafka:t:0:7@1764600000123");
+    }
+
+    const STRUCTURED: &[u8] = br#"{"specversion":"1.0","id":"1","source":"billing",
+        "type":"invoice.paid","data":{"n":1}}"#;
+
+    fn structured(headers: &[(&str, &[u8])], value: &[u8]) -> Record {
+        let mut r = record(b"k", headers);
+        r.payload = Some(value.to_vec());
+        r.timestamp_ms = Some(42);
+        r
+    }
+
+    #[test]
+    fn a_structured_cloud_event_is_identified_as_its_binary_twin() {
+        let ct: (&str, &[u8]) = (
+            "content-type",
+            b"application/cloudevents+json; charset=utf-8",
+        );
+        let binary = record(b"k", &[("ce_id", b"1"), ("ce_source", b"billing")]);
+        let twin = inbound(&structured(&[ct], STRUCTURED), 3, &Limits::default());
+        assert_eq!(
+            twin.message_id,
+            inbound(&binary, 3, &Limits::default()).message_id
+        );
+        assert_eq!(twin.event_type.as_deref(), Some("invoice.paid"));
+        assert_eq!(twin.payload, STRUCTURED, "the value as it came");
+        // A ce_id header decides, as before: the value is not read.
+        let both = structured(&[ct, ("ce_id", b"h"), ("ce_source", b"s")], STRUCTURED);
+        assert_eq!(inbound(&both, 3, &Limits::default()).message_id, "ce:1:s:h");
+        // Malformed: delivered, identified by its place.
+        for bad in [&b"{not json"[..], br#"{"source":"billing"}"#, b""] {
+            let m = inbound(&structured(&[ct], bad), 3, &Limits::default());
+            assert_eq!(m.message_id, "kafka:t:0:7@42");
+            assert_eq!((m.failure, m.event_type), (None, None));
+        }
+    }
+
+    #[test]
+    fn structured_attributes_join_the_map_and_the_record_headers_stay_exact() {
+        let ct: (&str, &[u8]) = ("content-type", b"application/cloudevents+json");
+        let r = structured(&[ct, ("ce_type", b"own")], STRUCTURED);
+        let m = inbound(&r, 3, &Limits::default());
+        let view = headers::for_handler(&m.headers, m.key.as_deref());
+        let shown: Vec<(&str, &str)> = view
+            .map
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                ("ce_id", "1"),
+                ("ce_source", "billing"),
+                ("ce_specversion", "1.0"),
+                ("ce_type", "own"),
+                ("content-type", "application/cloudevents+json"),
+            ],
+            "the attributes as binary mode names them; a header of the record wins"
+        );
+        assert_eq!(view.exact, r.headers, "record_headers: the record's own");
+        assert_eq!(m.event_type.as_deref(), Some("own"));
+        // No room left: the attributes are left out (they are in the payload), nothing fails.
+        let tight = Limits {
+            max_headers: 2,
+            ..Limits::default()
+        };
+        let m = inbound(&r, 3, &tight);
+        assert_eq!(m.failure, None);
+        assert!(!m.headers.contains_key("ce_id"));
+        assert_eq!(m.message_id, "ce:7:billing:1");
     }
 
     #[test]

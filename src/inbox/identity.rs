@@ -7,7 +7,13 @@
 //!   `ce_source` has an empty one (`ce:0::<id>`).
 //! - `ce-x:<n>:<hex source>:<hex id>` — the same for a source or id that is not UTF-8
 //!   text or holds NUL characters (bytes are kept exactly: two different ids never merge).
-//! - `kafka:<topic>:<partition>:<offset>` — a record without `ce_id`.
+//! - `kafka:<topic>:<partition>:<offset>@<timestamp ms>` — a record without `ce_id`: its
+//!   place in the log and its timestamp. The place alone repeats when the topic is
+//!   deleted and recreated or the cluster replaced (offsets start at 0 again); the
+//!   timestamp travels with the record, so a redelivery keeps it and a new log's record
+//!   at the same place almost never shares it. A record without a timestamp (message
+//!   format v0) is `kafka:<topic>:<partition>:<offset>`, the form every place identity
+//!   had before (`inbox::legacy`).
 //! - `rpc:<message_id>` — `InboxService.Receive`.
 //! - `<namespace>-h:<sha256 hex>` — any of them longer than [`MAX_ID_BYTES`]: the hash of
 //!   the raw source and id, so an id of any size is deduplicated and fits the index.
@@ -62,8 +68,20 @@ pub fn cloud_event(source: &[u8], id: &[u8]) -> String {
     }
 }
 
-/// The identity of a record without `ce_id`: its place in the log.
-pub fn kafka(topic: &str, partition: i32, offset: i64) -> String {
+/// The identity of a record without `ce_id`: its place in the log and its timestamp
+/// (ms since the epoch), when it has one.
+pub fn kafka(topic: &str, partition: i32, offset: i64, timestamp_ms: Option<i64>) -> String {
+    let place = kafka_untimed(topic, partition, offset);
+    match timestamp_ms {
+        Some(ms) => format!("{place}@{ms}"),
+        None => place,
+    }
+}
+
+/// The identity of a place in the log alone: a record without a timestamp, and every
+/// record without `ce_id` stored before timestamps joined the identity. Kafka topic
+/// names hold neither `:` nor `@`, so the two forms never meet.
+pub fn kafka_untimed(topic: &str, partition: i32, offset: i64) -> String {
     format!("kafka:{topic}:{partition}:{offset}")
 }
 
@@ -94,8 +112,21 @@ mod tests {
         // The length prefix: a source holding ':' cannot imitate another split.
         assert_ne!(cloud_event(b"a:b", b"c"), cloud_event(b"a", b"b:c"));
         assert_ne!(rpc("1"), cloud_event(b"", b"1"));
-        assert_ne!(rpc("t:0:1"), kafka("t", 0, 1));
+        assert_ne!(rpc("t:0:1"), kafka_untimed("t", 0, 1));
         assert_eq!(a, cloud_event(b"mailroom/one", b"1"), "deterministic");
+    }
+
+    #[test]
+    fn a_place_in_the_log_is_told_apart_by_its_timestamp() {
+        let first = kafka("orders", 0, 17, Some(1_764_600_000_123));
+        assert_eq!(first, "kafka:orders:0:17@1764600000123");
+        assert_eq!(first, kafka("orders", 0, 17, Some(1_764_600_000_123)));
+        // The same place in a recreated log, a millisecond later.
+        assert_ne!(first, kafka("orders", 0, 17, Some(1_764_600_000_124)));
+        assert_ne!(first, kafka("orders", 1, 17, Some(1_764_600_000_123)));
+        assert_eq!(kafka("orders", 0, 17, None), kafka_untimed("orders", 0, 17));
+        assert_eq!(kafka_untimed("orders", 0, 17), "kafka:orders:0:17");
+        assert_ne!(first, kafka_untimed("orders", 0, 17));
     }
 
     #[test]

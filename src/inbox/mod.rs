@@ -5,8 +5,10 @@
 pub mod consumer;
 pub mod handler;
 pub mod identity;
+mod legacy;
 mod receive;
 pub mod record;
+pub mod structured;
 pub mod supervisor;
 
 pub use receive::{Inbox, Received};

@@ -16,6 +16,7 @@ use rdkafka::Message;
 use rdkafka::bindings as rd;
 use rdkafka::message::BorrowedMessage;
 
+use super::identity;
 use crate::domain::headers::RecordHeader;
 
 /// A record as the inbox stores it: its place in the log and its bytes.
@@ -51,6 +52,16 @@ impl Record {
         }
     }
 
+    /// Where the record sits in the log, and when it was written there.
+    pub fn place(&self) -> Place {
+        Place {
+            topic: self.topic.clone(),
+            partition: self.partition,
+            offset: self.offset,
+            timestamp_ms: self.timestamp_ms,
+        }
+    }
+
     /// The value of the last header named `name` (Kafka lets names repeat).
     pub fn header(&self, name: &str) -> Option<&[u8]> {
         self.headers
@@ -58,6 +69,27 @@ impl Record {
             .rev()
             .find(|h| h.name == name.as_bytes())
             .and_then(|h| h.value.as_deref())
+    }
+}
+
+/// Where a record sits in the log, with its timestamp: its identity when it has no
+/// other (`identity::kafka`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    /// The topic.
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+    /// The offset.
+    pub offset: i64,
+    /// The record's timestamp in ms since the epoch, when it has one.
+    pub timestamp_ms: Option<i64>,
+}
+
+impl Place {
+    /// The record's identity by its place in the log (and its timestamp).
+    pub fn identity(&self) -> String {
+        identity::kafka(&self.topic, self.partition, self.offset, self.timestamp_ms)
     }
 }
 

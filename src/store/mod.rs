@@ -42,6 +42,17 @@ pub enum Admission {
     Conflict,
 }
 
+/// An inbox row found by its message id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldId {
+    /// The message id.
+    pub message_id: String,
+    /// The row holding it.
+    pub id: EventId,
+    /// When the row was stored.
+    pub created_at: DateTime<Utc>,
+}
+
 /// The identity of an ordered line: one (topic, key).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LineKey {
@@ -359,6 +370,13 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
         subscription: &str,
         messages: &[InboundMessage],
     ) -> StoreResult<Vec<Admission>>;
+
+    /// The rows of `subscription`'s inbox that hold any of `message_ids`.
+    async fn held_ids(
+        &self,
+        subscription: &str,
+        message_ids: &[String],
+    ) -> StoreResult<Vec<HeldId>>;
 
     /// Leases ready keys, reads their lines and claims due unkeyed events of `box_kind`.
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim>;

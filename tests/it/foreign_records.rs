@@ -5,7 +5,6 @@
 //! still goes wrong in a consumer task is contained: the record is stored `failed`, the
 //! task is started again, and a task that keeps dying shows in readiness and metrics.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -13,8 +12,6 @@ use base64::engine::general_purpose::STANDARD;
 use mailroom::domain::admin::EventsQuery;
 use mailroom::domain::{BoxKind, Status};
 use mailroom::inbox::consumer::{ConsumerFaults, TASK_PANICS};
-use mailroom::pb;
-use mailroom::pb::handle_response::Outcome;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
@@ -23,31 +20,6 @@ use crate::support::*;
 
 const SERVING: i32 = 1;
 const NOT_SERVING: i32 = 2;
-
-/// A subscriber that keeps every request whole and handles it.
-#[derive(Clone, Default)]
-struct Keeper {
-    calls: Arc<Mutex<Vec<pb::HandleRequest>>>,
-}
-
-impl Keeper {
-    fn calls(&self) -> Vec<pb::HandleRequest> {
-        self.calls.lock().unwrap().clone()
-    }
-}
-
-#[tonic::async_trait]
-impl pb::handler_service_server::HandlerService for Keeper {
-    async fn handle(
-        &self,
-        r: tonic::Request<pb::HandleRequest>,
-    ) -> Result<tonic::Response<pb::HandleResponse>, tonic::Status> {
-        self.calls.lock().unwrap().push(r.into_inner());
-        Ok(tonic::Response::new(pb::HandleResponse {
-            outcome: Some(Outcome::Success(pb::HandleSuccess {})),
-        }))
-    }
-}
 
 /// Writes records with raw header bytes through kafka-python (tests/python/raw_records.py).
 fn produce_raw(brokers: &str, topic: &str, records: serde_json::Value) {

@@ -1006,7 +1006,7 @@ async fn existing_inbox_rows_migrate_to_namespaced_ids() {
         };
         let expected = [
             (identity::cloud_event(b"mailroom", b"42"), "orders"),
-            (identity::kafka("orders", 0, 17), "orders"),
+            (identity::kafka_untimed("orders", 0, 17), "orders"),
             (identity::rpc("wh-1"), "direct"),
             (long, "orders"),
         ];

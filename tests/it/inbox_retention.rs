@@ -26,23 +26,6 @@ impl Script for Accept {
     }
 }
 
-async fn exec(url: &str, sql: &str) {
-    use sqlx::Connection;
-    if url.starts_with("postgres") {
-        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_string()))
-            .execute(&mut c)
-            .await
-            .unwrap();
-    } else {
-        let mut c = sqlx::SqliteConnection::connect(url).await.unwrap();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_string()))
-            .execute(&mut c)
-            .await
-            .unwrap();
-    }
-}
-
 #[tokio::test]
 async fn inbox_retention_purges_old_rows_and_keeps_the_dedup_window() {
     for engine in &ENGINES {

@@ -22,6 +22,7 @@ mod foreign_records;
 mod handler_failures;
 mod hostile;
 mod inbox;
+mod inbox_identity;
 mod inbox_retention;
 mod metrics;
 mod otlp;

@@ -27,8 +27,8 @@ use sqlx::{AssertSqlSafe, Row};
 use self::sql::Sql;
 use super::rows::{Cols, decode_event};
 use super::{
-    Admission, Claim, ClaimLimits, LineKey, Renewal, SettleReport, Settlement, Store, StoreError,
-    StoreResult,
+    Admission, Claim, ClaimLimits, HeldId, LineKey, Renewal, SettleReport, Settlement, Store,
+    StoreError, StoreResult,
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
@@ -274,6 +274,26 @@ impl Store for PgStore {
         messages: &[InboundMessage],
     ) -> StoreResult<Vec<Admission>> {
         retry_aborted(|| self.receive_once(subscription, messages)).await
+    }
+
+    async fn held_ids(&self, subscription: &str, ids: &[String]) -> StoreResult<Vec<HeldId>> {
+        let rows = sqlx::query(
+            "SELECT message_id, id, created_at FROM inbox_events
+             WHERE subscription = $1 AND message_id = ANY($2)",
+        )
+        .bind(subscription)
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(HeldId {
+                    message_id: r.try_get(0)?,
+                    id: r.try_get(1)?,
+                    created_at: r.try_get(2)?,
+                })
+            })
+            .collect()
     }
 
     async fn settle(&self, settlement: Settlement<'_>) -> StoreResult<SettleReport> {

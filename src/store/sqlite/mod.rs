@@ -22,8 +22,8 @@ use sqlx::{AssertSqlSafe, Row};
 
 use super::rows::{Cols, decode_event, in_due_order};
 use super::{
-    Admission, Claim, ClaimLimits, Due, KeyWindow, LineKey, Renewal, SettleReport, Settlement,
-    Store, StoreError, StoreResult, fit_in_budget,
+    Admission, Claim, ClaimLimits, Due, HeldId, KeyWindow, LineKey, Renewal, SettleReport,
+    Settlement, Store, StoreError, StoreResult, fit_in_budget,
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
@@ -152,6 +152,27 @@ impl Store for SqliteStore {
 
     async fn receive(&self, sub: &str, msgs: &[InboundMessage]) -> StoreResult<Vec<Admission>> {
         self.insert_messages(sub, msgs).await
+    }
+
+    async fn held_ids(&self, subscription: &str, ids: &[String]) -> StoreResult<Vec<HeldId>> {
+        let list = serde_json::to_string(ids).map_err(|e| StoreError::Other(e.to_string()))?;
+        let rows = sqlx::query(
+            "SELECT message_id, id, created_at FROM inbox_events
+             WHERE subscription = ?1 AND message_id IN (SELECT value FROM json_each(?2))",
+        )
+        .bind(subscription)
+        .bind(list)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(HeldId {
+                    message_id: r.try_get(0)?,
+                    id: r.try_get(1)?,
+                    created_at: from_micros(r.try_get(2)?),
+                })
+            })
+            .collect()
     }
 
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {

@@ -85,6 +85,32 @@ impl<S: Script> pb::handler_service_server::HandlerService for Recorder<S> {
     }
 }
 
+/// A subscriber that keeps every request whole and handles it.
+#[derive(Clone, Default)]
+pub struct Keeper {
+    calls: Arc<Mutex<Vec<pb::HandleRequest>>>,
+}
+
+impl Keeper {
+    /// The requests so far, in the order they arrived.
+    pub fn calls(&self) -> Vec<pb::HandleRequest> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+#[tonic::async_trait]
+impl pb::handler_service_server::HandlerService for Keeper {
+    async fn handle(
+        &self,
+        r: tonic::Request<pb::HandleRequest>,
+    ) -> Result<tonic::Response<pb::HandleResponse>, tonic::Status> {
+        self.calls.lock().unwrap().push(r.into_inner());
+        Ok(tonic::Response::new(pb::HandleResponse {
+            outcome: Some(Outcome::Success(pb::HandleSuccess {})),
+        }))
+    }
+}
+
 /// A client of the service's `InboxService`.
 pub async fn inbox_client(s: &super::Service) -> InboxServiceClient<Channel> {
     InboxServiceClient::new(super::channel(s.app.addr).await)

@@ -595,6 +595,24 @@ pub fn raw_producer(brokers: &str) -> rdkafka::producer::FutureProducer {
         .unwrap()
 }
 
+/// Runs `sql` (one or more statements) on the database at `url` (PostgreSQL or SQLite).
+pub async fn exec(url: &str, sql: &str) {
+    use sqlx::Connection;
+    if url.starts_with("postgres") {
+        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_string()))
+            .execute(&mut c)
+            .await
+            .unwrap();
+    } else {
+        let mut c = sqlx::SqliteConnection::connect(url).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_string()))
+            .execute(&mut c)
+            .await
+            .unwrap();
+    }
+}
+
 /// One `count(*)`-like scalar from the database at `url` (PostgreSQL or SQLite).
 pub async fn count_rows(url: &str, sql: &str) -> i64 {
     use sqlx::Connection;
