@@ -16,6 +16,7 @@ use crate::domain::admin::{
 };
 use crate::domain::{BoxKind, EventId};
 use crate::error::Error;
+use crate::schema::SchemaGate;
 use crate::store::Store;
 
 /// An opaque page token for any cursor.
@@ -40,6 +41,8 @@ pub struct Admin {
     store: Arc<dyn Store>,
     /// How long to keep waking a leased key: at most one relay lease.
     wake_for: Duration,
+    /// Writes only while the database's schema allows this binary (`crate::schema`).
+    schema: Option<SchemaGate>,
 }
 
 impl Admin {
@@ -49,6 +52,23 @@ impl Admin {
         Admin {
             store,
             wake_for: relay_lease + Duration::from_secs(5),
+            schema: None,
+        }
+    }
+
+    /// Refuses writes (`SchemaIncompatible`) while `gate` says this binary does not
+    /// know the database's schema: an older requeue or cancel could break what a newer
+    /// migration keeps (e.g. put an event below a key's cursor, 0011).
+    pub fn with_schema(mut self, gate: SchemaGate) -> Self {
+        self.schema = Some(gate);
+        self
+    }
+
+    /// Reads the schema's verdict afresh before a write (writes are rare).
+    async fn may_write(&self) -> Result<(), Error> {
+        match &self.schema {
+            Some(gate) => gate.permit().await,
+            None => Ok(()),
         }
     }
 
@@ -65,6 +85,7 @@ impl Admin {
     /// Puts failed events back in line (see `AdminStore::requeue_failed`), then wakes the
     /// keys a relay held meanwhile once it lets go.
     pub async fn requeue(&self, b: BoxKind, r: &RequeueRequest) -> Result<RequeueOutcome, Error> {
+        self.may_write().await?;
         let out = self.store.requeue_failed(b, r).await?;
         self.wake_later(b, out.leased_keys.clone());
         Ok(out)
@@ -73,6 +94,7 @@ impl Admin {
     /// Fails pending events with the operator's reason (see `AdminStore::cancel_events`), then
     /// wakes the keys a relay held meanwhile once it lets go.
     pub async fn cancel(&self, b: BoxKind, r: &CancelRequest) -> Result<CancelOutcome, Error> {
+        self.may_write().await?;
         let out = self.store.cancel_events(b, r).await?;
         self.wake_later(b, out.leased_keys.clone());
         Ok(out)

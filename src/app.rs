@@ -23,6 +23,7 @@ use crate::intake::{Intake, Wakeup};
 use crate::metrics::Metrics;
 use crate::pb;
 use crate::relay::{Relay, RelayStats};
+use crate::schema::SchemaGate;
 use crate::sink::Sink;
 use crate::sink::SinkConfig;
 use crate::sink::fault::FaultySink;
@@ -230,6 +231,11 @@ impl App {
         shutdown: CancellationToken,
     ) -> anyhow::Result<App> {
         let store = open_store(&config).await?;
+        // The verdict at start-up, logged once; every part that changes rows asks it.
+        let schema = SchemaGate::new(store.clone());
+        if let Err(e) = schema.read().await {
+            tracing::warn!(error = %e, "reading the database's schema version failed");
+        }
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .with_context(|| format!("binding {}", config.listen))?;
@@ -248,7 +254,8 @@ impl App {
         let (cycle_latency, publish_latency) = Default::default();
         for _ in 0..config.relays {
             let relay = Relay::new(store.clone(), sink.clone(), Queue::Outbox, config.relay)
-                .with_latency(&cycle_latency, &publish_latency);
+                .with_latency(&cycle_latency, &publish_latency)
+                .with_schema(schema.clone());
             wakeup.register(relay.waker());
             relay_stats.push(relay.stats());
             tasks.push(tokio::spawn(relay.run(background.clone())));
@@ -286,7 +293,7 @@ impl App {
             faults: config.inbox_faults.clone(),
         };
         let (inbox_handles, inbox_tasks) =
-            crate::inbox::start(store.clone(), &inbox_config, background.clone())?;
+            crate::inbox::start(store.clone(), &inbox_config, &schema, background.clone())?;
         tasks.extend(inbox_tasks);
         let checks = crate::health::Checks {
             store: store.clone(),
@@ -295,6 +302,7 @@ impl App {
             max_broker_down: config.ready_max_broker_down,
             max_lag: config.ready_max_lag,
             interval: config.health_interval,
+            schema: schema.clone(),
         };
         tasks.push(tokio::spawn(
             health.clone().monitor(checks, background.clone()),
@@ -325,6 +333,7 @@ impl App {
             store.clone(),
             config.retention,
             Some(metrics.clone()),
+            schema.clone(),
             background.clone(),
         )));
         let auth = Auth::new(
@@ -343,7 +352,7 @@ impl App {
             let (l, addr) = bind(listen, "console").await?;
             console_addr = Some(addr);
             let console = crate::console::Console::new(crate::console::ConsoleParts {
-                admin: Admin::new(store.clone(), config.relay.lease),
+                admin: Admin::new(store.clone(), config.relay.lease).with_schema(schema.clone()),
                 auth: auth.clone(),
                 read_only: config.console_read_only,
                 subscriptions: config
@@ -382,7 +391,7 @@ impl App {
             config.max_batch_bytes,
         );
         let admin = pb::admin_service_server::AdminServiceServer::new(
-            AdminApi::new(Admin::new(store.clone(), config.relay.lease))
+            AdminApi::new(Admin::new(store.clone(), config.relay.lease).with_schema(schema))
                 .with_metrics(metrics.clone()),
         );
 

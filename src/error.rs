@@ -43,6 +43,20 @@ pub enum Error {
     /// needs (`FAILED_PRECONDITION`).
     #[error("failed precondition: {0}")]
     FailedPrecondition(String),
+    /// The database's schema requires a binary that knows a newer schema than this one
+    /// (`FAILED_PRECONDITION`, reason `SCHEMA_INCOMPATIBLE`): a newer release migrated
+    /// it, so this binary does not act on it (`schema`).
+    #[error(
+        "the database is at schema version {database} and requires a binary that knows schema {required} or later; this binary knows schema {binary}: nothing was changed"
+    )]
+    SchemaIncompatible {
+        /// The highest schema this binary knows.
+        binary: i64,
+        /// The database's highest applied migration.
+        database: i64,
+        /// The lowest schema the database accepts.
+        required: i64,
+    },
     /// The queue in front of the database is full: the caller should back off.
     #[error("overloaded: {0}")]
     Overloaded(String),

@@ -2,8 +2,8 @@
 //! by a background check of the database (and, optionally, of the broker). SERVING while
 //! the database answers, NOT_SERVING while it does not, while the broker has been
 //! unreachable longer than `ready_max_broker_down_ms`, or the oldest pending event is older
-//! than `ready_max_lag_ms` (each when set), and from the moment
-//! shutdown begins. The `liveness` service stays SERVING while the process runs.
+//! than `ready_max_lag_ms` (each when set), while the database's schema is one this
+//! binary must not act on (`crate::schema`), and from the moment shutdown begins. The `liveness` service stays SERVING while the process runs.
 //! `mailroom.v1.InboxService` and `inbox/<subscription>` are also NOT_SERVING while a
 //! subscription's tasks keep dying (`inbox::supervisor`).
 
@@ -18,6 +18,7 @@ use tonic_health::server::HealthReporter;
 use crate::domain::BoxKind;
 use crate::inbox::supervisor::TaskHealth;
 use crate::relay::RelayStats;
+use crate::schema::SchemaGate;
 use crate::store::Store;
 
 /// Services whose status follows the database.
@@ -72,6 +73,8 @@ pub struct Checks {
     pub max_lag: Option<Duration>,
     /// How often to check.
     pub interval: Duration,
+    /// Readiness drops while the database's schema is one this binary must not act on.
+    pub schema: SchemaGate,
 }
 
 /// The `grpc.health.v1` statuses of every service.
@@ -112,6 +115,7 @@ impl Health {
             max_broker_down,
             max_lag,
             interval,
+            schema,
         } = checks;
         let mut serving = true;
         // What each service was last set to (set_all at start-up made them SERVING).
@@ -142,7 +146,9 @@ impl Health {
                 (Some(max), Some(down)) => down <= max,
                 _ => true,
             };
-            let ok = db_ok && broker_ok && lag_ok;
+            // Cached (re-read every `schema::REFRESH`); the gate logs a change itself.
+            let schema_ok = schema.allows().await;
+            let ok = db_ok && broker_ok && lag_ok && schema_ok;
             if shutdown.is_cancelled() {
                 break;
             }
@@ -156,6 +162,7 @@ impl Health {
                         destination_down_ms = broker_down_for
                             .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
                         lag_ok,
+                        schema_ok,
                         "not ready: NOT_SERVING"
                     );
                 }

@@ -57,6 +57,7 @@ pub mod metrics;
 pub mod pb;
 pub mod relay;
 pub mod retention;
+pub mod schema;
 pub mod secret;
 pub mod sink;
 pub mod store;

@@ -68,6 +68,15 @@ struct AdminCli {
     args: mailroom::cli::AdminArgs,
 }
 
+/// `mailroom migrate`: applies this binary's migrations and logs the verdict on the
+/// schema (a database a newer release migrated is left as it is).
+async fn migrate(config: &Config) -> anyhow::Result<()> {
+    let store = open_store(config).await?;
+    tracing::info!("migrations applied");
+    mailroom::schema::SchemaGate::new(store).read().await?;
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
@@ -124,9 +133,7 @@ async fn main() -> ExitCode {
                 migrate: true,
                 ..config
             };
-            open_store(&config)
-                .await
-                .map(|_| tracing::info!("migrations applied"))
+            migrate(&config).await
         }
     };
     telemetry.shutdown();

@@ -22,6 +22,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::schema::SchemaGate;
 use crate::store::retention::Finished;
 use crate::store::{Store, StoreResult};
 
@@ -134,11 +135,14 @@ pub async fn run_round(
     Ok(r)
 }
 
-/// Runs rounds every `config.interval` until `shutdown`.
+/// Runs rounds every `config.interval` until `shutdown`. A round runs only when `schema`
+/// (read afresh each round) allows this binary: an older binary's deletes could break
+/// what a newer migration keeps (e.g. prune key rows whose cursor covers retained rows).
 pub async fn run(
     store: Arc<dyn Store>,
     config: RetentionConfig,
     metrics: Option<Metrics>,
+    schema: SchemaGate,
     shutdown: CancellationToken,
 ) {
     let Some(interval) = config.interval else {
@@ -148,6 +152,15 @@ pub async fn run(
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = tokio::time::sleep(interval) => {}
+        }
+        // The gate logs a refusal once; a read error is the round's failure.
+        match schema.permit().await {
+            Ok(()) => {}
+            Err(crate::error::Error::SchemaIncompatible { .. }) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "retention round failed; retrying next round");
+                continue;
+            }
         }
         match run_round(store.as_ref(), &config, &shutdown).await {
             Ok(r) => {

@@ -29,6 +29,10 @@ pub mod reason {
     /// The request does not fit the current state (e.g. events not in the state the
     /// action needs).
     pub const FAILED_PRECONDITION: &str = "FAILED_PRECONDITION";
+    /// The database was migrated by a newer release whose schema this binary does not
+    /// support; the metadata names `binary_schema`, `database_schema` and
+    /// `required_schema`. Another replica (of the newer release) can serve the call.
+    pub const SCHEMA_INCOMPATIBLE: &str = "SCHEMA_INCOMPATIBLE";
     /// The intake queue in front of the database is full.
     pub const INTAKE_FULL: &str = "INTAKE_FULL";
     /// Too many requests in flight in the server (`MAILROOM_MAX_CONCURRENT_RPCS`).
@@ -155,6 +159,25 @@ fn status_of(e: Error) -> Status {
                 none(),
                 None,
             ),
+            Error::SchemaIncompatible {
+                binary,
+                database,
+                required,
+            } => {
+                let message = e_schema(binary, database, required);
+                let metadata = HashMap::from([
+                    ("binary_schema".to_string(), binary.to_string()),
+                    ("database_schema".to_string(), database.to_string()),
+                    ("required_schema".to_string(), required.to_string()),
+                ]);
+                status(
+                    Code::FailedPrecondition,
+                    message,
+                    reason::SCHEMA_INCOMPATIBLE,
+                    metadata,
+                    None,
+                )
+            }
             Error::Overloaded(m) => status(
                 Code::ResourceExhausted,
                 m,
@@ -219,6 +242,16 @@ fn status_of(e: Error) -> Status {
     }
 }
 
+/// The message of `Error::SchemaIncompatible`, which names both versions.
+fn e_schema(binary: i64, database: i64, required: i64) -> String {
+    Error::SchemaIncompatible {
+        binary,
+        database,
+        required,
+    }
+    .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,6 +281,16 @@ mod tests {
                 Error::NotFound("x".into()),
                 Code::NotFound,
                 reason::NOT_FOUND,
+                None,
+            ),
+            (
+                Error::SchemaIncompatible {
+                    binary: 14,
+                    database: 15,
+                    required: 15,
+                },
+                Code::FailedPrecondition,
+                reason::SCHEMA_INCOMPATIBLE,
                 None,
             ),
             (

@@ -26,6 +26,7 @@ use crate::domain::Limits;
 use crate::domain::Queue;
 use crate::relay::backoff::RetryPolicy;
 use crate::relay::{Relay, RelayConfig, RelayStats};
+use crate::schema::SchemaGate;
 use crate::secret::Secret;
 use crate::sink::SinkConfig;
 use crate::store::Store;
@@ -103,6 +104,7 @@ pub struct InboxConfig {
 pub fn start(
     store: Arc<dyn Store>,
     config: &InboxConfig,
+    schema: &SchemaGate,
     shutdown: CancellationToken,
 ) -> anyhow::Result<(InboxHandles, Vec<JoinHandle<()>>)> {
     let mut wakers = HashMap::new();
@@ -131,7 +133,8 @@ pub fn start(
                 subscription: sub.name.clone(),
             },
             relay_config,
-        );
+        )
+        .with_schema(schema.clone());
         wakers.insert(sub.name.clone(), relay.waker());
         dispatch_stats.insert(sub.name.clone(), relay.stats());
         let stats = Arc::new(consumer::IntakeStats::default());

@@ -28,6 +28,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::domain::{EventId, Queue};
+use crate::schema::SchemaGate;
 use crate::sink::{Delivery, Sink};
 use crate::store::{
     Claim, ClaimLimits, KeyRelease, LineKey, Readiness, Renewal, Settlement, Store, StoreError,
@@ -107,6 +108,8 @@ struct Shared {
     domains: Mutex<Domains>,
     /// Signalled when a cycle settled something: the relay may claim again.
     progress: Notify,
+    /// Claims only while the database's schema allows this binary (`crate::schema`).
+    schema: Option<SchemaGate>,
 }
 
 impl Relay {
@@ -126,6 +129,7 @@ impl Relay {
                 stats: Arc::new(RelayStats::default()),
                 domains: Mutex::new(Domains::new(config.probe_min, config.probe_max)),
                 progress: Notify::new(),
+                schema: None,
             }),
             wake: Arc::new(Notify::new()),
         }
@@ -138,6 +142,14 @@ impl Relay {
         let stats = Arc::get_mut(&mut shared.stats).expect("with_latency before stats() is taken");
         stats.cycle_latency = cycle.clone();
         stats.publish_latency = publish.clone();
+        self
+    }
+
+    /// Claims only while `gate` allows this binary on the database's schema. Call before
+    /// the relay runs.
+    pub fn with_schema(mut self, gate: SchemaGate) -> Self {
+        let shared = Arc::get_mut(&mut self.shared).expect("with_schema before the relay runs");
+        shared.schema = Some(gate);
         self
     }
 
@@ -185,7 +197,7 @@ impl Relay {
                 want = false;
                 pause = config.poll_interval;
                 let token: i64 = rand::rng().random();
-                match shared.claim(token).await {
+                match shared.claim_if_allowed(token).await {
                     Ok(claim) if claim.keyed.is_empty() && claim.unkeyed.is_empty() => {
                         db_backoff.succeeded();
                     }
@@ -276,6 +288,20 @@ impl Shared {
 
     async fn claim(&self, token: i64) -> Result<Claim, StoreError> {
         self.store.claim(&self.queue, token, self.limits()).await
+    }
+
+    /// A claim, or an empty one while the schema gate says no (the gate logs that once;
+    /// the relay looks again after its poll interval).
+    async fn claim_if_allowed(&self, token: i64) -> Result<Claim, StoreError> {
+        match &self.schema {
+            Some(gate) if !gate.allows().await => Ok(Claim {
+                token,
+                now: chrono::Utc::now(),
+                keyed: Vec::new(),
+                unkeyed: Vec::new(),
+            }),
+            _ => self.claim(token).await,
+        }
     }
 
     /// Plans a claim, delivers its lines and settles each as it finishes.

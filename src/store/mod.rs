@@ -19,6 +19,7 @@ mod error;
 pub mod postgres;
 pub mod retention;
 mod rows;
+pub mod schema;
 mod shape;
 pub mod sqlite;
 
@@ -348,8 +349,15 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
     /// The engine's name, for logs and health ("postgres", "sqlite").
     fn engine(&self) -> &'static str;
 
-    /// Applies pending migrations.
+    /// Applies the binary's pending migrations; migrations it does not know (applied by a
+    /// newer binary) are left for `schema::decide` to judge, not refused.
     async fn migrate(&self) -> StoreResult<()>;
+
+    /// The schema this binary knows: its highest embedded migration.
+    fn known_schema(&self) -> i64;
+
+    /// The database's highest applied migration and what it requires of binaries.
+    async fn schema_state(&self) -> StoreResult<schema::SchemaState>;
 
     /// A cheap round trip, for health checks.
     async fn ping(&self) -> StoreResult<()>;

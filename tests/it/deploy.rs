@@ -184,6 +184,57 @@ fn kubernetes_manifests_hang_together() {
     assert!(pdb["minAvailable"].as_u64().unwrap() < replicas);
 }
 
+/// The safe upgrade is the default (issue 24, item 1): replicas do not migrate at
+/// start-up, and a Job outside `deploy/k8s/` itself (so that applying the directory does
+/// not start it beside a rollout) runs `mailroom migrate` with the Deployment's image,
+/// settings and database secret, as hardened as the pods.
+#[test]
+fn migrations_run_once_from_a_job_and_replicas_do_not_migrate() {
+    let m = manifests();
+    assert_eq!(s(&m["ConfigMap"]["data"]["MAILROOM_MIGRATE"]), "false");
+    assert!(
+        !m.contains_key("Job"),
+        "the Job lives in deploy/k8s/migrate/"
+    );
+    let docs = yaml_docs(&deploy_dir().join("k8s/migrate/job.yaml"));
+    let job = &docs[0];
+    assert_eq!(s(&job["kind"]), "Job");
+    let pod = &job["spec"]["template"]["spec"];
+    assert_eq!(s(&pod["restartPolicy"]), "Never");
+    let c = &pod["containers"][0];
+    let d = &m["Deployment"]["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(c["args"].as_sequence().unwrap().len(), 1);
+    assert_eq!(s(&c["args"][0]), "migrate");
+    assert_eq!(
+        c["image"], d["image"],
+        "the Job migrates for the release it precedes"
+    );
+    assert_eq!(c["envFrom"], d["envFrom"]);
+    let url = |c: &Value| {
+        c["env"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|e| s(&e["name"]) == "MAILROOM_DATABASE_URL")
+            .cloned()
+            .expect("MAILROOM_DATABASE_URL from the Secret")
+    };
+    assert_eq!(url(c), url(d));
+    assert_eq!(
+        c["volumeMounts"], d["volumeMounts"],
+        "the token file the ConfigMap names"
+    );
+    assert_eq!(
+        pod["securityContext"],
+        m["Deployment"]["spec"]["template"]["spec"]["securityContext"]
+    );
+    assert_eq!(c["securityContext"], d["securityContext"]);
+    let known = known_env();
+    for e in c["env"].as_sequence().unwrap() {
+        assert!(known.contains(s(&e["name"])), "{e:?}");
+    }
+}
+
 /// The ConfigMap's settings pass mailroom's validation: started with them (and a
 /// database that refuses), it fails connecting (exit 1), not on a setting (exit 64).
 #[test]

@@ -32,6 +32,7 @@ mod polyglot;
 mod relay;
 mod relay_under_load;
 mod retention;
+mod schema_compat;
 mod security;
 mod sql_api;
 mod store;

@@ -26,6 +26,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 use self::sql::Sql;
 use super::rows::{Cols, decode_event};
+use super::schema;
 use super::{
     Admission, Claim, ClaimLimits, HeldId, LineKey, Renewal, SettleReport, Settlement, Store,
     StoreError, StoreResult,
@@ -245,10 +246,32 @@ impl Store for PgStore {
     }
 
     async fn migrate(&self) -> StoreResult<()> {
-        sqlx::migrate!("migrations/postgres")
+        schema::tolerant(sqlx::migrate!("migrations/postgres"))
             .run(&self.pool)
             .await
             .map_err(|e| StoreError::Other(format!("migration failed: {e}")))
+    }
+
+    fn known_schema(&self) -> i64 {
+        schema::highest(&sqlx::migrate!("migrations/postgres"))
+    }
+
+    async fn schema_state(&self) -> StoreResult<schema::SchemaState> {
+        let database: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(MAX(version), 0) FROM _sqlx_migrations WHERE success",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        let required: i64 = if database < schema::COMPAT_SINCE {
+            0
+        } else {
+            sqlx::query_scalar(
+                "SELECT COALESCE(MAX(min_binary_schema), 0) FROM mailroom_schema_compat",
+            )
+            .fetch_one(&self.pool)
+            .await?
+        };
+        Ok(schema::SchemaState { database, required })
     }
 
     async fn ping(&self) -> StoreResult<()> {

@@ -21,6 +21,7 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, Row};
 
 use super::rows::{Cols, decode_event, in_due_order};
+use super::schema;
 use super::{
     Admission, Claim, ClaimLimits, Due, HeldId, KeyWindow, LineKey, Renewal, SettleReport,
     Settlement, Store, StoreError, StoreResult, fit_in_budget,
@@ -127,10 +128,32 @@ impl Store for SqliteStore {
     }
 
     async fn migrate(&self) -> StoreResult<()> {
-        sqlx::migrate!("migrations/sqlite")
+        schema::tolerant(sqlx::migrate!("migrations/sqlite"))
             .run(&self.pool)
             .await
             .map_err(|e| StoreError::Other(format!("migration failed: {e}")))
+    }
+
+    fn known_schema(&self) -> i64 {
+        schema::highest(&sqlx::migrate!("migrations/sqlite"))
+    }
+
+    async fn schema_state(&self) -> StoreResult<schema::SchemaState> {
+        let database: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(MAX(version), 0) FROM _sqlx_migrations WHERE success",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        let required: i64 = if database < schema::COMPAT_SINCE {
+            0
+        } else {
+            sqlx::query_scalar(
+                "SELECT COALESCE(MAX(min_binary_schema), 0) FROM mailroom_schema_compat",
+            )
+            .fetch_one(&self.pool)
+            .await?
+        };
+        Ok(schema::SchemaState { database, required })
     }
 
     async fn ping(&self) -> StoreResult<()> {

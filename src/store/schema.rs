@@ -1,0 +1,93 @@
+//! Schema versions: what a database's migrations require of the binaries that run on it
+//! (issue 24, item 1; `docs/storage.md`, "Schema compatibility"). A binary knows the
+//! schema up to its highest embedded migration. From migration 0014 on, every migration
+//! records in `mailroom_schema_compat` the lowest such schema a binary needs to run on
+//! the database; the highest of these is the database's requirement. The engines read
+//! the state ([`SchemaState`]); the decision ([`decide`]) is the same on every engine.
+
+use sqlx::migrate::Migrator;
+
+/// The migration that created `mailroom_schema_compat`: a database below it has no
+/// requirement (and no table to read one from).
+pub const COMPAT_SINCE: i64 = 14;
+
+/// What a database says about its schema.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchemaState {
+    /// The highest migration applied.
+    pub database: i64,
+    /// The lowest schema a binary must know to run on it (0 before [`COMPAT_SINCE`]).
+    pub required: i64,
+}
+
+/// How a binary relates to a database's schema.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compat {
+    /// The binary knows every migration applied.
+    Known,
+    /// Migrations the binary does not know are applied, and they declare it compatible.
+    Ahead,
+    /// The database requires a binary that knows a newer schema.
+    Incompatible,
+}
+
+/// The pure decision: a binary that knows schema `known` may run on `state` when it
+/// knows every applied migration, or when the database requires no more than it knows.
+pub fn decide(known: i64, state: SchemaState) -> Compat {
+    if state.database <= known {
+        Compat::Known
+    } else if state.required <= known {
+        Compat::Ahead
+    } else {
+        Compat::Incompatible
+    }
+}
+
+/// The schema a migrator brings a database to: its highest migration.
+pub(crate) fn highest(migrator: &Migrator) -> i64 {
+    migrator.iter().map(|m| m.version).max().unwrap_or(0)
+}
+
+/// The migrator set to run on a database that has migrations it does not know (a newer
+/// binary applied them): it applies its own and leaves the verdict to [`decide`],
+/// instead of refusing with `VersionMissing` and crash-looping the replica.
+pub(crate) fn tolerant(mut migrator: Migrator) -> Migrator {
+    migrator.set_ignore_missing(true);
+    migrator
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(database: i64, required: i64) -> SchemaState {
+        SchemaState { database, required }
+    }
+
+    #[test]
+    fn a_binary_runs_on_what_it_knows_and_on_what_declares_it_compatible() {
+        // The same schema, an older one, one without the table (required 0).
+        assert_eq!(decide(14, state(14, 13)), Compat::Known);
+        assert_eq!(decide(14, state(11, 0)), Compat::Known);
+        // Newer, additive: the database still asks for no more than 14.
+        assert_eq!(decide(14, state(15, 14)), Compat::Ahead);
+        assert_eq!(decide(14, state(20, 13)), Compat::Ahead);
+        // Newer and requiring a binary that knows it.
+        assert_eq!(decide(14, state(15, 15)), Compat::Incompatible);
+        assert_eq!(decide(14, state(17, 16)), Compat::Incompatible);
+        // A requirement above the database's own version cannot stop a binary that
+        // knows every migration applied.
+        assert_eq!(decide(15, state(15, 15)), Compat::Known);
+    }
+
+    #[test]
+    fn both_engines_know_the_compat_table() {
+        for m in [
+            sqlx::migrate!("migrations/postgres"),
+            sqlx::migrate!("migrations/sqlite"),
+        ] {
+            assert!(highest(&m) >= COMPAT_SINCE);
+            assert!(tolerant(m).ignore_missing);
+        }
+    }
+}
