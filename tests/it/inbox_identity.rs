@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use mailroom::config::Config;
 use mailroom::domain::InboundMessage;
 use mailroom::inbox::identity;
-use mailroom::pb;
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -22,18 +21,6 @@ use crate::support::*;
 
 /// A subscriber that handles everything.
 type Handler = Recorder<Accept>;
-
-#[derive(Default)]
-struct Accept;
-
-#[tonic::async_trait]
-impl Script for Accept {
-    async fn answer(&self, _call: &Call, _seen_before: bool) -> Answer {
-        Ok(Some(pb::handle_response::Outcome::Success(
-            pb::HandleSuccess {},
-        )))
-    }
-}
 
 fn admin(brokers: &str) -> AdminClient<DefaultClientContext> {
     ClientConfig::new()

@@ -7,24 +7,11 @@ use std::time::Duration;
 
 use crate::support::*;
 use mailroom::config::Config;
-use mailroom::pb;
 use mailroom::retention::{RetentionConfig, run_round};
 use tokio_util::sync::CancellationToken;
 
 /// A subscriber that handles everything.
 type Handler = Recorder<Accept>;
-
-#[derive(Default)]
-struct Accept;
-
-#[tonic::async_trait]
-impl Script for Accept {
-    async fn answer(&self, _call: &Call, _seen_before: bool) -> Answer {
-        Ok(Some(pb::handle_response::Outcome::Success(
-            pb::HandleSuccess {},
-        )))
-    }
-}
 
 #[tokio::test]
 async fn inbox_retention_purges_old_rows_and_keeps_the_dedup_window() {

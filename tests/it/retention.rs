@@ -10,24 +10,6 @@ use mailroom::pb::admin_service_client::AdminServiceClient;
 use mailroom::retention::{RetentionConfig, run_round};
 use tokio_util::sync::CancellationToken;
 
-/// Runs SQL on the test database of either engine.
-async fn exec(url: &str, sql: &str) {
-    use sqlx::Connection;
-    if url.starts_with("postgres") {
-        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_string()))
-            .execute(&mut c)
-            .await
-            .unwrap();
-    } else {
-        let mut c = sqlx::SqliteConnection::connect(url).await.unwrap();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_string()))
-            .execute(&mut c)
-            .await
-            .unwrap();
-    }
-}
-
 /// Retention deletes old completed events, then (when asked) old failed ones, and idle
 /// unleased keys; never pending events, recent rows, leased or busy keys.
 #[tokio::test]

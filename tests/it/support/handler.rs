@@ -32,6 +32,17 @@ pub trait Script: Default + Send + Sync + 'static {
     async fn answer(&self, call: &Call, seen_before: bool) -> Answer;
 }
 
+/// A script that handles every message.
+#[derive(Default)]
+pub struct Accept;
+
+#[tonic::async_trait]
+impl Script for Accept {
+    async fn answer(&self, _call: &Call, _seen_before: bool) -> Answer {
+        Ok(Some(Outcome::Success(pb::HandleSuccess {})))
+    }
+}
+
 /// A subscriber that records its calls in order and answers them by its script.
 #[derive(Default)]
 pub struct Recorder<S> {
