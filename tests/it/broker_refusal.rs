@@ -245,3 +245,78 @@ async fn other_topics_keep_their_pace_while_one_topic_is_refused() {
         ratio * 100.0
     );
 }
+
+/// The same through the running service (its own relays, default settings but a short
+/// retry backoff so that three attempts take a second): m0, m1, m2 sent in one
+/// `EnqueueBatch`, the broker refuses m1. Only m1 spends attempts and ends `failed`; m0
+/// and m2 are published with none, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_record_through_the_running_service_spends_only_its_own_attempts() {
+    let proxy = KafkaProxy::listen().await;
+    let broker = Broker::start_advertising(free_port(), &proxy.addr());
+    proxy.set_upstream(&broker.addr());
+    proxy.refuse_marker(b"POISON", INVALID_RECORD);
+    let db = fresh_pg().await;
+    let mut c = config(&db);
+    kafka_sink_config(&mut c, &proxy.addr(), TIMEOUT);
+    c.relay.retry = RetryPolicy {
+        base: Duration::from_millis(100),
+        cap: Duration::from_millis(500),
+        max_attempts: 6,
+    };
+    let mut s = Service::start(c).await;
+    let events = ["m0", "m1-POISON", "m2"]
+        .iter()
+        .map(|p| {
+            let mut e = event("refused.service", "k", p.as_bytes());
+            e.max_attempts = 3;
+            e
+        })
+        .collect();
+    let ids: Vec<i64> = s
+        .client
+        .enqueue_batch(pb::EnqueueBatchRequest { events })
+        .await
+        .unwrap()
+        .into_inner()
+        .results
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    eventually(
+        Duration::from_secs(60),
+        "m1 failed, m2 published",
+        || async {
+            let got = statuses(&s, &ids).await;
+            got[1].0 == Status::Failed && got[2].0 == Status::Completed
+        },
+    )
+    .await;
+    assert!(
+        proxy.refusals() >= 3,
+        "the fault fired: {}",
+        proxy.refusals()
+    );
+    assert_eq!(
+        statuses(&s, &ids).await,
+        vec![
+            (Status::Completed, 0),
+            (Status::Failed, 3),
+            (Status::Completed, 0)
+        ],
+        "m0, m1, m2: (status, attempts)"
+    );
+    let records = consume(
+        &broker.addr(),
+        "refused.service",
+        2,
+        Duration::from_secs(20),
+    );
+    let payloads: Vec<_> = records.iter().map(|r| r.payload.clone()).collect();
+    assert_eq!(
+        payloads,
+        vec![b"m0".to_vec(), b"m2".to_vec()],
+        "in key order"
+    );
+    s.app.stop().await.unwrap();
+}
