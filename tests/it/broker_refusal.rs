@@ -109,7 +109,7 @@ async fn statuses(s: &Service, ids: &[i64]) -> Vec<(Status, u32)> {
 }
 
 /// One timed drain of `other` (60 keys, 1,500 events each) by a relay with default
-/// settings through the proxy; with `refusing`, topic `refused` holds two keys whose
+/// settings through the proxy; with `refusing`, topic `refused` holds five keys whose
 /// head is refused by the broker again and again during the drain (a short retry
 /// backoff, so that the refusals keep coming while `other` drains). Returns the drain
 /// time and the refusals during it. The relay starts when every party of `start` has
@@ -136,7 +136,7 @@ async fn drain_beside_refusals(
         }
     }
     if refusing {
-        for k in 0..2 {
+        for k in 0..5 {
             for p in ["ok-0", "m-POISON", "ok-1"] {
                 let mut e = event("refused", &format!("r{k}"), p.as_bytes());
                 e.max_attempts = 100;
