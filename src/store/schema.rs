@@ -11,6 +11,14 @@ use sqlx::migrate::Migrator;
 /// requirement (and no table to read one from).
 pub const COMPAT_SINCE: i64 = 14;
 
+/// The database's schema: its highest applied migration (the same SQL on both engines).
+pub const DATABASE_SCHEMA_SQL: &str =
+    "SELECT COALESCE(MAX(version), 0) FROM _sqlx_migrations WHERE success";
+
+/// The lowest schema a binary must know, from [`COMPAT_SINCE`] on.
+pub const REQUIRED_SCHEMA_SQL: &str =
+    "SELECT COALESCE(MAX(min_binary_schema), 0) FROM mailroom_schema_compat";
+
 /// What a database says about its schema.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchemaState {

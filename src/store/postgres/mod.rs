@@ -257,19 +257,15 @@ impl Store for PgStore {
     }
 
     async fn schema_state(&self) -> StoreResult<schema::SchemaState> {
-        let database: i64 = sqlx::query_scalar(
-            "SELECT COALESCE(MAX(version), 0) FROM _sqlx_migrations WHERE success",
-        )
-        .fetch_one(&self.pool)
-        .await?;
+        let database: i64 = sqlx::query_scalar(schema::DATABASE_SCHEMA_SQL)
+            .fetch_one(&self.pool)
+            .await?;
         let required: i64 = if database < schema::COMPAT_SINCE {
             0
         } else {
-            sqlx::query_scalar(
-                "SELECT COALESCE(MAX(min_binary_schema), 0) FROM mailroom_schema_compat",
-            )
-            .fetch_one(&self.pool)
-            .await?
+            sqlx::query_scalar(schema::REQUIRED_SCHEMA_SQL)
+                .fetch_one(&self.pool)
+                .await?
         };
         Ok(schema::SchemaState { database, required })
     }
