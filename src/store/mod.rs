@@ -386,6 +386,14 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
         message_ids: &[String],
     ) -> StoreResult<Vec<HeldId>>;
 
+    /// Takes events stored by the SQL API (PostgreSQL, migration 0015) into their keys'
+    /// rows: creates or wakes the rows and counts the events. Every outbox claim does it
+    /// first; the rest of the time counts and `ListPending` lag it by that much. Returns
+    /// how many events it took in (at most a batch). Other engines have nothing to fold.
+    async fn fold_sql_events(&self) -> StoreResult<u64> {
+        Ok(0)
+    }
+
     /// Leases ready keys, reads their lines and claims due unkeyed events of `box_kind`.
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim>;
 

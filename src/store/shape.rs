@@ -217,7 +217,7 @@ impl Shape {
             UPDATE outbox_keys k SET published_through = r.new,
                 pending = k.pending + (SELECT count(*) FROM outbox_events e
                     WHERE e.status = 'pending' AND e.topic = k.topic AND e.event_key = k.event_key
-                      AND e.id > r.new AND e.id <= r.old)
+                      AND e.id > r.new AND e.id <= r.old AND e.counted)
             FROM r WHERE k.topic = r.topic AND k.event_key = r.event_key),
          passed AS (
             UPDATE outbox_events e SET status = 'completed',

@@ -323,6 +323,10 @@ impl Store for PgStore {
         retry_aborted(|| self.renew_once(renewal)).await
     }
 
+    async fn fold_sql_events(&self) -> StoreResult<u64> {
+        self.fold().await
+    }
+
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
         self.claim_lines(queue, token, limits).await
     }

@@ -15,7 +15,23 @@ use crate::store::{
     StoreError, StoreResult,
 };
 
+/// SQL-API events folded into their keys per claim, at most (the rest in the next).
+const FOLD_BATCH: i64 = 1_000;
+
+/// How soon a key whose order lock a SQL-API writer held is looked at again, unless the
+/// writer's commit wakes it first.
+const HELD_RECHECK: chrono::Duration = chrono::Duration::milliseconds(200);
+
 impl PgStore {
+    /// Folds up to a batch of SQL-API events into their keys (see `Sql::fold`).
+    pub(super) async fn fold(&self) -> StoreResult<u64> {
+        let Some(fold) = &self.outbox.fold else {
+            return Ok(0);
+        };
+        let r = q(fold).bind(FOLD_BATCH).execute(&self.relay_pool).await?;
+        Ok(r.rows_affected())
+    }
+
     /// Leases ready keys, reads the front of their lines and claims due unkeyed events.
     pub(super) async fn claim_lines(
         &self,
@@ -25,7 +41,16 @@ impl PgStore {
     ) -> StoreResult<Claim> {
         let sql = self.sql(queue.box_kind());
         let lease_ms = millis(limits.lease);
-        let leased = scoped(
+        if sql.fold.is_some() {
+            self.fold().await?;
+        }
+        // The outbox leases and reads in one transaction: the order locks the lease
+        // takes (see `Sql::lease_keys`) must be held while the windows are read.
+        let mut tx = match &sql.fold {
+            Some(_) => Some(self.relay_pool.begin().await?),
+            None => None,
+        };
+        let lease = scoped(
             q(&sql.lease_keys)
                 .bind(limits.max_keys as i64)
                 .bind(token)
@@ -33,12 +58,15 @@ impl PgStore {
                 .bind(limits.max_run.max(1) as i64)
                 .bind(limits.max_events as i64),
             queue,
-        )
-        .fetch_all(&self.relay_pool)
-        .await?;
-        // The database's time, as the lease statement saw it; without a leased key
-        // nothing reads it (it only places keyed windows' delayed events).
-        let now: DateTime<Utc> = match leased.first() {
+        );
+        let leased = match tx.as_mut() {
+            Some(tx) => lease.fetch_all(&mut **tx).await?,
+            None => lease.fetch_all(&self.relay_pool).await?,
+        };
+        // The database's time, as the lease statement saw it, until the windows say
+        // theirs; without a leased key nothing reads it (it only places keyed windows'
+        // delayed events).
+        let mut now: DateTime<Utc> = match leased.first() {
             Some(r) => r.try_get(3)?,
             None => Utc::now(),
         };
@@ -47,12 +75,27 @@ impl PgStore {
             let mut topics = Vec::with_capacity(leased.len());
             let mut names = Vec::with_capacity(leased.len());
             let mut cursors: Vec<i64> = Vec::with_capacity(leased.len());
+            // Windows are read for the keys whose order lock was free; the others come
+            // back empty, to be looked at again after `HELD_RECHECK` or as soon as the
+            // writer's commit is folded in (which pulls `ready_at` to now). Their
+            // `line_end` covers every id, so nothing counts as new at the release.
+            let mut held = Vec::new();
             for r in &leased {
-                cursors.push(r.try_get(2)?);
                 let line = LineKey {
                     topic: r.try_get(0)?,
                     key: r.try_get(1)?,
                 };
+                if !r.try_get::<bool, _>("free")? {
+                    held.push(KeyWindow {
+                        line,
+                        rows: Vec::new(),
+                        full: false,
+                        delayed_at: Some(now + HELD_RECHECK),
+                        line_end: Some(i64::MAX),
+                    });
+                    continue;
+                }
+                cursors.push(r.try_get(2)?);
                 topics.push(line.topic.clone());
                 names.push(line.key.clone());
                 keyed.push(KeyWindow {
@@ -64,7 +107,7 @@ impl PgStore {
                 });
             }
             let per_key = limits.per_key(leased.len());
-            let rows = scoped(
+            let windows = scoped(
                 q(&sql.windows)
                     .bind(topics)
                     .bind(names)
@@ -72,13 +115,23 @@ impl PgStore {
                     .bind(cursors)
                     .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
                 queue,
-            )
-            .fetch_all(&self.relay_pool)
-            .await?;
+            );
+            let rows = if keyed.is_empty() {
+                Vec::new()
+            } else {
+                match tx.as_mut() {
+                    Some(tx) => windows.fetch_all(&mut **tx).await?,
+                    None => windows.fetch_all(&self.relay_pool).await?,
+                }
+            };
             // In claim order, ids ascending; the rows past the byte budget come back not
             // `taken`, and their keys' windows end before them, marked full (looked at
             // again at once).
             let mut in_line = vec![0usize; keyed.len()];
+            // The clock the windows judged delays by: planning must judge them alike.
+            if let Some(r) = rows.first() {
+                now = r.try_get("now")?;
+            }
             for r in &rows {
                 let i = usize::try_from(r.try_get::<i64, _>("o")? - 1)
                     .map_err(|_| StoreError::Other("bad ordinality".into()))?;
@@ -95,6 +148,10 @@ impl PgStore {
             for (w, &n) in keyed.iter_mut().zip(&in_line) {
                 w.full = n >= per_key as usize || w.rows.len() < n;
             }
+            keyed.extend(held);
+        }
+        if let Some(tx) = tx {
+            tx.commit().await?;
         }
         let unkeyed = if limits.max_unkeyed > 0 {
             let rows = scoped(
@@ -145,7 +202,8 @@ impl PgStore {
         // release: what a cursor covers needs no row of its own. Only keys released here
         // can move, since the release is what moves them.
         let mut covered: HashSet<EventId> = HashSet::new();
-        let mut runs: HashMap<LineKey, (i64, i64)> = HashMap::new();
+        // Per key: the new cursor, the events it covers, and how many of them were counted.
+        let mut runs: HashMap<LineKey, (i64, i64, i64)> = HashMap::new();
         if let Some(check) = &sql.check_runs {
             let completed: Vec<EventId> = updates
                 .iter()
@@ -169,7 +227,14 @@ impl PgStore {
                     }
                     let ids: Vec<i64> = r.try_get("ids")?;
                     covered.extend(ids);
-                    runs.insert(line, (r.try_get("through")?, r.try_get("n")?));
+                    runs.insert(
+                        line,
+                        (
+                            r.try_get("through")?,
+                            r.try_get("n")?,
+                            r.try_get("counted")?,
+                        ),
+                    );
                 }
                 applied += covered.len();
             }
@@ -250,14 +315,21 @@ impl PgStore {
                 .bind(seen)
                 .bind(token);
             if advance {
-                let (through, n): (Vec<Option<i64>>, Vec<Option<i64>>) = releases
-                    .iter()
-                    .map(|r| {
-                        runs.get(&r.line)
-                            .map_or((None, None), |&(t, n)| (Some(t), Some(n)))
-                    })
-                    .unzip();
-                release.bind(through).bind(n).execute(&mut *tx).await?;
+                let mut through: Vec<Option<i64>> = Vec::with_capacity(releases.len());
+                let mut n: Vec<Option<i64>> = Vec::with_capacity(releases.len());
+                let mut counted: Vec<Option<i64>> = Vec::with_capacity(releases.len());
+                for r in releases {
+                    let run = runs.get(&r.line);
+                    through.push(run.map(|r| r.0));
+                    n.push(run.map(|r| r.1));
+                    counted.push(run.map(|r| r.2));
+                }
+                release
+                    .bind(through)
+                    .bind(n)
+                    .bind(counted)
+                    .execute(&mut *tx)
+                    .await?;
             } else {
                 scoped(release, queue).execute(&mut *tx).await?;
             }

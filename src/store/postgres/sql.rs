@@ -23,6 +23,9 @@ pub(super) struct Sql {
     /// the cursors (`None` in the inbox, which settles row by row).
     pub(super) check_runs: Option<Arc<str>>,
     pub(super) release_advance: Option<Arc<str>>,
+    /// The outbox's fold of SQL-API events into their keys (migration 0015; `None` in
+    /// the inbox, which has no SQL API).
+    pub(super) fold: Option<Arc<str>>,
 }
 
 impl Sql {
@@ -43,9 +46,15 @@ impl Sql {
         let window_scope = |alias: &str| scope(&format!(" AND {alias}.subscription = $S"), 6);
         let (e_scope, d_scope, b_scope) = (window_scope("e"), window_scope("d"), window_scope("b"));
         let unkeyed_scope = scope(" AND u.subscription = $S", 5);
-        // A never-tried event scheduled for later: not in line (docs/relay.md).
+        // A never-tried event scheduled for later: not in line (docs/relay.md). Later than
+        // the windows' clock (`w_now`), read once after the statement's snapshot: an
+        // event enqueued "now" by a statement that started after this claim's
+        // transaction but committed before the read must not look delayed (it would be
+        // skipped while later events of its key went out).
         let delayed = |a: &str| {
-            format!("{a}.attempts = 0 AND {a}.last_error IS NULL AND {a}.scheduled_at > now()")
+            format!(
+                "{a}.attempts = 0 AND {a}.last_error IS NULL AND {a}.scheduled_at > (SELECT t FROM w_now)"
+            )
         };
         let (e_delayed, d_delayed, b_delayed) = (delayed("e"), delayed("d"), delayed("b"));
         // Bytes an event weighs in a claim's budget.
@@ -60,15 +69,25 @@ impl Sql {
         let release_exists = scope(" AND e.subscription = k.subscription", 0);
         let renew_scope = scope(" AND k.subscription = $S", 5);
         let renew_unkeyed_scope = scope(" AND subscription = $S", 4);
+        // Whether no SQL-API writer holds the key's order lock (migration 0015): tried in
+        // shared mode and, when got, held until the claim's transaction ends, so no
+        // writer can draw an id below what the window then reads. The inbox has no SQL
+        // writers.
+        let free = if scoped {
+            "true"
+        } else {
+            "pg_try_advisory_xact_lock_shared(mailroom_order_lock(k.topic, k.event_key))"
+        };
         // The key release (see `release_keys` below), with the cursor advance when
         // `advance`.
         let release = |advance: bool| -> Arc<str> {
             let (cursor_cols, cursor_arrays, cursor_set) = if advance {
                 (
-                    ", through, n",
-                    ", $7::int8[], $8::int8[]",
+                    ", through, n, counted",
+                    ", $7::int8[], $8::int8[], $9::int8[]",
+                    // Only counted events were in `pending` (migration 0015).
                     ", published_through = COALESCE(u.through, k.published_through),
-                       pending = k.pending - COALESCE(u.n, 0)",
+                       pending = k.pending - COALESCE(u.counted, 0)",
                 )
             } else {
                 ("", "", "")
@@ -134,7 +153,7 @@ impl Sql {
                         lease_until = now() + $3 * interval '1 millisecond',
                         ready_at = now() + $3 * interval '1 millisecond'
                  FROM picked WHERE k.topic = picked.topic AND k.event_key = picked.event_key{lease_join}
-                 RETURNING k.topic, k.event_key, k.published_through, now()"
+                 RETURNING k.topic, k.event_key, k.published_through, now(), {free} AS free"
             )
             .into(),
             // The front of each leased key's line: up to $3 in-line events in id order,
@@ -152,7 +171,8 @@ impl Sql {
             // large payloads as TOAST pointers, and the `CASE` leaves those of rows past
             // the budget unread.
             windows: format!(
-                "SELECT w.o, w.delayed_at, w.line_end, w.id, w.taken,
+                "WITH w_now AS MATERIALIZED (SELECT clock_timestamp() AS t)
+                 SELECT (SELECT t FROM w_now) AS now, w.o, w.delayed_at, w.line_end, w.id, w.taken,
                         w.topic, w.event_key, CASE WHEN w.taken THEN w.payload END AS payload,
                         CASE WHEN w.taken THEN w.headers::text END AS headers, w.event_type,
                         w.idempotency_key, w.status, w.attempts, w.max_attempts, w.scheduled_at,
@@ -291,14 +311,15 @@ impl Sql {
             // The release then moves the cursors (`release_advance`).
             check_runs: (!scoped).then(|| {
                 format!(
-                    "SELECT g.topic, g.event_key, g.through, g.n, g.ids,
+                    "SELECT g.topic, g.event_key, g.through, g.n, g.counted, g.ids,
                             (g.first > k.published_through AND g.n = (
                                 SELECT count(*) FROM {events} e
                                 WHERE e.status = 'pending' AND e.topic = g.topic
                                   AND e.event_key = g.event_key
                                   AND e.id > k.published_through AND e.id <= g.through)) AS covered
                      FROM (SELECT e.topic, e.event_key, max(e.id) AS through, min(e.id) AS first,
-                                  count(*) AS n, array_agg(e.id) AS ids
+                                  count(*) AS n, count(*) FILTER (WHERE e.counted) AS counted,
+                                  array_agg(e.id) AS ids
                            FROM {events} e
                            WHERE e.id = ANY($1) AND e.event_key IS NOT NULL AND e.status = 'pending'
                            GROUP BY e.topic, e.event_key) g
@@ -313,6 +334,28 @@ impl Sql {
             // new cursor, $8: the events it covers, NULL and 0 elsewhere) and logs each
             // advance with its time in `outbox_publishes`: one write per key row.
             release_advance: (!scoped).then(|| release(true)),
+            // SQL-API events (stored `counted = false`, with no key row written): the key
+            // rows are created or woken first, in the byte order every key-locking
+            // statement uses, then the events are marked counted, which the update
+            // trigger counts. Two relays folding at once: the second waits for the
+            // first's row locks and then finds the events counted.
+            fold: (!scoped).then(|| {
+                "WITH f AS MATERIALIZED (
+                    SELECT id, topic, event_key, scheduled_at FROM outbox_events
+                    WHERE NOT counted ORDER BY id LIMIT $1),
+                 keys AS (
+                    INSERT INTO outbox_keys AS k (topic, event_key, ready_at, pending)
+                    SELECT topic, event_key, min(scheduled_at), 0 FROM f
+                    GROUP BY topic, event_key
+                    ORDER BY topic COLLATE \"C\", event_key COLLATE \"C\"
+                    ON CONFLICT (topic, event_key)
+                    DO UPDATE SET ready_at = LEAST(k.ready_at, EXCLUDED.ready_at)
+                    RETURNING 1)
+                 UPDATE outbox_events e SET counted = true
+                 FROM f WHERE e.id = f.id AND NOT e.counted
+                   AND (SELECT count(*) FROM keys) >= 0"
+                    .into()
+            }),
         }
     }
 }
