@@ -1409,3 +1409,92 @@ async fn serializable_callers_retry_only_for_their_own_conflicts() {
     }
     s.app.stop().await.unwrap();
 }
+
+/// Issue 25, item 2: the `SECURITY DEFINER` functions cannot be hijacked through
+/// `public`. The application's role, allowed to create objects in `public` (the usual
+/// "one database per service" setup), plants operators and functions that would win
+/// over `pg_catalog`'s for the argument types the functions use (`text || integer`,
+/// `numeric * integer`, `hashtextextended(text, integer)`), each recording that it ran.
+/// Called from the application's own session they do run (the fault is live); through
+/// `mailroom.enqueue` and `mailroom.enqueue_batch`, with every code path that uses such
+/// operators (idempotency fingerprint with `deliver_after`, batch field names, order
+/// locks), they never do. Before migration 0015 the functions ran with
+/// `search_path = pg_catalog, public, pg_temp`, where an exact-match operator in
+/// `public` beats `pg_catalog`'s polymorphic one, as the function's owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_and_functions_planted_in_public_never_run() {
+    let (url, s) = quiet_pg().await;
+    let (role, pool) = app_role(&url).await;
+    exec(&url, &format!("GRANT CREATE ON SCHEMA public TO {role}")).await;
+    for sql in [
+        "CREATE TABLE public.hijacked (what text)",
+        "GRANT INSERT ON public.hijacked TO PUBLIC",
+        "CREATE FUNCTION public.evil_concat(a text, b integer) RETURNS text LANGUAGE plpgsql AS
+         $$ BEGIN INSERT INTO public.hijacked VALUES ('text || integer as ' || current_user);
+            RETURN a || b::text; END $$",
+        "CREATE OPERATOR public.|| (LEFTARG = text, RIGHTARG = integer, FUNCTION = public.evil_concat)",
+        "CREATE FUNCTION public.evil_mul(a numeric, b integer) RETURNS numeric LANGUAGE plpgsql AS
+         $$ BEGIN INSERT INTO public.hijacked VALUES ('numeric * integer as ' || current_user);
+            RETURN a * b::numeric; END $$",
+        "CREATE OPERATOR public.* (LEFTARG = numeric, RIGHTARG = integer, FUNCTION = public.evil_mul)",
+        "CREATE FUNCTION public.hashtextextended(t text, seed integer) RETURNS bigint LANGUAGE plpgsql AS
+         $$ BEGIN INSERT INTO public.hijacked VALUES ('hashtextextended as ' || current_user);
+            RETURN 1; END $$",
+        "GRANT EXECUTE ON FUNCTION public.evil_concat(text, integer), public.evil_mul(numeric, integer),
+             public.hashtextextended(text, integer) TO PUBLIC",
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    let hijacked = || async {
+        sqlx::query_scalar::<_, String>("SELECT what FROM public.hijacked ORDER BY 1")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+    // The plants are live: in the application's own session they win.
+    sqlx::query("SELECT 'x' || 1, 1.5::numeric * 2, hashtextextended('k', 7)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(hijacked().await.len(), 3, "{:?}", hijacked().await);
+    sqlx::query("DELETE FROM public.hijacked")
+        .execute(&mut admin(&url).await)
+        .await
+        .unwrap();
+
+    sqlx::query(
+        "SELECT mailroom.enqueue('t', 'k', 'x'::bytea, '{\"h\":\"v\"}', 'ty', 'idem-1',
+                                 '2030-01-02T03:04:05Z', 3)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "SELECT * FROM mailroom.enqueue_batch(ARRAY['t','t'], ARRAY['k','j'],
+             idempotency_keys => ARRAY['idem-2', NULL],
+             deliver_afters => ARRAY['2030-01-02T03:04:05Z'::timestamptz, NULL])",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    // A refused event formats its message with the batch position.
+    let e = sqlx::query("SELECT * FROM mailroom.enqueue_batch(ARRAY['t', 'bad topic'])")
+        .fetch_all(&pool)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        sqlstate(&e),
+        ("MR001".into(), Some("events[2].topic".into()))
+    );
+    assert_eq!(s.app.store.fold_sql_events().await.unwrap(), 3);
+    assert_eq!(
+        hijacked().await,
+        Vec::<String>::new(),
+        "a planted object ran"
+    );
+    assert_eq!(outbox_rows(&url).await, 3);
+    s.app.stop().await.unwrap();
+}
