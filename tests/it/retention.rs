@@ -188,3 +188,196 @@ async fn retention_runs_in_the_background() {
     .await;
     s.app.stop().await.unwrap();
 }
+
+/// Issue 24, item 4: a requeue that lowers a key's cursor (its failed event sits below
+/// events the cursor published) racing a retention round that deletes those
+/// cursor-published events. 300 keys, each `[failed, 4 published by the cursor an hour
+/// ago]`; one task requeues the failed events one key at a time (two requests in
+/// flight), another runs retention rounds of 20 events. Every requeue succeeds (admin
+/// flows are not retried: a deadlock would be an error), and afterwards every key's
+/// pending count is exact: its requeued event, 1. Before the fix, the requeue counted
+/// the published rows it was about to mark `completed` while retention deleted them, so
+/// the key's count stayed too high for good; or the two deadlocked (the requeue held the
+/// key row and waited for the advance log row that retention held while its delete
+/// waited for the key row).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeue_racing_retention_keeps_counts_exact_and_never_deadlocks() {
+    use mailroom::domain::admin::{ActionContext, RequeueRequest, Selection};
+    use mailroom::store::admin::AdminStore;
+    use mailroom::store::retention::{Finished, RetentionStore};
+    const KEYS: i64 = 300;
+    let (url, s) = quiet_pg().await;
+    exec(
+        &url,
+        &format!(
+            "INSERT INTO outbox_events (topic, event_key, payload, headers, max_attempts,
+                 scheduled_at, status, attempts, last_error, created_at, updated_at)
+             SELECT 'race', 'k' || k, '\\x00'::bytea, '{{}}'::jsonb, 3, now() - interval '1 hour',
+                    CASE WHEN n = 1 THEN 'failed' ELSE 'pending' END,
+                    CASE WHEN n = 1 THEN 3 ELSE 0 END,
+                    CASE WHEN n = 1 THEN 'refused' END,
+                    now() - interval '1 hour', now() - interval '1 hour'
+             FROM generate_series(1, {KEYS}) k, generate_series(1, 5) n ORDER BY k, n;
+             INSERT INTO outbox_keys (topic, event_key, ready_at, pending, published_through)
+             SELECT topic, event_key, 'infinity', 0, max(id) FROM outbox_events GROUP BY 1, 2;
+             INSERT INTO outbox_publishes (topic, event_key, through, at, events)
+             SELECT topic, event_key, max(id), now() - interval '1 hour', 4
+             FROM outbox_events GROUP BY 1, 2;"
+        ),
+    )
+    .await;
+    let failed: Vec<i64> = {
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        sqlx::query_scalar("SELECT id FROM outbox_events WHERE status = 'failed' ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(failed.len() as i64, KEYS);
+
+    let store = s.app.store.clone();
+    let retention = tokio::spawn(async move {
+        let mut deleted = 0;
+        loop {
+            let n = store
+                .purge(Finished::Completed, Duration::from_secs(60), 20)
+                .await
+                .expect("a retention round");
+            deleted += n;
+            if n == 0 {
+                return deleted;
+            }
+        }
+    });
+    let mut requeuers = Vec::new();
+    for half in failed.chunks(failed.len() / 2) {
+        let (store, ids) = (s.app.store.clone(), half.to_vec());
+        requeuers.push(tokio::spawn(async move {
+            for id in ids {
+                let r = RequeueRequest {
+                    selection: Selection::Ids(vec![id]),
+                    limit: 1,
+                    context: ActionContext::by("race test"),
+                };
+                let out = store
+                    .requeue_failed(BoxKind::Outbox, &r)
+                    .await
+                    .unwrap_or_else(|e| panic!("requeue of {id}: {e}"));
+                assert_eq!(out.count, 1);
+            }
+        }));
+    }
+    for r in requeuers {
+        r.await.unwrap();
+    }
+    let deleted = retention.await.unwrap();
+    // Both sides acted: retention deleted published rows the requeue had not yet
+    // reached (keys it got to first), and the requeue kept the others as rows.
+    assert!(deleted > 0, "retention deleted nothing");
+    let wrong = count_rows(
+        &url,
+        "SELECT count(*) FROM outbox_keys k WHERE k.pending <> (
+             SELECT count(*) FROM outbox_events_view e WHERE e.topic = k.topic
+               AND e.event_key = k.event_key AND e.status = 'pending')",
+    )
+    .await;
+    assert_eq!(wrong, 0, "keys whose pending count is off");
+    let pending = count_rows(&url, "SELECT sum(pending)::int8 FROM outbox_keys").await;
+    assert_eq!(pending, KEYS, "each key holds its requeued event");
+    s.app.stop().await.unwrap();
+}
+
+/// The same race made certain: a retention round's delete of a key's cursor-published
+/// events is held half-way (a test transaction locks one of the rows it must delete),
+/// then a requeue of the key's failed event starts; when the round goes on, the requeue
+/// must see what it deleted. Both are seen waiting on a lock (the fault fired) before the
+/// test lets go. Before the fix the requeue counted the 4 rows the round then deleted:
+/// the key's pending count stayed at 5 for 1 pending event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_behind_a_retention_round_counts_what_is_left() {
+    use mailroom::domain::admin::{ActionContext, RequeueRequest, Selection};
+    use mailroom::store::admin::AdminStore;
+    use mailroom::store::retention::{Finished, RetentionStore};
+    use sqlx::Connection;
+    let (url, s) = quiet_pg().await;
+    exec(
+        &url,
+        "INSERT INTO outbox_events (topic, event_key, payload, headers, max_attempts,
+             scheduled_at, status, attempts, last_error, created_at, updated_at)
+         SELECT 'race', 'k', '\\x00'::bytea, '{}'::jsonb, 3, now() - interval '1 hour',
+                CASE WHEN n = 1 THEN 'failed' ELSE 'pending' END, CASE WHEN n = 1 THEN 3 ELSE 0 END,
+                CASE WHEN n = 1 THEN 'refused' END, now() - interval '1 hour', now() - interval '1 hour'
+         FROM generate_series(1, 5) n ORDER BY n;
+         INSERT INTO outbox_keys (topic, event_key, ready_at, pending, published_through)
+         SELECT topic, event_key, 'infinity', 0, max(id) FROM outbox_events GROUP BY 1, 2;
+         INSERT INTO outbox_publishes (topic, event_key, through, at, events)
+         SELECT topic, event_key, max(id), now() - interval '1 hour', 4 FROM outbox_events GROUP BY 1, 2;",
+    )
+    .await;
+    let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox_events ORDER BY id")
+        .fetch_all(&mut holder)
+        .await
+        .unwrap();
+    let mut hold = holder.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM outbox_events WHERE id = $1 FOR UPDATE")
+        .bind(ids[3])
+        .fetch_one(&mut *hold)
+        .await
+        .unwrap();
+    let waiting = |n: i64| {
+        let url = url.clone();
+        async move {
+            count_rows(
+                &url,
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .await
+                >= n
+        }
+    };
+    let store = s.app.store.clone();
+    let round = tokio::spawn(async move {
+        store
+            .purge(Finished::Completed, Duration::from_secs(60), 100)
+            .await
+    });
+    eventually(
+        Duration::from_secs(10),
+        "the round waits on the held row",
+        || waiting(1),
+    )
+    .await;
+    let store = s.app.store.clone();
+    let failed = ids[0];
+    let requeue = tokio::spawn(async move {
+        let r = RequeueRequest {
+            selection: Selection::Ids(vec![failed]),
+            limit: 1,
+            context: ActionContext::by("race test"),
+        };
+        store.requeue_failed(BoxKind::Outbox, &r).await
+    });
+    eventually(Duration::from_secs(10), "the requeue waits too", || {
+        waiting(2)
+    })
+    .await;
+    hold.rollback().await.unwrap();
+    let deleted = round.await.unwrap().expect("the round");
+    let out = requeue.await.unwrap().expect("the requeue");
+    assert_eq!(out.count, 1);
+    assert_eq!(deleted, 4, "the round deleted the published events");
+    let pending = count_rows(&url, "SELECT pending::int8 FROM outbox_keys").await;
+    let actual = count_rows(
+        &url,
+        "SELECT count(*) FROM outbox_events_view WHERE status = 'pending'",
+    )
+    .await;
+    assert_eq!(
+        (pending, actual),
+        (1, 1),
+        "the key's count and its pending events"
+    );
+    s.app.stop().await.unwrap();
+}

@@ -67,22 +67,32 @@ impl RetentionStore for PgStore {
             return Ok(explicit);
         }
         // The rest of the batch from the cursor-published events, whole advances at a
-        // time (at least one, so an advance larger than the batch still goes).
+        // time (at least one, so an advance larger than the batch still goes). The keys'
+        // rows are locked first, skipping any another transaction holds: a requeue that
+        // lowers a cursor holds its key row before it counts and rewrites the rows the
+        // cursor passed, so the two never interleave on a key (a requeue counted rows
+        // this delete then removed, leaving the key's count too high for good; or they
+        // deadlocked over the key row and the advance log row). Retention never waits.
+        // Skipped keys' advances stay for the next round.
         let rest = i64::from(limit) - i64::try_from(explicit).unwrap_or(0);
         let gone: i64 = sqlx::query_scalar(
             "WITH oldest AS (
                  SELECT topic, event_key, through, events FROM outbox_publishes
                  WHERE at < now() - make_interval(secs => $1)
                  ORDER BY at LIMIT $2 FOR UPDATE SKIP LOCKED),
+             keys AS (
+                 SELECT k.topic, k.event_key, k.published_through FROM outbox_keys k
+                 WHERE (k.topic, k.event_key) IN (SELECT topic, event_key FROM oldest)
+                 FOR UPDATE SKIP LOCKED),
              picked AS (
                  SELECT o.* FROM (
-                     SELECT topic, event_key, through,
-                            sum(events) OVER (ORDER BY through, topic, event_key) AS total,
-                            row_number() OVER (ORDER BY through, topic, event_key) AS n
-                     FROM oldest) o
+                     SELECT o.topic, o.event_key, o.through,
+                            sum(o.events) OVER (ORDER BY o.through, o.topic, o.event_key) AS total,
+                            row_number() OVER (ORDER BY o.through, o.topic, o.event_key) AS n
+                     FROM oldest o JOIN keys k USING (topic, event_key)) o
                  WHERE o.n = 1 OR o.total <= $2),
              events AS (
-                 DELETE FROM outbox_events e USING picked p, outbox_keys k
+                 DELETE FROM outbox_events e USING picked p, keys k
                  WHERE e.topic = p.topic AND e.event_key = p.event_key
                    AND k.topic = p.topic AND k.event_key = p.event_key
                    AND e.status = 'pending' AND e.id <= p.through AND e.id <= k.published_through
