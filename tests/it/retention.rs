@@ -203,8 +203,7 @@ async fn retention_runs_in_the_background() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requeue_racing_retention_keeps_counts_exact_and_never_deadlocks() {
     use mailroom::domain::admin::{ActionContext, RequeueRequest, Selection};
-    use mailroom::store::admin::AdminStore;
-    use mailroom::store::retention::{Finished, RetentionStore};
+    use mailroom::store::retention::Finished;
     const KEYS: i64 = 300;
     let (url, s) = quiet_pg().await;
     exec(
@@ -296,8 +295,7 @@ async fn requeue_racing_retention_keeps_counts_exact_and_never_deadlocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_requeue_behind_a_retention_round_counts_what_is_left() {
     use mailroom::domain::admin::{ActionContext, RequeueRequest, Selection};
-    use mailroom::store::admin::AdminStore;
-    use mailroom::store::retention::{Finished, RetentionStore};
+    use mailroom::store::retention::Finished;
     use sqlx::Connection;
     let (url, s) = quiet_pg().await;
     exec(
