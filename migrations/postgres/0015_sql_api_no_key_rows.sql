@@ -458,6 +458,61 @@ END $migration$;
 REVOKE ALL ON FUNCTION mailroom_order_lock(text, text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION mailroom_fingerprint_digest(text, text, bytea, jsonb, text, timestamptz, integer) FROM PUBLIC;
 
+-- The producer role is per database (issue 24, item 2, "Scope"): the cluster-wide
+-- `mailroom_producer` let a role granted it for one database enqueue into every database
+-- of the cluster with a mailroom. `mailroom_producer_role()` names this database's role:
+-- `mailroom_producer_<database>`, or `mailroom_producer_<16 hex of md5(database)>` when
+-- that would not fit PostgreSQL's 63 bytes. The migration creates it when it may (else a
+-- warning, and a DBA creates it: docs/sql-api.md, "Roles"), grants it the SQL API, and
+-- takes the grants away from `mailroom_producer` in this database, naming in a warning
+-- how many roles held it (they need the new role: GRANT mailroom_producer_<db> TO ...).
+CREATE FUNCTION mailroom_producer_role() RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT CASE WHEN octet_length('mailroom_producer_'::text || current_database()::text) <= 63
+            THEN 'mailroom_producer_'::text || current_database()::text
+            ELSE 'mailroom_producer_'::text || left(md5(current_database()::text), 16) END
+$$;
+
+DO $roles$
+DECLARE
+    r       text := mailroom_producer_role();
+    members bigint;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN
+        BEGIN
+            EXECUTE format('CREATE ROLE %I NOLOGIN', r);
+        EXCEPTION
+            WHEN duplicate_object OR unique_violation THEN NULL;
+            WHEN insufficient_privilege THEN
+                RAISE WARNING 'mailroom: cannot create role % (no CREATEROLE); see docs/sql-api.md', r;
+        END;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN
+        EXECUTE format('GRANT USAGE ON SCHEMA mailroom TO %I', r);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION mailroom.api_version(),
+            mailroom.enqueue(text, text, bytea, jsonb, text, text, timestamptz, integer),
+            mailroom.enqueue_batch(text[], text[], bytea[], jsonb[], text[], text[], timestamptz[], integer[])
+            TO %I', r);
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'mailroom_producer') THEN
+        REVOKE EXECUTE ON FUNCTION mailroom.api_version(),
+            mailroom.enqueue(text, text, bytea, jsonb, text, text, timestamptz, integer),
+            mailroom.enqueue_batch(text[], text[], bytea[], jsonb[], text[], text[], timestamptz[], integer[])
+            FROM mailroom_producer;
+        REVOKE USAGE ON SCHEMA mailroom FROM mailroom_producer;
+        SELECT count(*) INTO members FROM pg_auth_members a JOIN pg_roles g ON g.oid = a.roleid
+        WHERE g.rolname = 'mailroom_producer';
+        IF members > 0 THEN
+            RAISE WARNING 'mailroom: % role(s) hold the cluster-wide mailroom_producer, which no longer grants the SQL API in database %; grant them % instead (docs/sql-api.md, "Roles")',
+                members, current_database(), r;
+        END IF;
+    END IF;
+END $roles$;
+
+REVOKE ALL ON FUNCTION mailroom_producer_role() FROM PUBLIC;
+
 -- Relays of binaries before 0015 neither fold uncounted events nor respect order locks:
 -- they must not relay on this schema (their enqueues stay correct).
 INSERT INTO mailroom_schema_compat (version, min_binary_schema) VALUES (15, 15);

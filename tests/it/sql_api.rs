@@ -34,13 +34,22 @@ async fn admin(url: &str) -> sqlx::PgConnection {
     sqlx::PgConnection::connect(url).await.expect("connect")
 }
 
-/// An application login role that holds `mailroom_producer`, and its business table
-/// `orders`, in the database at `url` (migrated already). Returns the role's pool.
+/// The database's producer role (migration 0015: one per database).
+async fn producer_role(url: &str) -> String {
+    sqlx::query_scalar("SELECT mailroom_producer_role()")
+        .fetch_one(&mut admin(url).await)
+        .await
+        .unwrap()
+}
+
+/// An application login role that holds the database's producer role, and its business
+/// table `orders`, in the database at `url` (migrated already). Returns the role's pool.
 async fn app_role(url: &str) -> (String, PgPool) {
     let role = unique("app");
+    let producer = producer_role(url).await;
     let mut a = admin(url).await;
     for sql in [
-        format!("CREATE ROLE {role} LOGIN IN ROLE mailroom_producer"),
+        format!("CREATE ROLE {role} LOGIN IN ROLE \"{producer}\""),
         "CREATE TABLE IF NOT EXISTS orders (id BIGINT PRIMARY KEY, total INTEGER NOT NULL)"
             .to_string(),
         format!("GRANT SELECT, INSERT ON orders TO {role}"),
@@ -679,10 +688,14 @@ async fn the_producer_role_may_only_call_the_functions() {
             .await
             .unwrap();
     }
-    // The role is cluster-wide; the owner has no CREATEROLE, so it must exist already.
-    let _ = sqlx::query("CREATE ROLE mailroom_producer NOLOGIN")
-        .execute(&mut a)
-        .await;
+    // The owner has no CREATEROLE: the database's producer role must exist already, as
+    // a DBA would create it (docs/sql-api.md, "Roles").
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE \"mailroom_producer_{db}\" NOLOGIN"
+    )))
+    .execute(&mut a)
+    .await
+    .unwrap();
     let base = admin_url.rsplit_once('/').unwrap().0;
     let owner_url = as_user(&format!("{base}/{db}"), &owner);
     let s = Service::start(quiet_config(&owner_url)).await;
@@ -921,7 +934,10 @@ async fn a_python_psycopg_caller_and_the_orders_example() {
         .await
         .unwrap();
     for sql in [
-        format!("CREATE ROLE {shop_role} LOGIN IN ROLE mailroom_producer"),
+        format!(
+            "CREATE ROLE {shop_role} LOGIN IN ROLE \"{}\"",
+            producer_role(&url2).await
+        ),
         format!("GRANT SELECT, INSERT, UPDATE ON orders TO {shop_role}"),
     ] {
         sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -1497,4 +1513,54 @@ async fn operators_and_functions_planted_in_public_never_run() {
     );
     assert_eq!(outbox_rows(&url).await, 3);
     s.app.stop().await.unwrap();
+}
+
+/// Issue 24, item 2, "Scope": the producer role is per database. A role granted the
+/// producer role of one database enqueues there and gets `42501` in another database
+/// that has a mailroom too; the cluster-wide `mailroom_producer` (granted before
+/// migration 0015) no longer grants the SQL API anywhere. Before 0015, membership in
+/// `mailroom_producer` let a service enqueue into every database of the cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_role_works_in_its_own_database_only() {
+    let (url_a, s_a) = quiet_pg().await;
+    let (url_b, s_b) = quiet_pg().await;
+    let (role, pool_a) = app_role(&url_a).await;
+    let id: i64 = sqlx::query_scalar("SELECT mailroom.enqueue('t', 'k')")
+        .fetch_one(&pool_a)
+        .await
+        .unwrap();
+    assert!(id > 0);
+    let pool_b = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&as_user(&url_b, &role))
+        .await
+        .expect("PUBLIC may connect: the database is not what stops it");
+    let e = sqlx::query("SELECT mailroom.enqueue('t', 'k')")
+        .execute(&pool_b)
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&e).0, "42501", "{e}");
+    // The cluster-wide role of before grants nothing either.
+    let legacy = unique("legacy");
+    let _ = sqlx::query("CREATE ROLE mailroom_producer NOLOGIN")
+        .execute(&mut admin(&url_b).await)
+        .await;
+    exec(
+        &url_b,
+        &format!("CREATE ROLE {legacy} LOGIN IN ROLE mailroom_producer"),
+    )
+    .await;
+    let pool_legacy = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&as_user(&url_b, &legacy))
+        .await
+        .unwrap();
+    let e = sqlx::query("SELECT mailroom.enqueue('t', 'k')")
+        .execute(&pool_legacy)
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&e).0, "42501", "{e}");
+    assert_ne!(producer_role(&url_a).await, producer_role(&url_b).await);
+    s_a.app.stop().await.unwrap();
+    s_b.app.stop().await.unwrap();
 }

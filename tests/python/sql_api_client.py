@@ -3,7 +3,7 @@
 Usage: sql_api_client.py APP_URL
        sql_api_client.py --crash-child APP_URL ORDER_ID KEY APP_NAME   (internal)
 
-APP_URL connects as an application role holding `mailroom_producer`, with SELECT and
+APP_URL connects as an application role holding the database's producer role, with SELECT and
 INSERT on a table `orders (id bigint primary key, total integer)`. Prints one JSON line:
 what was committed (per key, payloads in commit order), rolled back and crashed, and the
 SQLSTATEs seen. tests/it/sql_api.rs drives it and checks Kafka against it.
