@@ -126,16 +126,36 @@ impl Health {
         const LAG_CHECK: Duration = Duration::from_secs(5);
         let mut lag_ok = true;
         let mut lag_checked: Option<std::time::Instant> = None;
+        // Why the lag could not be measured, while it cannot: logged once per change.
+        let mut lag_unknown: Option<String> = None;
         loop {
             if let Some(max) = max_lag
                 && lag_checked.is_none_or(|t| t.elapsed() >= LAG_CHECK)
             {
                 lag_checked = Some(std::time::Instant::now());
-                if let Ok(Ok(stats)) =
-                    tokio::time::timeout(LAG_CHECK, store.stats(BoxKind::Outbox, None)).await
-                {
-                    lag_ok = stats.oldest_pending_age.is_none_or(|age| age <= max);
+                // Fails safe: a lag that cannot be measured is not a lag within bounds.
+                let failure =
+                    match tokio::time::timeout(LAG_CHECK, store.stats(BoxKind::Outbox, None)).await
+                    {
+                        Ok(Ok(stats)) => {
+                            lag_ok = stats.oldest_pending_age.is_none_or(|age| age <= max);
+                            None
+                        }
+                        Ok(Err(e)) => Some(format!("the stats query failed: {e}")),
+                        Err(_) => Some(format!(
+                            "the stats query did not answer within {} s",
+                            LAG_CHECK.as_secs()
+                        )),
+                    };
+                if let Some(why) = &failure {
+                    lag_ok = false;
+                    if lag_unknown.is_none() {
+                        tracing::warn!(reason = %why, "readiness: the backlog's age cannot be measured; NOT_SERVING until it can");
+                    }
+                } else if lag_unknown.is_some() {
+                    tracing::info!("readiness: the backlog's age can be measured again");
                 }
+                lag_unknown = failure;
             }
             let db_ok = matches!(
                 tokio::time::timeout(interval.max(Duration::from_millis(500)), store.ping()).await,

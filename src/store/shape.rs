@@ -203,7 +203,8 @@ impl Shape {
     /// first requeued event of each key, and the events it passed that are still
     /// `pending` become `completed` rows of their own, with the publish time of their
     /// advance (the log rows above the new cursor go; the first of them is kept at the
-    /// new cursor when events below it still need its time). The key's pending count
+    /// new cursor when events below it still need its time, counting only those, so
+    /// the completed counts of migration 0016 stay exact). The key's pending count
     /// takes them in, so the count trigger's decrement for them nets to zero.
     fn lower_cursors() -> &'static str {
         "WITH r AS (
@@ -235,8 +236,12 @@ impl Shape {
             RETURNING p.topic, p.event_key, p.through, p.at, p.events, r.new),
          kept AS (
             INSERT INTO outbox_publishes (topic, event_key, through, at, events)
-            SELECT DISTINCT ON (topic, event_key) topic, event_key, new, at, events FROM dropped
-            ORDER BY topic, event_key, through
+            SELECT DISTINCT ON (d.topic, d.event_key) d.topic, d.event_key, d.new, d.at,
+                   d.events - (SELECT count(*) FROM outbox_events e
+                               WHERE e.topic = d.topic AND e.event_key = d.event_key
+                                 AND e.status = 'pending' AND e.id > d.new AND e.id <= d.through)
+            FROM dropped d
+            ORDER BY d.topic, d.event_key, d.through
             ON CONFLICT DO NOTHING)"
     }
 
@@ -273,6 +278,17 @@ impl Shape {
         let sub = self.sub("subscription");
         let filter = self.sub_filter("subscription", &p(1));
         let group_sub = self.group_sub();
+        let completed = if self.cursor {
+            format!(
+                "SELECT ''{t}, topic, 'completed', sum(n){i8} FROM outbox_completed_counts
+                 WHERE {filter} GROUP BY topic HAVING sum(n) <> 0"
+            )
+        } else {
+            format!(
+                "SELECT {sub}, topic, 'completed', count(*) FROM {events}
+                 WHERE status = 'completed' AND {filter} GROUP BY {group_sub}topic"
+            )
+        };
         match stmt {
             Shared::AuditOfRequest => format!(
                 "SELECT id, count, selection{t} AS selection FROM admin_audit
@@ -286,8 +302,10 @@ impl Shape {
                 self.candidate_columns(),
                 self.ids(1)
             ),
+            // A failed row reads failed in the view too (the cursor only completes
+            // pending rows): the table itself, through its partial index on failed rows.
             Shared::FailedByFilter => format!(
-                "SELECT {} FROM {rows} WHERE status = 'failed' AND {} ORDER BY id LIMIT {}",
+                "SELECT {} FROM {events} WHERE status = 'failed' AND {} ORDER BY id LIMIT {}",
                 self.candidate_columns(),
                 self.filter(1),
                 p(8)
@@ -315,9 +333,23 @@ impl Shape {
                 self.ids(1),
                 self.above_cursor(events)
             ),
+            // Failed events from the table through their partial index (the view's
+            // computed status has no index); other statuses through the view. The
+            // conditions on the parameter alone are one-time filters: only one branch
+            // reads rows.
             Shared::Events => format!(
-                "SELECT {listed} FROM {rows}
-                 WHERE ({a}{t} IS NULL OR status = {a}) AND ({b}{i8} IS NULL OR id < {b}) AND {f}
+                "SELECT * FROM (
+                    SELECT * FROM (
+                        SELECT {listed} FROM {events}
+                        WHERE {a}{t} = 'failed' AND status = 'failed'
+                          AND ({b}{i8} IS NULL OR id < {b}) AND {f}
+                        ORDER BY id DESC LIMIT {l}) failed
+                    UNION ALL
+                    SELECT * FROM (
+                        SELECT {listed} FROM {rows}
+                        WHERE ({a}{t} IS NULL OR {a}{t} <> 'failed')
+                          AND ({a}{t} IS NULL OR status = {a}) AND ({b}{i8} IS NULL OR id < {b}) AND {f}
+                        ORDER BY id DESC LIMIT {l}) other) e
                  ORDER BY id DESC LIMIT {l}",
                 a = p(1),
                 b = p(2),
@@ -331,8 +363,9 @@ impl Shape {
                 p(1),
                 p(2)
             ),
-            // Pending from the per-key counts (keyed) and the unkeyed index; the other
-            // statuses by one scan.
+            // Pending from the per-key counts (keyed) and the unkeyed index, failed
+            // through its partial index; completed from the counters of migration 0016
+            // where the box has cursors (PostgreSQL's outbox), else by one scan.
             Shared::StatsCounts => format!(
                 "SELECT {sub} AS subscription, topic, 'pending' AS status, sum(pending){i8} AS n
                  FROM {keys} WHERE pending > 0 AND {filter} GROUP BY {group_sub}topic
@@ -341,9 +374,11 @@ impl Shape {
                  WHERE status = 'pending' AND event_key IS NULL AND {filter}
                  GROUP BY {group_sub}topic
                  UNION ALL
-                 SELECT {sub}, topic, status, count(*) FROM {rows}
-                 WHERE status <> 'pending' AND {filter}
-                 GROUP BY {group_sub}topic, status"
+                 SELECT {sub}, topic, 'failed', count(*) FROM {events}
+                 WHERE status = 'failed' AND {filter}
+                 GROUP BY {group_sub}topic
+                 UNION ALL
+                 {completed}"
             ),
             Shared::StatsUnkeyed => format!(
                 "SELECT min(created_at) AS oldest FROM {events}

@@ -290,6 +290,55 @@ async fn readiness_drops_while_the_backlog_is_older_than_allowed() {
     s.app.stop().await.unwrap();
 }
 
+/// Issue 24, item 3: the lag check fails safe. With `ready_max_lag` set, a stats query
+/// that cannot answer (here `outbox_keys` locked by another session, so it waits past
+/// the check's 5 s) makes readiness `NOT_SERVING`; once it answers again (lock gone, no
+/// backlog) the server is `SERVING`. The database itself stays reachable throughout (the
+/// fault is the stats query alone). Before: the check kept its last verdict, `SERVING`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_drops_while_the_lag_cannot_be_measured() {
+    const SERVING: i32 = 1;
+    const NOT_SERVING: i32 = 2;
+    use sqlx::Connection;
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    c.ready_max_lag = Some(Duration::from_secs(60));
+    let s = Service::start(c).await;
+    let addr = s.app.addr;
+    assert_eq!(health_status(addr, "").await, Some(SERVING));
+    let mut locker = sqlx::PgConnection::connect(&url).await.unwrap();
+    let mut tx = locker.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox_keys IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    wait_health(
+        addr,
+        NOT_SERVING,
+        Duration::from_secs(30),
+        "NOT_SERVING while the stats query cannot answer",
+    )
+    .await;
+    // The fault is the stats query alone: the database still answers a ping.
+    let waiting = count_rows(
+        &url,
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .await;
+    assert!(waiting >= 1, "the stats query waits on the lock");
+    tx.rollback().await.unwrap();
+    wait_health(
+        addr,
+        SERVING,
+        Duration::from_secs(30),
+        "SERVING once the lag is measured again",
+    )
+    .await;
+    s.app.stop().await.unwrap();
+}
+
 // ---- Issue 11: guarantees under real faults -------------------------------------------
 
 /// Writes every event of its lines to `log` after `delay`, and acknowledges them.

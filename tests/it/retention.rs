@@ -283,6 +283,14 @@ async fn requeue_racing_retention_keeps_counts_exact_and_never_deadlocks() {
     assert_eq!(wrong, 0, "keys whose pending count is off");
     let pending = count_rows(&url, "SELECT sum(pending)::int8 FROM outbox_keys").await;
     assert_eq!(pending, KEYS, "each key holds its requeued event");
+    // GetStats' completed counters (migration 0016) agree with the rows.
+    let completed = count_rows(
+        &url,
+        "SELECT count(*) FROM outbox_events_view WHERE status = 'completed'",
+    )
+    .await;
+    let stats = s.app.store.stats(BoxKind::Outbox, None).await.unwrap();
+    assert_eq!(stats.completed, completed, "GetStats' completed count");
     s.app.stop().await.unwrap();
 }
 
@@ -376,6 +384,12 @@ async fn a_requeue_behind_a_retention_round_counts_what_is_left() {
         (pending, actual),
         (1, 1),
         "the key's count and its pending events"
+    );
+    let stats = s.app.store.stats(BoxKind::Outbox, None).await.unwrap();
+    assert_eq!(
+        (stats.completed, stats.failed),
+        (0, 0),
+        "GetStats after the race"
     );
     s.app.stop().await.unwrap();
 }

@@ -1127,6 +1127,26 @@ async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the
                     .unwrap()
             }
         };
+        // GetStats (counters on PostgreSQL, migration 0016) agrees with the rows.
+        let stats_agree = |when: &'static str| {
+            let store = store.clone();
+            async move {
+                let s = store.stats(BoxKind::Outbox, None).await.unwrap();
+                let count = |st| {
+                    let store = store.clone();
+                    async move { store.count_events(BoxKind::Outbox, Some(st)).await.unwrap() }
+                };
+                assert_eq!(
+                    (s.completed, s.failed, s.pending),
+                    (
+                        count(Status::Completed).await,
+                        count(Status::Failed).await,
+                        count(Status::Pending).await
+                    ),
+                    "{when}"
+                );
+            }
+        };
         // Cycle 1 takes two events: the first is published, the second rejected.
         let small = ClaimLimits {
             max_run: 2,
@@ -1192,6 +1212,7 @@ async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the
         if let Some(c) = cursor().await {
             assert_eq!(c, ids[4], "the cursor passed the failed event");
         }
+        stats_agree("published past the failed event").await;
 
         // The requeue puts the failed event back in line; the published ones stay
         // published, with their publish times.
@@ -1209,6 +1230,7 @@ async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the
         if let Some(c) = cursor().await {
             assert_eq!(c, ids[0], "the cursor dropped below the requeued event");
         }
+        stats_agree("after the requeue").await;
         for (i, &id) in ids.iter().enumerate() {
             let e = status(id).await;
             let want = if i == 1 {
@@ -1233,6 +1255,7 @@ async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the
         assert_eq!(report.applied, 1, "{engine:?}");
         assert_eq!(status(ids[1]).await.status, Status::Completed, "{engine:?}");
         assert_eq!(pending().await, 0, "{engine:?}");
+        stats_agree("the requeued event published").await;
         let c = store.claim(q, 5, small).await.unwrap();
         assert!(
             c.keyed.iter().all(|w| w.rows.is_empty()),
@@ -1257,6 +1280,7 @@ async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the
             "{engine:?}"
         );
         assert_eq!(store.prune_idle_keys(1000).await.unwrap(), 1, "{engine:?}");
+        stats_agree("after retention").await;
     }
 }
 
