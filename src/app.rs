@@ -336,11 +336,19 @@ impl App {
             schema.clone(),
             background.clone(),
         )));
+        let mtls = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some());
         let auth = Auth::new(
             config.tokens.clone(),
             !config.tokens.is_empty(),
             config.admin_token.as_deref(),
-        );
+        )
+        .with_mtls(mtls);
+        if mtls && config.tokens.is_empty() && config.admin_token.is_none() {
+            tracing::info!(
+                "mTLS without tokens: client certificates may enqueue and receive; the admin \
+                 service and the console's actions need a token (MAILROOM_TOKENS_FILE)"
+            );
+        }
         if config.open_on_network {
             tracing::warn!(
                 addr = %config.listen,

@@ -53,6 +53,7 @@ mod relay;
 mod retention;
 mod scale;
 mod sql_api;
+mod status_reads;
 mod wal;
 
 use infra::*;
@@ -70,6 +71,7 @@ const ALL: &[&str] = &[
     "relay-deep",
     "e2e",
     "list-pending",
+    "status-reads",
     "sql-api",
     "wal",
     "retention",
@@ -102,7 +104,7 @@ fn diag_writers() -> usize {
 )]
 struct Args {
     /// Scenarios, comma-separated: raw-pg, raw-kafka, raw-e2e, enqueue, batch, relay-keys,
-    /// relay-key, relay-deep, e2e, list-pending, sql-api, wal, scale; `relay` = the three relay
+    /// relay-key, relay-deep, e2e, list-pending, status-reads, sql-api, wal, scale; `relay` = the three relay
     /// scenarios, `all` = everything.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     scenarios: Vec<String>,
@@ -433,6 +435,7 @@ async fn main() -> anyhow::Result<()> {
                 .await
             }
             "list-pending" => bench.list_pending().await.map(|r| vec![r]),
+            "status-reads" => bench.status_reads().await,
             "sql-api" => bench.sql_api().await,
             "wal" => bench.wal().await,
             "retention" => bench.retention(sizes.retention).await,

@@ -45,6 +45,10 @@ pub enum Scope {
     /// `InboxService`: Receive and ListSubscriptions (no topic lists: the inbox does not
     /// check them).
     Inbox,
+    /// Event payloads in the admin reads (`GetEvent` with `include_payload`, the
+    /// console's event page): with `admin_read`, a reader who may see the data as well
+    /// as the backlog. `admin` includes it; no RPC needs it alone.
+    Payloads,
 }
 
 impl Scope {
@@ -55,13 +59,15 @@ impl Scope {
             Scope::Admin => "admin",
             Scope::AdminRead => "admin_read",
             Scope::Inbox => "inbox",
+            Scope::Payloads => "payloads",
         }
     }
 
     /// Whether this scope allows a call that needs `needed`: itself, and `admin`
     /// includes `admin_read`.
     pub fn covers(self, needed: Scope) -> bool {
-        self == needed || (self == Scope::Admin && needed == Scope::AdminRead)
+        self == needed
+            || (self == Scope::Admin && matches!(needed, Scope::AdminRead | Scope::Payloads))
     }
 }
 
@@ -155,6 +161,22 @@ pub fn load_tokens(path: &Path) -> Result<Vec<TokenEntry>, String> {
                 t.name
             ));
         }
+        // A topic or subscription list limits Enqueue and the inbox only; the admin reads
+        // show every topic and subscription, so a limited token with an admin scope would
+        // read what its list seems to forbid.
+        let admin = t
+            .scopes
+            .iter()
+            .any(|s| matches!(s, Scope::Admin | Scope::AdminRead | Scope::Payloads));
+        if admin && (t.topics.is_some() || t.subscriptions.is_some()) {
+            return Err(format!(
+                "{}: token {:?} has an admin scope and a topics or subscriptions list; the lists \
+                 limit enqueue and inbox only, and the admin reads cover every topic: give the \
+                 admin scopes a token of their own",
+                path.display(),
+                t.name
+            ));
+        }
     }
     let tokens = file.token;
     for (i, a) in tokens.iter().enumerate() {
@@ -177,6 +199,12 @@ pub const MIN_TOKEN_LEN: usize = 16;
 pub struct Principal {
     /// The token's name; `None`: no token was needed and none checked.
     pub name: Option<String>,
+    /// The verified client certificate's identity (its first DNS, URI or e-mail name,
+    /// else its subject's common name), over mTLS.
+    pub certificate: Option<String>,
+    /// Whether no token was needed for the admin scope either (an open server): the
+    /// caller sees payloads.
+    open_admin: bool,
     topics: Option<Arc<[String]>>,
     subscriptions: Option<Arc<[String]>>,
     /// The token's scopes (none for an anonymous caller).
@@ -188,9 +216,28 @@ impl Principal {
     pub fn anonymous() -> Self {
         Principal {
             name: None,
+            certificate: None,
+            open_admin: false,
             topics: None,
             subscriptions: None,
             scopes: Arc::new([]),
+        }
+    }
+
+    /// Whether this caller may see event payloads: an open server's caller, or a token
+    /// with `payloads` (which `admin` includes).
+    pub fn sees_payloads(&self) -> bool {
+        self.open_admin || self.has(Scope::Payloads)
+    }
+
+    /// Who this caller is, for the audit log: the token's name, the certificate's
+    /// identity, or both (`None`: neither).
+    pub fn audit_label(&self) -> Option<String> {
+        match (&self.name, &self.certificate) {
+            (Some(t), Some(c)) => Some(format!("{t} (certificate {c})")),
+            (Some(t), None) => Some(t.clone()),
+            (None, Some(c)) => Some(format!("certificate {c}")),
+            (None, None) => None,
         }
     }
 
@@ -284,6 +331,11 @@ pub struct Auth {
     open: Vec<Scope>,
 }
 
+/// What mTLS alone (client certificates, no token file) opens: the producer and inbox
+/// services, not the admin ones. A certificate proves who connects, not what an
+/// operator may do: the admin scopes need a token even then.
+const OPEN_WITH_MTLS: &[Scope] = &[Scope::Enqueue, Scope::Inbox];
+
 impl Auth {
     /// `tokens` from the token file (`file` says one was given) plus the legacy admin
     /// token.
@@ -307,6 +359,15 @@ impl Auth {
         Auth { tokens, open }
     }
 
+    /// With client certificates required (mTLS): the admin scopes are never open, even
+    /// without a token file (see [`OPEN_WITH_MTLS`]).
+    pub fn with_mtls(mut self, mtls: bool) -> Auth {
+        if mtls {
+            self.open.retain(|s| OPEN_WITH_MTLS.contains(s));
+        }
+        self
+    }
+
     /// Whether any scope is protected.
     pub fn enabled(&self) -> bool {
         !self.tokens.is_empty()
@@ -322,7 +383,10 @@ impl Auth {
             return Ok(Principal::anonymous());
         };
         if self.open.iter().any(|o| o.covers(scope)) {
-            return Ok(Principal::anonymous());
+            return Ok(Principal {
+                open_admin: self.open.contains(&Scope::Admin),
+                ..Principal::anonymous()
+            });
         }
         let given = authorization
             .and_then(|v| v.to_str().ok())
@@ -351,6 +415,8 @@ impl Auth {
         }
         Ok(Principal {
             name: Some(t.name.clone()),
+            certificate: None,
+            open_admin: false,
             topics: t.topics.clone().map(Into::into),
             subscriptions: t.subscriptions.clone().map(Into::into),
             scopes: t.scopes.clone().into(),
@@ -431,6 +497,24 @@ mod tests {
             tonic::Code::Ok
         );
         assert_eq!(code(None, None), tonic::Code::Ok);
+    }
+
+    #[test]
+    fn mtls_never_opens_the_admin_scopes_and_admin_includes_payloads() {
+        let open = Auth::new(vec![], false, None);
+        assert!(open.check(Some(Scope::Admin), None).is_ok());
+        assert!(
+            open.check(Some(Scope::AdminRead), None)
+                .unwrap()
+                .sees_payloads()
+        );
+        let mtls = Auth::new(vec![], false, None).with_mtls(true);
+        assert!(mtls.check(Some(Scope::Enqueue), None).is_ok());
+        assert!(mtls.check(Some(Scope::Inbox), None).is_ok());
+        assert!(mtls.check(Some(Scope::Admin), None).is_err());
+        assert!(mtls.check(Some(Scope::AdminRead), None).is_err());
+        assert!(Scope::Admin.covers(Scope::Payloads));
+        assert!(!Scope::AdminRead.covers(Scope::Payloads));
     }
 
     #[test]

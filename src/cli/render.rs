@@ -77,12 +77,26 @@ pub(super) fn audit_out(r: &pb::ListAuditResponse, json_out: bool) -> String {
             "next_page_token": r.next_page_token,
         }))
     } else {
-        let mut t = Table::new(&["ID", "AT", "ACTOR", "ACTION", "BOX", "COUNT", "SELECTION"]);
+        let mut t = Table::new(&[
+            "ID",
+            "AT",
+            "ACTOR",
+            "PRINCIPAL",
+            "ACTION",
+            "BOX",
+            "COUNT",
+            "SELECTION",
+        ]);
         for a in &r.entries {
             t.row(vec![
                 a.id.to_string(),
                 ts(a.at.as_ref()).unwrap_or_default(),
                 a.actor.clone(),
+                if a.principal.is_empty() {
+                    "-".into()
+                } else {
+                    a.principal.clone()
+                },
                 a.action.clone(),
                 box_name(a.r#box).into(),
                 a.count.to_string(),

@@ -110,6 +110,8 @@ pub struct Access {
     pub csrf: Option<String>,
     /// Logged in with the form (a session cookie) rather than a bearer header.
     pub via_session: bool,
+    /// May see payloads (an open console, or a token with `payloads` or `admin`).
+    pub sees_payloads: bool,
 }
 
 impl Access {
@@ -293,12 +295,16 @@ impl Console {
                 can_write: writable && auth.check(Some(Scope::Admin), None).is_ok(),
                 csrf: None,
                 via_session: false,
+                sees_payloads: auth
+                    .check(Some(Scope::AdminRead), None)
+                    .is_ok_and(|p| p.sees_payloads()),
             });
         }
         if let Some(h) = headers.get(header::AUTHORIZATION) {
             let p = auth.check(Some(Scope::AdminRead), Some(h)).ok()?;
             return Some(Access {
                 can_write: writable && p.has(Scope::Admin),
+                sees_payloads: p.sees_payloads(),
                 name: p.name,
                 csrf: None,
                 via_session: false,
@@ -316,6 +322,7 @@ impl Console {
         let p = auth.check(Some(Scope::AdminRead), Some(&value)).ok()?;
         Some(Access {
             can_write: writable && p.has(Scope::Admin),
+            sees_payloads: p.sees_payloads(),
             name: p.name,
             csrf: Some(csrf),
             via_session: true,
@@ -337,6 +344,7 @@ impl Console {
             can_write: access.can_write,
             logout: access.via_session,
             csrf: access.csrf.clone(),
+            sees_payloads: access.sees_payloads,
         }
     }
 }

@@ -22,6 +22,8 @@ pub struct Nav {
     pub can_write: bool,
     pub logout: bool,
     pub csrf: Option<String>,
+    /// Show payloads (the `payloads` scope, or `admin`, or an open console).
+    pub sees_payloads: bool,
 }
 
 /// The outcome of a requeue or cancel (dry run or done).

@@ -270,7 +270,7 @@ pub(super) async fn event(
     id: EventId,
 ) -> Result<Response, Error> {
     let admin = &c.inner.admin;
-    let d = admin.get_event(t.box_kind(), id, true).await?;
+    let d = admin.get_event(t.box_kind(), id, nav.sees_payloads).await?;
     if d.subscription.as_deref() != t.subscription() {
         return Err(Error::NotFound(format!("event {id}")));
     }

@@ -297,6 +297,201 @@ async fn tls_and_mutual_tls() {
     app.stop().await.unwrap();
 }
 
+/// Issue 25, item 3: identities decide what a caller may do.
+/// - mTLS alone (no token file): a client certificate may enqueue, but the admin service
+///   needs a token (before: every certificate got every scope, admin included).
+/// - mTLS with a token file: the audit log records the token *and* the certificate.
+/// - An admin token with a topic list is refused at start-up (before: the list was
+///   ignored and the token read every topic).
+/// - `admin_read` sees the backlog without payloads; `payloads` (or `admin`) adds them.
+#[tokio::test]
+async fn identities_decide_what_a_caller_may_do() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, pem: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, pem).unwrap();
+        p
+    };
+    let tls = mailroom::tls::ServerTls {
+        cert: write("server.pem", &pki.server_cert),
+        key: write("server.key", &pki.server_key),
+        client_ca: Some(write("ca.pem", &pki.ca)),
+    };
+    let mtls_channel = |addr: std::net::SocketAddr| {
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&pki.ca))
+            .domain_name("localhost")
+            .identity(Identity::from_pem(&pki.client_cert, &pki.client_key));
+        async move {
+            Channel::from_shared(format!("https://{addr}"))
+                .unwrap()
+                .tls_config(tls)
+                .unwrap()
+                .connect()
+                .await
+                .unwrap()
+        }
+    };
+
+    // mTLS alone.
+    let (url, _d) = fresh_sqlite();
+    let mut c = quiet_config(&url);
+    c.tls = Some(tls.clone());
+    let app = mailroom::app::App::start(c, CancellationToken::new())
+        .await
+        .unwrap();
+    let ch = mtls_channel(app.addr).await;
+    let id = OutboxServiceClient::new(ch.clone())
+        .enqueue(pb::EnqueueRequest {
+            event: Some(event("mtls", "k", b"x")),
+        })
+        .await
+        .expect("a client certificate may enqueue")
+        .into_inner()
+        .id;
+    let mut admin = AdminServiceClient::new(ch);
+    let cancel = |token: Option<&str>| {
+        with_token(
+            pb::CancelEventsRequest {
+                ids: vec![id],
+                reason: "test".into(),
+                operator: "alice".into(),
+                ..Default::default()
+            },
+            token,
+        )
+    };
+    assert_eq!(
+        code(admin.cancel_events(cancel(None)).await),
+        Code::Unauthenticated,
+        "a certificate alone is not an operator"
+    );
+    assert_eq!(
+        code(admin.get_stats(pb::GetStatsRequest::default()).await),
+        Code::Unauthenticated
+    );
+    app.stop().await.unwrap();
+
+    // mTLS and tokens: the audit log names both.
+    let (url, d2) = fresh_sqlite();
+    let mut c = quiet_config(&url);
+    c.tls = Some(tls.clone());
+    c.tokens = mailroom::api::auth::load_tokens(&token_file(d2.path())).unwrap();
+    let app = mailroom::app::App::start(c, CancellationToken::new())
+        .await
+        .unwrap();
+    let ch = mtls_channel(app.addr).await;
+    let id = OutboxServiceClient::new(ch.clone())
+        .enqueue(with_token(
+            pb::EnqueueRequest {
+                event: Some(event("orders", "k", b"x")),
+            },
+            Some(PRODUCER),
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let mut admin = AdminServiceClient::new(ch);
+    admin
+        .cancel_events(with_token(
+            pb::CancelEventsRequest {
+                ids: vec![id],
+                reason: "test".into(),
+                operator: "alice".into(),
+                ..Default::default()
+            },
+            Some(ADMIN),
+        ))
+        .await
+        .unwrap();
+    let audit = admin
+        .list_audit(with_token(pb::ListAuditRequest::default(), Some(ADMIN)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(audit.entries[0].principal, "ops (certificate client)");
+    app.stop().await.unwrap();
+
+    // An admin token with a topic list is refused when the file is read.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[[token]]\nname = \"orders-reader\"\ntoken = \"orders-reader-0123456789\"\n\
+         scopes = [\"admin_read\"]\ntopics = [\"orders\"]\n",
+    )
+    .unwrap();
+    let err = mailroom::api::auth::load_tokens(&bad).unwrap_err();
+    assert!(
+        err.contains("orders-reader") && err.contains("admin"),
+        "{err}"
+    );
+
+    // Payloads are a scope of their own.
+    let (url, d3) = fresh_sqlite();
+    let mut c = quiet_config(&url);
+    let tokens = d3.path().join("tokens.toml");
+    std::fs::write(
+        &tokens,
+        format!(
+            "{}\n[[token]]\nname = \"viewer\"\ntoken = \"viewer-0123456789abc\"\nscopes = [\"admin_read\"]\n\
+             \n[[token]]\nname = \"support\"\ntoken = \"support-0123456789abc\"\nscopes = [\"admin_read\", \"payloads\"]\n",
+            std::fs::read_to_string(token_file(d3.path())).unwrap()
+        ),
+    )
+    .unwrap();
+    c.tokens = mailroom::api::auth::load_tokens(&tokens).unwrap();
+    let mut s = Service::start(c).await;
+    let id = s
+        .client
+        .enqueue(with_token(
+            pb::EnqueueRequest {
+                event: Some(event("orders", "k", b"secret")),
+            },
+            Some(PRODUCER),
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let mut admin = AdminServiceClient::new(channel(s.app.addr).await);
+    let get = |include_payload: bool, token: &str| {
+        with_token(
+            pb::GetEventRequest {
+                id,
+                include_payload,
+                ..Default::default()
+            },
+            Some(token),
+        )
+    };
+    let viewer = "viewer-0123456789abc";
+    let e = admin
+        .get_event(get(false, viewer))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        e.event.unwrap().payload.is_empty(),
+        "the backlog without the data"
+    );
+    assert_eq!(
+        code(admin.get_event(get(true, viewer)).await),
+        Code::PermissionDenied
+    );
+    for token in ["support-0123456789abc", ADMIN] {
+        let e = admin
+            .get_event(get(true, token))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(e.event.unwrap().payload, b"secret", "{token}");
+    }
+    s.app.stop().await.unwrap();
+}
+
 /// Runs the binary with secrets in its settings until it exits or `run_for` passes
 /// (then SIGTERM); returns stdout and stderr together.
 async fn run_binary(envs: &[(&str, &str)], args: &[&str], run_for: Duration) -> String {

@@ -7,7 +7,7 @@ mod requests;
 
 use tonic::{Request, Response, Status};
 
-use super::auth::{LEGACY_ADMIN_TOKEN, Principal};
+use super::auth::{LEGACY_ADMIN_TOKEN, Principal, Scope};
 use crate::admin::{Admin, encode_token};
 use crate::domain::admin::{ActionContext, EventsQuery};
 use crate::error::Error;
@@ -48,7 +48,7 @@ impl Caller {
     /// The caller acting as `operator`; the request fills in the dry run and request id.
     fn context(&self, operator: &str) -> ActionContext {
         ActionContext {
-            principal: self.principal.name.clone(),
+            principal: self.principal.audit_label(),
             ..ActionContext::by(self.actor(operator))
         }
     }
@@ -125,9 +125,18 @@ impl pb::admin_service_server::AdminService for AdminApi {
         &self,
         request: Request<pb::GetEventRequest>,
     ) -> Result<Response<pb::GetEventResponse>, Status> {
-        self.authorize(request.extensions())?;
+        let caller = self.authorize(request.extensions())?;
         let r = request.into_inner();
         let b = box_kind(r.r#box)?;
+        if r.include_payload && !caller.principal.sees_payloads() {
+            return Err(Error::PermissionDenied {
+                message: "this token may read the backlog but not payloads: include_payload \
+                          needs the payloads scope (or admin)"
+                    .into(),
+                required_scope: Some(Scope::Payloads.name()),
+            }
+            .into());
+        }
         let d = self.admin.get_event(b, r.id, r.include_payload).await?;
         Ok(Response::new(pb::GetEventResponse {
             event: Some(event_info(d)),

@@ -34,11 +34,37 @@ impl Middleware for Authenticate {
     {
         let scope = required_scope(req.uri().path());
         match self.auth.check(scope, req.headers().get("authorization")) {
-            Ok(principal) => {
+            Ok(mut principal) => {
+                principal.certificate = certificate_identity(req.extensions());
                 req.extensions_mut().insert(principal);
                 Box::pin(inner.call(req))
             }
             Err(status) => Box::pin(async move { Ok(status.into_http()) }),
         }
     }
+}
+
+/// The verified client certificate's identity (mTLS): its first DNS, URI or e-mail
+/// subject alternative name, else its subject's common name. `None` without a client
+/// certificate (tonic verified it against the client CA before any request).
+fn certificate_identity(ext: &http::Extensions) -> Option<String> {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    use x509_parser::extensions::GeneralName;
+    let certs = ext.get::<TlsConnectInfo<TcpConnectInfo>>()?.peer_certs()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?.as_ref()).ok()?;
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for name in &san.value.general_names {
+            match name {
+                GeneralName::DNSName(n) | GeneralName::URI(n) | GeneralName::RFC822Name(n) => {
+                    return Some((*n).to_string());
+                }
+                _ => {}
+            }
+        }
+    }
+    cert.subject()
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .map(str::to_string)
 }

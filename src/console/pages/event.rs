@@ -92,7 +92,8 @@ pub fn event(nav: &Nav, t: &Target, d: &EventDetail, line: &[EventDetail]) -> Ma
                 table #headers { tbody { @for (k, v) in &e.headers { tr { th { code { (k) } } td { code { (v) } } } } } }
             }
             h2 { "Payload" }
-            (payload_preview(&e.payload, &e.headers))
+            @if nav.sees_payloads { (payload_preview(&e.payload, &e.headers)) }
+            @else { p.muted #payload-hidden { "hidden: this token may read the backlog, not payloads (it needs the payloads scope)" } }
             @if !line.is_empty() {
                 h2 { "Its key's line" }
                 p.muted { "The key's newest events and those just before this one, newest first." }

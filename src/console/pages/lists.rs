@@ -230,13 +230,14 @@ pub fn audit(nav: &Nav, page: &AuditPage) -> Markup {
             h1 { "Audit log" }
             @if page.entries.is_empty() { p.muted { "No operator actions yet." } } @else {
                 table #audit {
-                    thead { tr { th { "#" } th { "at" } th { "actor" } th { "action" } th { "box" } th { "count" } th { "selection" } } }
+                    thead { tr { th { "#" } th { "at" } th { "actor" } th { "principal" } th { "action" } th { "box" } th { "count" } th { "selection" } } }
                     tbody {
                         @for a in &page.entries {
                             tr {
                                 td { (a.id) }
                                 td { (time(a.at)) }
                                 td { (a.actor) }
+                                td.principal { (a.principal.as_deref().unwrap_or("—")) }
                                 td { (a.action) }
                                 td { (a.box_kind.as_str()) }
                                 td.num { (a.count) }
