@@ -14,7 +14,7 @@ use tonic_health::ServingStatus;
 use crate::admin::Admin;
 use crate::api::admin::AdminApi;
 use crate::api::auth::Auth;
-use crate::api::layers::{AuthLayer, OverloadLayer, RpcLogLayer};
+use crate::api::layers::{AuthLayer, ByteAdmissionLayer, OverloadLayer, RpcLogLayer};
 use crate::api::outbox::{OutboxApi, OutboxLimits};
 use crate::config::{Config, redact_url};
 use crate::domain::Queue;
@@ -420,6 +420,7 @@ impl App {
         );
         let server_health = health.clone();
         let overload = OverloadLayer::new(config.overload);
+        let admission = ByteAdmissionLayer::new(config.overload.max_request_bytes);
         let rpc_log = RpcLogLayer::new(metrics.clone());
         let task = tokio::spawn(async move {
             let signal = {
@@ -441,11 +442,13 @@ impl App {
                 builder = builder.tls_config(tls).context("TLS configuration")?;
             }
             // Outermost first: log and count every answer, then authenticate, then
-            // admit (concurrency limit, timeout) only what is allowed.
+            // admit (concurrency limit, timeout, then request bytes in flight) only what
+            // is allowed.
             let server = builder
                 .layer(rpc_log)
                 .layer(AuthLayer::new(auth))
                 .layer(overload)
+                .layer(admission)
                 .add_service(health_service)
                 .add_service(reflection)
                 .add_service(reflection_v1alpha)

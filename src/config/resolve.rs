@@ -95,6 +95,7 @@ impl Config {
                 max_concurrent_rpcs: s.max_concurrent_rpcs.unwrap_or(1024),
                 rpc_timeout: Some(Duration::from_millis(s.rpc_timeout_ms.unwrap_or(30_000)))
                     .filter(|d| !d.is_zero()),
+                max_request_bytes: request_bytes_in_flight(&s, max_batch_bytes)?,
             },
             database_acquire_timeout: Duration::from_millis(
                 s.database_acquire_timeout_ms.unwrap_or(3000).max(10),
@@ -298,6 +299,20 @@ fn limits(s: &Settings, retry: RetryPolicy, sink: &SinkConfig) -> Result<Limits,
         return Err(bad("max_batch (MAILROOM_MAX_BATCH)", "must be 1..=100000"));
     }
     Ok(limits)
+}
+
+/// The budget of request bytes in flight: one largest batch must fit (0 turns it off).
+fn request_bytes_in_flight(s: &Settings, max_batch_bytes: usize) -> Result<usize, ConfigError> {
+    let bytes = s
+        .max_request_bytes_in_flight
+        .unwrap_or(max_batch_bytes.saturating_mul(2));
+    if bytes != 0 && (bytes < max_batch_bytes || bytes > u32::MAX as usize) {
+        return Err(bad(
+            "max_request_bytes_in_flight (MAILROOM_MAX_REQUEST_BYTES_IN_FLIGHT)",
+            format!("must be 0 (no limit) or {max_batch_bytes}..=4294967295 (one batch must fit)"),
+        ));
+    }
+    Ok(bytes)
 }
 
 /// The largest `EnqueueBatch` request, and the group commit in front of the database.

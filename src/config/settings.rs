@@ -215,6 +215,11 @@ pub struct Settings {
     /// 0 = no limit [default: 1024].
     #[arg(long, env = "MAILROOM_MAX_CONCURRENT_RPCS", global = true)]
     pub max_concurrent_rpcs: Option<usize>,
+    /// Bytes of requests in flight at once, by their gRPC length prefix, before they are
+    /// read; beyond it RESOURCE_EXHAUSTED with a retry delay. At least max_batch_bytes;
+    /// 0 = no limit [default: twice max_batch_bytes, 128 MiB].
+    #[arg(long, env = "MAILROOM_MAX_REQUEST_BYTES_IN_FLIGHT", global = true)]
+    pub max_request_bytes_in_flight: Option<usize>,
     /// Server-side time limit of an RPC in ms, answered UNAVAILABLE; 0 = none
     /// [default: 30000].
     #[arg(long, env = "MAILROOM_RPC_TIMEOUT_MS", global = true)]
@@ -351,6 +356,7 @@ impl Settings {
             tls_key,
             tls_client_ca,
             max_concurrent_rpcs,
+            max_request_bytes_in_flight,
             rpc_timeout_ms,
             database_acquire_timeout_ms,
             database_statement_timeout_ms,

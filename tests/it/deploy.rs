@@ -483,3 +483,42 @@ fn the_image_defaults_refuse_to_serve_without_tokens() {
     assert_eq!(code, None, "still running when killed: {stderr}");
     assert!(stderr.contains("allow-unauthenticated"), "warned: {stderr}");
 }
+
+/// Issue 25, item 4: the Deployment's memory limit covers the byte budgets its settings
+/// give: about 64 MiB for the process, plus twice the request bytes in flight
+/// (`MAILROOM_MAX_REQUEST_BYTES_IN_FLIGHT`, default twice `MAILROOM_MAX_BATCH_BYTES`):
+/// each admitted request is held encoded while it is decoded. (Measured: eight
+/// concurrent 60 MiB batches peak at ~270 MiB with the default budget of 128 MiB,
+/// `byte_budgets::concurrent_large_batches_are_admitted_by_bytes`.)
+#[test]
+fn the_pod_memory_limit_covers_the_byte_budgets() {
+    const MIB: u64 = 1024 * 1024;
+    let m = manifests();
+    let setting = |name: &str| -> Option<u64> {
+        m["ConfigMap"]["data"]
+            .as_mapping()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| s(k) == name)
+            .map(|(_, v)| s(v).parse().expect("a number of bytes"))
+    };
+    let batch = setting("MAILROOM_MAX_BATCH_BYTES").unwrap_or(64 * MIB);
+    let in_flight = setting("MAILROOM_MAX_REQUEST_BYTES_IN_FLIGHT").unwrap_or(2 * batch);
+    assert!(
+        in_flight > 0,
+        "the shipped settings keep the byte budget on"
+    );
+    let container = &m["Deployment"]["spec"]["template"]["spec"]["containers"][0];
+    let limit = s(&container["resources"]["limits"]["memory"]);
+    let limit: u64 = match limit.strip_suffix("Mi") {
+        Some(n) => n.parse::<u64>().unwrap() * MIB,
+        None => limit.strip_suffix("Gi").unwrap().parse::<u64>().unwrap() * 1024 * MIB,
+    };
+    let needed = 64 * MIB + 2 * in_flight;
+    assert!(
+        needed <= limit,
+        "the pod's {} MiB limit is below the {} MiB the settings allow",
+        limit / MIB,
+        needed / MIB
+    );
+}

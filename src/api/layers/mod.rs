@@ -1,8 +1,9 @@
 //! The tower layers every RPC passes through, outermost first: `rpc_log` (span, log
 //! line, metrics), `authenticate` (token and scope), `overload` (concurrency limit,
-//! deadline). Each is a `Middleware`, what it does around one request; `MiddlewareLayer`
+//! deadline), `admission` (request bytes in flight, from the gRPC length prefix). Each is a `Middleware`, what it does around one request; `MiddlewareLayer`
 //! makes any of them a tower layer, so the Layer/Service plumbing is written once.
 
+mod admission;
 mod authenticate;
 mod overload;
 mod rpc_log;
@@ -14,6 +15,7 @@ use std::task::{Context, Poll};
 use tonic::codegen::http;
 use tower::{Layer, Service};
 
+pub use admission::{ByteAdmission, ByteAdmissionLayer};
 pub use authenticate::{AuthLayer, Authenticate};
 pub use overload::{Overload, OverloadConfig, OverloadLayer};
 pub use rpc_log::{RpcLog, RpcLogLayer};

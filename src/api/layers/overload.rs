@@ -26,6 +26,8 @@ pub struct OverloadConfig {
     pub max_concurrent_rpcs: usize,
     /// Longest an RPC may run in the server.
     pub rpc_timeout: Option<Duration>,
+    /// Request bytes in flight at once (`admission`); 0 = no limit.
+    pub max_request_bytes: usize,
 }
 
 impl Default for OverloadConfig {
@@ -33,6 +35,7 @@ impl Default for OverloadConfig {
         OverloadConfig {
             max_concurrent_rpcs: 1024,
             rpc_timeout: Some(Duration::from_secs(30)),
+            max_request_bytes: 128 * 1024 * 1024,
         }
     }
 }
