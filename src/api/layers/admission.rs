@@ -36,9 +36,7 @@ pub struct ByteAdmissionLayer {
 impl ByteAdmissionLayer {
     /// A budget of `bytes` (0: no limit).
     pub fn new(bytes: usize) -> Self {
-        let total = u32::try_from(bytes)
-            .unwrap_or(u32::MAX)
-            .min(Semaphore::MAX_PERMITS as u32);
+        let total = u32::try_from(bytes.min(Semaphore::MAX_PERMITS)).unwrap_or(u32::MAX);
         ByteAdmissionLayer {
             budget: (bytes > 0).then(|| Arc::new(Semaphore::new(total as usize))),
             total,
