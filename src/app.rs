@@ -42,9 +42,10 @@ pub async fn pg_pool(
     statement_timeout: Option<std::time::Duration>,
     max_connections: u32,
 ) -> anyhow::Result<sqlx::PgPool> {
-    let redacted = redact_url(&config.database_url);
+    let redacted = redact_url(&config.database_url.0);
     let mut opts: sqlx::postgres::PgConnectOptions = config
         .database_url
+        .0
         .parse()
         .map_err(|_| anyhow::anyhow!("{redacted} is not a valid PostgreSQL URL"))?;
     if let Some(t) = statement_timeout {
@@ -92,9 +93,9 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
         Arc::new(store)
     } else {
         let store = Arc::new(
-            SqliteStore::connect(&config.database_url)
+            SqliteStore::connect(&config.database_url.0)
                 .await
-                .with_context(|| format!("opening {}", config.database_url))?,
+                .with_context(|| format!("opening {}", redact_url(&config.database_url.0)))?,
         );
         if config.migrate {
             store.migrate().await.context("running migrations")?;
@@ -263,7 +264,7 @@ impl App {
         if config.is_postgres() && config.listen_notify {
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(2)
-                .connect_lazy(&config.database_url)
+                .connect_lazy(&config.database_url.0)
                 .context("LISTEN/NOTIFY pool")?;
             let trigger = Arc::new(tokio::sync::Notify::new());
             wakeup.set_remote(trigger.clone());
@@ -340,7 +341,7 @@ impl App {
         let auth = Auth::new(
             config.tokens.clone(),
             !config.tokens.is_empty(),
-            config.admin_token.as_deref(),
+            config.admin_token.as_ref().map(|t| t.0.as_str()),
         )
         .with_mtls(mtls);
         if mtls && config.tokens.is_empty() && config.admin_token.is_none() {
@@ -408,7 +409,7 @@ impl App {
         tracing::info!(
             %addr,
             store = store.engine(),
-            database = %redact_url(&config.database_url),
+            database = %redact_url(&config.database_url.0),
             sink = match &config.sink { SinkConfig::Kafka { .. } => "kafka", SinkConfig::Local { .. } => "local" },
             relays = config.relays,
             tls = config.tls.is_some(),

@@ -4,7 +4,7 @@
 //! failed ones, with default settings and relays off. The history is generated in SQL
 //! the way the relays leave it: per key, events published by the cursor (rows still
 //! `pending` at or below `published_through`, one `outbox_publishes` row per advance of
-//! 100 events), and one failed event every 1,000 ids.
+//! 100 events), and one failed event every 1,001 ids.
 
 use super::*;
 
@@ -26,9 +26,9 @@ impl Bench {
                      max_attempts, scheduled_at, status, attempts, last_error, created_at,
                      updated_at, published_at)
                  SELECT $1, 'key-' || (i % $3), $4, '{}'::jsonb, $5, 6, now() - interval '1 hour',
-                        CASE WHEN i % 1000 = 999 THEN 'failed' ELSE 'pending' END,
-                        CASE WHEN i % 1000 = 999 THEN 6 ELSE 0 END,
-                        CASE WHEN i % 1000 = 999 THEN 'broker refused the record' END,
+                        CASE WHEN i % 1001 = 1000 THEN 'failed' ELSE 'pending' END,
+                        CASE WHEN i % 1001 = 1000 THEN 6 ELSE 0 END,
+                        CASE WHEN i % 1001 = 1000 THEN 'broker refused the record' END,
                         now() - interval '1 hour', now() - interval '1 hour', NULL
                  FROM generate_series(0, $2 - 1) AS i ORDER BY i",
             )

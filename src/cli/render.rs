@@ -164,6 +164,24 @@ pub fn age(d: Duration) -> String {
     }
 }
 
+/// `s` with every character that could steer a terminal written as an escape (`\u{1b}`):
+/// control characters (ESC, CR, LF, BEL, …) and the invisible formatting ones (bidi
+/// overrides, zero-width characters) that make text read differently from what it is.
+/// Producers and handlers write topics, keys, headers and errors; an operator's
+/// terminal must show them, not obey them.
+pub fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        let formatting = matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}');
+        if c.is_control() || formatting {
+            out.push_str(&c.escape_unicode().to_string());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// At most `max` characters, on one line, with `…` when cut.
 pub fn truncate(s: &str, max: usize) -> String {
     let one_line: String = s
@@ -236,10 +254,11 @@ impl Table {
         if inbox {
             r.insert(0, sub.to_string());
         }
-        self.rows.push(r);
+        self.row(r);
     }
+    /// Cells are producer- or handler-controlled text: escaped (see [`escape`]).
     fn row(&mut self, r: Vec<String>) {
-        self.rows.push(r);
+        self.rows.push(r.iter().map(|c| escape(c)).collect());
     }
     fn render(&self) -> String {
         let n = self.rows[0].len();
@@ -385,7 +404,9 @@ pub(super) fn event_text(e: &pb::EventInfo, with_payload: bool, inbox: bool) -> 
     let mut headers: Vec<_> = e.headers.iter().collect();
     headers.sort();
     let mut out = String::new();
-    let mut field = |k: &str, v: String| out.push_str(&format!("{k:<16}{v}\n"));
+    // Every value is producer- or handler-controlled text: escaped, so that none can
+    // drive the operator's terminal.
+    let mut field = |k: &str, v: String| out.push_str(&format!("{k:<16}{}\n", escape(&v)));
     field("id", e.id.to_string());
     if inbox {
         field("subscription", e.subscription.clone());
@@ -530,5 +551,34 @@ mod tests {
         assert_eq!(truncate("short", 10), "short");
         assert_eq!(truncate("a\nb", 10), "a b");
         assert_eq!(truncate("0123456789abc", 5), "0123…");
+    }
+}
+
+#[cfg(test)]
+mod escape_tests {
+    use super::*;
+
+    #[test]
+    fn terminal_control_is_shown_not_obeyed() {
+        let hostile = "boom\u{1b}]0;pwned\u{7}\r\ncleared\u{202e}txt.exe";
+        let shown = escape(hostile);
+        assert!(
+            !shown.chars().any(|c| c.is_control() || c == '\u{202e}'),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("\\u{1b}") && shown.contains("\\u{202e}"),
+            "{shown}"
+        );
+        let mut t = Table::new(&["LAST ERROR"]);
+        t.row(vec![hostile.to_string()]);
+        assert!(!t.render().contains('\u{1b}'));
+        let e = pb::EventInfo {
+            last_error: hostile.into(),
+            topic: "t\u{1b}[2J".into(),
+            ..Default::default()
+        };
+        let text = event_text(&e, false, false);
+        assert!(!text.contains('\u{1b}') && !text.contains('\r'), "{text}");
     }
 }

@@ -20,13 +20,15 @@ mod tests;
 
 pub use settings::{Settings, SubscriptionSettings};
 
+use crate::secret::Secret;
+
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
     /// gRPC listen address.
     pub listen: SocketAddr,
     /// `sqlite://FILE` (embedded) or `postgres://…`.
-    pub database_url: String,
+    pub database_url: Secret,
     /// PostgreSQL connections of the enqueue pool; the others are sized from it.
     pub database_max_connections: u32,
     /// Run the migrations at start-up.
@@ -72,7 +74,7 @@ pub struct Config {
     /// Fault injection in the inbox consumers (testing only).
     pub inbox_faults: crate::inbox::consumer::ConsumerFaults,
     /// Token the AdminService requires; `None`: no token.
-    pub admin_token: Option<String>,
+    pub admin_token: Option<Secret>,
     /// Serving unauthenticated RPCs on a non-loopback address (only with
     /// `--allow-unauthenticated`; warned at start-up).
     pub open_on_network: bool,
@@ -140,7 +142,7 @@ impl Config {
 
     /// Applies defaults and validates.
     pub fn is_postgres(&self) -> bool {
-        self.database_url.starts_with("postgres")
+        self.database_url.0.starts_with("postgres")
     }
 }
 

@@ -23,7 +23,8 @@ use crate::tls::{ClientTls, ServerTls};
 
 impl Config {
     /// Applies defaults and validates.
-    pub fn resolve(s: Settings) -> Result<Config, ConfigError> {
+    pub fn resolve(mut s: Settings) -> Result<Config, ConfigError> {
+        secrets_from_files(&mut s)?;
         let listen_s = s.listen.as_deref().unwrap_or("127.0.0.1:50051");
         let listen: SocketAddr = listen_s.parse().map_err(|_| {
             bad(
@@ -81,7 +82,7 @@ impl Config {
                 task_panic: s.fault_task_panic.clone().filter(|m| !m.is_empty()),
             },
             open_on_network: !listen.ip().is_loopback() && !access.authenticated,
-            admin_token: access.admin_token,
+            admin_token: access.admin_token.map(crate::secret::Secret),
             tokens: access.tokens,
             subscriptions: subscriptions(&s, retry)?,
             metrics_listen,
@@ -103,7 +104,7 @@ impl Config {
             database_timeouts: database_timeouts(&s),
             retention: retention(&s)?,
             sink,
-            database_url,
+            database_url: crate::secret::Secret(database_url),
         })
     }
 }
@@ -117,6 +118,68 @@ fn address(setting: &'static str, value: Option<&str>) -> Result<Option<SocketAd
             .map(Some)
             .map_err(|_| bad(setting, format!("{a:?} is not host:port with an IP host"))),
     }
+}
+
+/// Reads the `*_FILE` forms of the settings that hold secrets (issue 25, item 5), so
+/// that manifests mount them from a secret instead of putting them in the environment
+/// (`ps e`, `kubectl describe`) or on the command line (`ps`). A file holds the value
+/// alone (one trailing newline is dropped); Kafka's holds `key=value` lines (`#`
+/// comments), added to `MAILROOM_KAFKA_PROPERTIES`. A value given both ways is refused.
+fn secrets_from_files(s: &mut Settings) -> Result<(), ConfigError> {
+    fn read(path: &PathBuf, setting: &'static str) -> Result<String, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad(setting, format!("cannot read {}: {e}", path.display())))?;
+        let value = text.strip_suffix('\n').unwrap_or(&text);
+        let value = value.strip_suffix('\r').unwrap_or(value);
+        if value.is_empty() {
+            return Err(bad(setting, format!("{} is empty", path.display())));
+        }
+        Ok(value.to_string())
+    }
+    fn both(setting: &'static str) -> ConfigError {
+        bad(setting, "given both as a value and as a file: set one")
+    }
+    if let Some(p) = &s.database_url_file {
+        const SETTING: &str = "database_url_file (MAILROOM_DATABASE_URL_FILE)";
+        if s.database_url.is_some() {
+            return Err(both(SETTING));
+        }
+        s.database_url = Some(read(p, SETTING)?);
+    }
+    if let Some(p) = &s.admin_token_file {
+        const SETTING: &str = "admin_token_file (MAILROOM_ADMIN_TOKEN_FILE)";
+        if s.admin_token.is_some() {
+            return Err(both(SETTING));
+        }
+        s.admin_token = Some(read(p, SETTING)?);
+    }
+    if let Some(p) = &s.kafka_properties_file {
+        const SETTING: &str = "kafka_properties_file (MAILROOM_KAFKA_PROPERTIES_FILE)";
+        // May be empty: no extra properties.
+        let text = std::fs::read_to_string(p)
+            .map_err(|e| bad(SETTING, format!("cannot read {}: {e}", p.display())))?;
+        let mut props = s.kafka_properties.clone().unwrap_or_default();
+        for line in text.lines().map(str::trim) {
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            // The line is not echoed: it may hold the secret.
+            let (k, v) = line
+                .split_once('=')
+                .ok_or_else(|| bad(SETTING, "a line is not key=value"))?;
+            if props
+                .insert(k.trim().to_string(), v.trim().to_string())
+                .is_some()
+            {
+                return Err(bad(
+                    SETTING,
+                    format!("{:?} is also in MAILROOM_KAFKA_PROPERTIES", k.trim()),
+                ));
+            }
+        }
+        s.kafka_properties = Some(props);
+    }
+    Ok(())
 }
 
 fn database_url(s: &Settings) -> Result<String, ConfigError> {

@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 /// Settings as given on the command line or in the environment. Every field is optional
 /// so that the file and the defaults can fill the gaps.
-#[derive(Debug, Clone, Default, Args, Deserialize)]
+#[derive(Clone, Default, Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
     /// TOML configuration file (lowest precedence after defaults).
@@ -27,6 +27,10 @@ pub struct Settings {
         hide_env_values = true
     )]
     pub database_url: Option<String>,
+    /// A file holding the database URL (a mounted secret), instead of
+    /// MAILROOM_DATABASE_URL.
+    #[arg(long, env = "MAILROOM_DATABASE_URL_FILE", global = true)]
+    pub database_url_file: Option<PathBuf>,
     /// Database connection pool size (PostgreSQL) [default: 16].
     #[arg(long, env = "MAILROOM_DATABASE_MAX_CONNECTIONS", global = true)]
     pub database_max_connections: Option<u32>,
@@ -44,6 +48,10 @@ pub struct Settings {
     /// sasl.*, ssl.*, linger.ms, …). Idempotence and acks=all are always kept.
     #[arg(long, env = "MAILROOM_KAFKA_PROPERTIES", global = true, value_parser = parse_properties, hide_env_values = true)]
     pub kafka_properties: Option<BTreeMap<String, String>>,
+    /// A file of extra librdkafka properties, `key=value` per line (`sasl.password`,
+    /// …), added to MAILROOM_KAFKA_PROPERTIES.
+    #[arg(long, env = "MAILROOM_KAFKA_PROPERTIES_FILE", global = true)]
+    pub kafka_properties_file: Option<PathBuf>,
     /// Kafka delivery timeout in ms; a delivery not acknowledged by then is a transient
     /// failure [default: 15000].
     #[arg(long, env = "MAILROOM_KAFKA_MESSAGE_TIMEOUT_MS", global = true)]
@@ -169,6 +177,9 @@ pub struct Settings {
         hide_env_values = true
     )]
     pub admin_token: Option<String>,
+    /// A file holding the legacy admin token, instead of MAILROOM_ADMIN_TOKEN.
+    #[arg(long, env = "MAILROOM_ADMIN_TOKEN_FILE", global = true)]
+    pub admin_token_file: Option<PathBuf>,
     /// Serve without any token on a non-loopback address. Without it, such a setup
     /// refuses to start; with it, a warning is logged at start-up [default: false].
     #[arg(
@@ -298,6 +309,17 @@ pub struct SubscriptionSettings {
     pub handler_max_defer_ms: Option<u64>,
 }
 
+/// Settings may hold secrets (the database URL, the admin token, Kafka properties):
+/// `Debug` shows none of their values.
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("config", &self.config)
+            .field("listen", &self.listen)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Settings {
     /// Fills unset fields from `lower`.
     pub(super) fn or(self, lower: Settings) -> Settings {
@@ -307,11 +329,13 @@ impl Settings {
         pick!(
             listen,
             database_url,
+            database_url_file,
             database_max_connections,
             migrate,
             log_format,
             kafka_brokers,
             kafka_properties,
+            kafka_properties_file,
             kafka_message_timeout_ms,
             kafka_topic_limits_refresh_ms,
             local_sink,
@@ -345,6 +369,7 @@ impl Settings {
             fault_record_panic,
             fault_task_panic,
             admin_token,
+            admin_token_file,
             allow_unauthenticated,
             subscriptions,
             tokens_file,

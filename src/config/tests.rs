@@ -9,7 +9,7 @@ use super::*;
 fn defaults_are_the_embedded_service() {
     let c = Config::default();
     assert_eq!(c.listen.to_string(), "127.0.0.1:50051");
-    assert_eq!(c.database_url, "sqlite://mailroom.db");
+    assert_eq!(c.database_url.0, "sqlite://mailroom.db");
     assert_eq!(c.sink, SinkConfig::Local { path: None });
     assert_eq!(c.limits.max_batch, 1000);
     assert_eq!(c.limits.max_payload_bytes, 1_015_820);
@@ -254,4 +254,56 @@ fn closed_by_default_on_the_network() {
         "{e}"
     );
     assert!(!e.contains("short\""), "{e}");
+}
+
+/// Issue 25, item 5: secrets come from files, and no `Debug` of the settings or the
+/// configuration shows them.
+#[test]
+fn secrets_come_from_files_and_debug_shows_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let s = Settings {
+        database_url_file: Some(write("db", "postgres://app:db-pass-4711@db/mailroom\n")),
+        admin_token_file: Some(write("admin", "admin-token-0123456789-4711\n")),
+        kafka_brokers: Some("kafka:9092".into()),
+        kafka_properties: Some([("security.protocol".into(), "SASL_SSL".into())].into()),
+        kafka_properties_file: Some(write(
+            "kafka",
+            "# SASL\nsasl.username = app\nsasl.password = kafka-pass-4711\n",
+        )),
+        ..Default::default()
+    };
+    let settings_debug = format!("{s:?}");
+    let c = Config::resolve(s).unwrap();
+    assert_eq!(c.database_url.0, "postgres://app:db-pass-4711@db/mailroom");
+    assert_eq!(
+        c.admin_token.as_ref().unwrap().0,
+        "admin-token-0123456789-4711"
+    );
+    let SinkConfig::Kafka { properties, .. } = &c.sink else {
+        panic!("{:?}", c.sink)
+    };
+    assert_eq!(properties["sasl.password"], "kafka-pass-4711");
+    assert_eq!(properties["security.protocol"], "SASL_SSL");
+    let config_debug = format!("{c:?}");
+    for shown in [&settings_debug, &config_debug] {
+        assert!(!shown.contains("4711"), "a secret in Debug: {shown}");
+    }
+    assert!(
+        config_debug.contains("SASL_SSL"),
+        "other properties still show"
+    );
+    // A value given both ways is refused, naming the setting and not the value.
+    let err = Config::resolve(Settings {
+        database_url: Some("sqlite://x.db".into()),
+        database_url_file: Some(write("db2", "postgres://a:b@c/d")),
+        ..Default::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("MAILROOM_DATABASE_URL_FILE"), "{err}");
 }

@@ -10,8 +10,9 @@ use chrono::{DateTime, Utc};
 
 use crate::domain::StoredEvent;
 
-/// Where the relay publishes.
-#[derive(Debug, Clone, PartialEq)]
+/// Where the relay publishes. `Debug` hides the values of properties that may be
+/// secrets (SASL and TLS passwords and keys).
+#[derive(Clone, PartialEq)]
 pub enum SinkConfig {
     /// A Kafka cluster, through rdkafka.
     Kafka {
@@ -27,6 +28,45 @@ pub enum SinkConfig {
         /// The file appended to.
         path: Option<std::path::PathBuf>,
     },
+}
+
+impl std::fmt::Debug for SinkConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SinkConfig::Kafka {
+                brokers,
+                properties,
+                message_timeout,
+            } => {
+                let shown: std::collections::BTreeMap<&str, &str> = properties
+                    .iter()
+                    .map(|(k, v)| {
+                        let v = if secret_property(k) {
+                            "***"
+                        } else {
+                            v.as_str()
+                        };
+                        (k.as_str(), v)
+                    })
+                    .collect();
+                f.debug_struct("Kafka")
+                    .field("brokers", brokers)
+                    .field("properties", &shown)
+                    .field("message_timeout", message_timeout)
+                    .finish()
+            }
+            SinkConfig::Local { path } => f.debug_struct("Local").field("path", path).finish(),
+        }
+    }
+}
+
+/// Whether a librdkafka property may hold a secret (`sasl.password`,
+/// `sasl.jaas.config`, `ssl.key.password`, `ssl.key.pem`, `sasl.oauthbearer.client.secret`, …).
+pub fn secret_property(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    ["password", "secret", "jaas", "key.pem", "token", "keystore"]
+        .iter()
+        .any(|s| k.contains(s))
 }
 
 /// Why a delivery failed, which decides what it costs the event.

@@ -944,7 +944,7 @@ async fn the_admin_token_guards_the_admin_service_only() {
     for engine in &ENGINES {
         let (url, _dir) = fresh_db(engine).await;
         let mut c = quiet_config(&url);
-        c.admin_token = Some("s3cret".into());
+        c.admin_token = Some(mailroom::secret::Secret("s3cret".into()));
         let mut s = Service::start(c).await;
         // Producers need no admin token.
         let id = enqueue(&mut s.client, event("t", "k", b"")).await;
@@ -1011,7 +1011,7 @@ async fn the_cli_end_to_end() {
     for engine in &ENGINES {
         let (url, _dir) = fresh_db(engine).await;
         let mut c = quiet_config(&url);
-        c.admin_token = Some("tok".into());
+        c.admin_token = Some(mailroom::secret::Secret("tok".into()));
         let mut s = Service::start(c).await;
         let addr = s.app.addr;
         let k1 = enqueue(&mut s.client, event("orders", "k1", b"a")).await;

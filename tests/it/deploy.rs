@@ -215,9 +215,9 @@ fn migrations_run_once_from_a_job_and_replicas_do_not_migrate() {
             .as_sequence()
             .unwrap()
             .iter()
-            .find(|e| s(&e["name"]) == "MAILROOM_DATABASE_URL")
+            .find(|e| s(&e["name"]) == "MAILROOM_DATABASE_URL_FILE")
             .cloned()
-            .expect("MAILROOM_DATABASE_URL from the Secret")
+            .expect("MAILROOM_DATABASE_URL_FILE, a file from the Secret")
     };
     assert_eq!(url(c), url(d));
     assert_eq!(
@@ -520,5 +520,81 @@ fn the_pod_memory_limit_covers_the_byte_budgets() {
         "the pod's {} MiB limit is below the {} MiB the settings allow",
         limit / MIB,
         needed / MIB
+    );
+}
+
+/// Issue 25, item 5: the manifests hand secrets to the pods as files from the Secret,
+/// never as environment variables (which `kubectl describe` and `/proc/<pid>/environ`
+/// show), through settings the binary knows.
+#[test]
+fn secrets_reach_the_pods_as_files_only() {
+    let m = manifests();
+    let job = yaml_docs(&deploy_dir().join("k8s/migrate/job.yaml")).remove(0);
+    let known = known_env();
+    for (what, pod) in [
+        ("Deployment", &m["Deployment"]["spec"]["template"]["spec"]),
+        ("Job", &job["spec"]["template"]["spec"]),
+    ] {
+        let c = &pod["containers"][0];
+        for e in c["env"].as_sequence().unwrap() {
+            assert!(
+                e["valueFrom"]["secretKeyRef"].is_null(),
+                "{what}: {} comes from a Secret as a variable",
+                s(&e["name"])
+            );
+            assert!(known.contains(s(&e["name"])), "{what}: {e:?}");
+        }
+        let files: Vec<&str> = pod["volumes"][0]["secret"]["items"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|i| s(&i["path"]))
+            .collect();
+        assert!(files.contains(&"database-url"), "{what}: {files:?}");
+    }
+}
+
+/// Issue 25, item 5: a NetworkPolicy ships with the manifests. It selects the
+/// Deployment's pods, admits gRPC only from labelled clients and `/metrics` (no
+/// authentication) only from the monitoring namespace, and opens no other port.
+#[test]
+fn a_network_policy_guards_grpc_and_metrics() {
+    let m = manifests();
+    let np = &m["NetworkPolicy"];
+    let pods = &m["Deployment"]["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in np["spec"]["podSelector"]["matchLabels"]
+        .as_mapping()
+        .unwrap()
+    {
+        assert_eq!(&pods[k], v, "the policy selects the Deployment's pods");
+    }
+    assert_eq!(
+        np["spec"]["policyTypes"].as_sequence().unwrap(),
+        &[Value::from("Ingress")]
+    );
+    let rules = np["spec"]["ingress"].as_sequence().unwrap();
+    let mut ports = Vec::new();
+    for r in rules {
+        assert!(
+            !r["from"].as_sequence().unwrap().is_empty(),
+            "every rule names its sources: {r:?}"
+        );
+        for p in r["ports"].as_sequence().unwrap() {
+            ports.push(p["port"].as_u64().unwrap());
+        }
+    }
+    ports.sort();
+    assert_eq!(ports, [9090, 50051]);
+    let metrics = rules
+        .iter()
+        .find(|r| r["ports"][0]["port"].as_u64() == Some(9090))
+        .unwrap();
+    assert!(
+        metrics["from"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .all(|f| f["podSelector"].is_null() && !f["namespaceSelector"].is_null()),
+        "metrics only from a namespace: {metrics:?}"
     );
 }
