@@ -83,6 +83,9 @@ export MAILROOM_TEST_KAFKA="127.0.0.1:$KAFKA_PORT"
 log "rustfmt"
 cargo fmt --all -- --check
 
+log "vendor/sqlx-core is the crates.io release plus the documented patch"
+scripts/check-vendor.sh
+
 log "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
