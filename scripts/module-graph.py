@@ -5,7 +5,10 @@ Prints one line per edge between top-level modules (`api -> store`), then, per t
 module, the edges between its submodules (`store: postgres -> flow`). Exits 1, naming
 the modules, if any two import each other, directly or around a longer loop: at the
 top level, or between sibling submodules (a child's `super::` use of its own parent is
-how Rust modules share their items and is not counted).
+how Rust modules share their items and is not counted); and if a top-level module
+imports one from a higher layer than its own. The layers are the list in `src/lib.rs`'s
+documentation (`//! - `a`, `b` — …`), bottom up; modules on one line are one layer, and
+every top-level module must be on it.
 
     scripts/module-graph.py            # the edges, then "no cycles" or the cycles
     scripts/module-graph.py --dot      # the same graph for Graphviz
@@ -49,7 +52,9 @@ def paths_in(text: str, here: tuple) -> list:
     text = re.sub(r"//[^\n]*", "", text)
     found = []
     for m in re.finditer(r"\buse\s+((?:crate|super|self)::[^;]*);", text, re.S):
-        found += expand(re.sub(r"\s+", "", m.group(1)))
+        # `x as y` renames the import: the path is `x`.
+        tree = re.sub(r"\s+as\s+[A-Za-z_][A-Za-z0-9_]*", "", m.group(1))
+        found += expand(re.sub(r"\s+", "", tree))
     text = re.sub(r"\buse\s+[^;]*;", "", text, flags=re.S)
     found += re.findall(r"\b(?:crate|super)(?:::[A-Za-z_][A-Za-z0-9_]*)+", text)
     out = []
@@ -63,6 +68,19 @@ def paths_in(text: str, here: tuple) -> list:
                 if segs.pop(0) == "super" and base:
                     base.pop()
             out.append(tuple(base + segs))
+    return out
+
+
+def layers() -> dict:
+    """Top-level module -> layer number, from `src/lib.rs`'s documented list."""
+    out = {}
+    n = 0
+    for line in (SRC / "lib.rs").read_text().splitlines():
+        m = re.match(r"//! - ((?:`[a-z_]+`(?:, )?)+)\s+—", line)
+        if m:
+            for name in re.findall(r"`([a-z_]+)`", m.group(1)):
+                out[name] = n
+            n += 1
     return out
 
 
@@ -102,10 +120,24 @@ def main() -> int:
         for a, b in sorted(edges):
             print(f"{parent}: {a} -> {b}")
 
+    order = layers()
+    problems = 0
+    for name in sorted({m[0] for m in modules if m}):
+        if name not in order:
+            print(f"module {name} is not in src/lib.rs's layer list")
+            problems += 1
+    for a, b in sorted(top):
+        if a in order and b in order and order[a] < order[b]:
+            print(f"layer violation: {a} (layer {order[a]}) imports {b} (layer {order[b]})")
+            problems += 1
+
     cycles = [("crate", c) for c in sccs(top)]
     cycles += [(parent, c) for parent, edges in inner.items() for c in sccs(edges)]
     if not cycles:
         print("no cycles")
+        if problems:
+            return 1
+        print("layers respected")
         return 0
     for where, c in cycles:
         print(f"cycle in {where}: {' <-> '.join(sorted(c))}")

@@ -86,6 +86,12 @@ cargo fmt --all -- --check
 log "vendor/sqlx-core is the crates.io release plus the documented patch"
 scripts/check-vendor.sh
 
+log "module graph: no cycle, no import from a higher layer (src/lib.rs's list)"
+mkdir -p .work
+if ! python3 scripts/module-graph.py > .work/module-graph.txt; then
+  grep -E "violation|cycle|not in" .work/module-graph.txt; exit 1
+fi
+
 log "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 

@@ -3,8 +3,10 @@
 //! per key, with retries, equal-jitter backoff and bounded attempts.
 //!
 //! # Layout
-//! Layers, bottom up (`scripts/module-graph.py` checks that no module imports one that
-//! imports it back; `docs/architecture.md` shows the graph):
+//! Layers, bottom up (`scripts/module-graph.py`, run by `scripts/test.sh`, reads this
+//! list and fails when a module imports one that imports it back, or one from a higher
+//! line than its own; modules on one line are one layer; `docs/architecture.md` shows
+//! the graph):
 //! - `domain`  — events, statuses, boxes, enqueue outcomes, topic rules and request
 //!   limits; `domain::admin` the operator's queries and outcomes; `domain::headers`
 //!   Kafka record headers as bytes beside their text view.
@@ -17,6 +19,7 @@
 //!   (`store::postgres::notify`). Typed `StoreError`s; the admin flows are written once
 //!   (`store/admin_flow.rs`) over each engine's statements.
 //! - `error`   — the service's typed errors; store errors become these once, here.
+//! - `schema`  — the schema gate: a binary never acts on a schema it does not know.
 //! - `telemetry` — logs (it owns `LogFormat`), OTLP trace export, joining callers' traces.
 //! - `sink`    — destinations (it owns `SinkConfig`): Kafka (each partition a fault
 //!   domain, `sink::kafka::partitions`), local JSON lines, faults.
