@@ -75,9 +75,15 @@ if ! pg_isready -q -h 127.0.0.1 -p 5432; then
   for _ in $(seq 1 50); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.2; done
 fi
 pg_isready -h 127.0.0.1 -p 5432
-# Databases left by earlier runs.
-psql "$PG_URL" -qAtc "SELECT 'DROP DATABASE IF EXISTS ' || quote_ident(datname) || ';' FROM pg_database WHERE datname LIKE 'mailroom_test_%' OR datname LIKE 'mailroom_icu_%' OR datname LIKE 'mailroom_bench_%'" \
-  | psql "$PG_URL" -q >/dev/null 2>&1 || true
+# The databases and per-database producer roles tests create (fresh_pg, the SQL API
+# tests): dropped before the suite (left by a run that was cut) and after it.
+drop_test_databases() {
+  psql "$PG_URL" -qAtc "SELECT 'DROP DATABASE IF EXISTS ' || quote_ident(datname) || ';' FROM pg_database WHERE datname LIKE 'mailroom_test_%' OR datname LIKE 'mailroom_icu_%' OR datname LIKE 'mailroom_bench_%' OR datname LIKE 'mailroom\_test\_sqlapi%'" \
+    | psql "$PG_URL" -q >/dev/null 2>&1 || true
+  psql "$PG_URL" -qAtc "SELECT 'DROP ROLE IF EXISTS ' || quote_ident(rolname) || ';' FROM pg_roles WHERE rolname LIKE 'mailroom\_producer\_mailroom\_%'" \
+    | psql "$PG_URL" -q >/dev/null 2>&1 || true
+}
+drop_test_databases
 export MAILROOM_TEST_DATABASE_URL="$PG_URL"
 
 log "Kafka-compatible broker (tansu) on 127.0.0.1:$KAFKA_PORT"
@@ -124,12 +130,5 @@ set -e
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      END { printf "mailroom: %d passed, %d failed\n", p, f }' "$log_file"
 rm -f "$log_file"
-# The databases and per-database roles the tests created (fresh_pg, the SQL API tests'
-# owners and producer roles) are dropped once the suite has run (issue 26, item 10).
-psql -h 127.0.0.1 -U postgres -d postgres -Atqc \
-  "SELECT datname FROM pg_database WHERE datname LIKE 'mailroom\_test%'" |
-  while read -r db; do dropdb -h 127.0.0.1 -U postgres --if-exists "$db" || true; done
-psql -h 127.0.0.1 -U postgres -d postgres -Atqc \
-  "SELECT rolname FROM pg_roles WHERE rolname LIKE 'mailroom\_producer\_mailroom\_test%'" |
-  while read -r r; do psql -h 127.0.0.1 -U postgres -d postgres -qc "DROP ROLE IF EXISTS \"$r\"" || true; done
+drop_test_databases
 exit "$status"
