@@ -1,5 +1,6 @@
 //! The gRPC surface: services convert and validate, call the middle, and map errors in
-//! `status`. `serve` assembles them with health, reflection and per-RPC logging.
+//! `status`. `app::App::start` assembles them with health, reflection and the layers of
+//! `layers` (RPC log, token check, overload, byte admission).
 
 pub mod admin;
 pub mod auth;

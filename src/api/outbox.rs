@@ -180,27 +180,17 @@ impl tower::Service<tonic::codegen::http::Request<tonic::body::Body>> for Outbox
     }
 }
 
-/// tonic refuses a message over the decoding limit with `OUT_OF_RANGE` and a message of
-/// its own; callers get `RESOURCE_EXHAUSTED` naming the limit and the setting.
+/// tonic refuses a message over the decoding limit with `OUT_OF_RANGE` (the only place
+/// these services answer that code: no handler returns it); callers get
+/// `RESOURCE_EXHAUSTED` naming the limit and the setting. The code decides, not tonic's
+/// wording, which is not part of its API.
 fn too_large_is_resource_exhausted(resp: HttpResponse, limit: usize, what: &str) -> HttpResponse {
     match Status::from_header_map(resp.headers()) {
-        Some(s)
-            if s.code() == tonic::Code::OutOfRange
-                && s.message().contains("message length too large") =>
-        {
-            let found = s
-                .message()
-                .split("found ")
-                .nth(1)
-                .and_then(|r| r.split(' ').next())
-                .unwrap_or("?")
-                .to_string();
-            super::status::too_large(
-                format!("{found} bytes is over the {limit}-byte limit of an {what}"),
-                limit,
-            )
-            .into_http()
-        }
+        Some(s) if s.code() == tonic::Code::OutOfRange => super::status::too_large(
+            format!("the request is over the {limit}-byte limit of an {what}"),
+            limit,
+        )
+        .into_http(),
         _ => resp,
     }
 }

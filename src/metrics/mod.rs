@@ -4,7 +4,7 @@
 //!
 //! Sources:
 //! - counters the API bumps as requests are answered (enqueued, duplicates, requeued,
-//!   cancelled, gRPC requests by method and code via `RpcMetricsLayer`);
+//!   cancelled, gRPC requests by method and code via `api::layers::RpcLogLayer`);
 //! - the relays' own counters and latency histograms (`RelayStats`), read at scrape time;
 //! - backlog gauges (pending and failed per topic, blocked keys, oldest pending age),
 //!   refreshed every `metrics_stats_interval` from the store's `stats` query;

@@ -2,9 +2,9 @@
 //! connections that sheds load instead of queueing it, and a server-side time limit.
 //!
 //! - More than `max_concurrent_rpcs` RPCs in flight: the next is answered
-//!   `RESOURCE_EXHAUSTED` at once, before its body is read (tower's `load_shed` over a
-//!   global `concurrency_limit`, folded into one layer so that the refusal is a gRPC
-//!   status rather than a transport error).
+//!   `RESOURCE_EXHAUSTED` at once, before its body is read (a semaphore tried without
+//!   waiting, so that the refusal is a gRPC status rather than a queue or a transport
+//!   error). Bytes in flight are `admission`'s.
 //! - An RPC still running after `rpc_timeout`: answered `UNAVAILABLE`. An enqueue whose
 //!   commit was already under way may still commit: the client retries with its
 //!   idempotency key and gets the stored id back.
