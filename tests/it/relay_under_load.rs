@@ -599,7 +599,7 @@ async fn enqueue_keys(s: &mut Service, topic: &str, keys: usize, per_key: usize)
 /// beside the dead topic run at the same time (each with its own database and relay),
 /// so that the shared machine's noise falls on both alike; the median of 3 rounds. (Run
 /// one after the other, the ratio swung with whatever else ran: 62-78 % seen; paired,
-/// 142 % in the first run here: the dead topic's held lines leave the relay idle.)
+/// 142 % in the first run here.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_topic_does_not_slow_the_healthy_ones() {
     // Large enough that the dead topic's fixed cost (its first lines hang once) is small
