@@ -712,16 +712,19 @@ async fn renewed_leases_keep_a_slow_delivery_exclusive() {
     let mut s = accept_only().await;
     enqueue_run(&mut s, "leases", "k", &["1", "2", "3"]).await;
     let log: Log = Arc::default();
+    // A delivery of 2.5 leases. The lease is 2 s (renewed every third of it), so that a
+    // renewal delayed by a busy machine still lands well before the lease would lapse
+    // (with 1 s, a renewal late by ~0.7 s let the other relay take the key).
     let mut slow_config = relay_config(Duration::ZERO);
-    slow_config.lease = Duration::from_secs(1);
-    let slow = log_relay(&s, &log, Duration::from_millis(2500), slow_config);
+    slow_config.lease = Duration::from_secs(2);
+    let slow = log_relay(&s, &log, Duration::from_millis(5000), slow_config);
     let slow_stats = slow.stats();
     // The slow relay holds the key before the other starts looking.
     let slow_task = cycle_in_background(slow).await;
     let mut fast = log_relay(&s, &log, Duration::ZERO, relay_config(Duration::ZERO));
     let t0 = std::time::Instant::now();
     let mut taken = 0;
-    while t0.elapsed() < Duration::from_millis(2300) {
+    while t0.elapsed() < Duration::from_millis(4800) {
         taken += fast.cycle().await.unwrap().delivered;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
