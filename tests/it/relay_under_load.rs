@@ -714,7 +714,7 @@ async fn renewed_leases_keep_a_slow_delivery_exclusive() {
     let log: Log = Arc::default();
     // A delivery of 2.5 leases. The lease is 2 s (renewed every third of it), so that a
     // renewal delayed by a busy machine still lands well before the lease would lapse
-    // (with 1 s, a renewal late by ~0.7 s let the other relay take the key).
+    // (with 1 s, a renewal delayed by over ~0.7 s would let the other relay take it).
     let mut slow_config = relay_config(Duration::ZERO);
     slow_config.lease = Duration::from_secs(2);
     let slow = log_relay(&s, &log, Duration::from_millis(5000), slow_config);
