@@ -364,6 +364,7 @@ impl App {
                 admin: Admin::new(store.clone(), config.relay.lease).with_schema(schema.clone()),
                 auth: auth.clone(),
                 read_only: config.console_read_only,
+                allowed_hosts: config.console_allowed_hosts.clone(),
                 subscriptions: config
                     .subscriptions
                     .iter()

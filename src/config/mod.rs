@@ -86,6 +86,8 @@ pub struct Config {
     pub metrics_listen: Option<SocketAddr>,
     /// The operator console's address, when it is served.
     pub console_listen: Option<SocketAddr>,
+    /// Extra `Host` names the console answers to (behind a proxy).
+    pub console_allowed_hosts: Vec<String>,
     /// The console shows but never acts, whatever the token.
     pub console_read_only: bool,
     /// How often the backlog gauges are refreshed.

@@ -88,6 +88,14 @@ impl Config {
             metrics_listen,
             console_listen,
             console_read_only: s.console_read_only.unwrap_or(false),
+            console_allowed_hosts: s
+                .console_allowed_hosts
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|h| h.trim().to_ascii_lowercase())
+                .filter(|h| !h.is_empty())
+                .collect(),
             metrics_stats_interval: Duration::from_millis(
                 s.metrics_stats_interval_ms.unwrap_or(15_000).max(100),
             ),

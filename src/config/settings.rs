@@ -208,6 +208,16 @@ pub struct Settings {
     /// The console shows but never acts (no requeue, no cancel) [default: false].
     #[arg(long, env = "MAILROOM_CONSOLE_READ_ONLY", global = true)]
     pub console_read_only: Option<bool>,
+    /// Host names (`name` or `name:port`) the console answers to besides its own
+    /// address and localhost, comma-separated: the names a reverse proxy forwards with.
+    /// Any other `Host` is refused (421), which stops DNS rebinding.
+    #[arg(
+        long,
+        env = "MAILROOM_CONSOLE_ALLOWED_HOSTS",
+        global = true,
+        value_delimiter = ','
+    )]
+    pub console_allowed_hosts: Option<Vec<String>>,
     /// How often the backlog gauges (pending, blocked keys, oldest age) are refreshed
     /// from the database, in ms [default: 15000].
     #[arg(long, env = "MAILROOM_METRICS_STATS_INTERVAL_MS", global = true)]
@@ -376,6 +386,7 @@ impl Settings {
             metrics_listen,
             console_listen,
             console_read_only,
+            console_allowed_hosts,
             metrics_stats_interval_ms,
             tls_cert,
             tls_key,

@@ -15,6 +15,7 @@
 //! - The publish/handle rate chart comes from the relays' own counters, sampled in
 //!   memory every `SAMPLE_EVERY` (this process's deliveries since it started).
 
+mod guard;
 mod pages;
 
 use std::collections::{HashMap, VecDeque};
@@ -152,6 +153,8 @@ pub struct ConsoleParts {
     pub auth: Auth,
     /// Refuse every action (pages only).
     pub read_only: bool,
+    /// `Host` names the console answers to besides its own address and localhost.
+    pub allowed_hosts: Vec<String>,
     /// The inbox subscriptions, for the inbox pages.
     pub subscriptions: Vec<String>,
     /// The relays' counters, for the rate chart.
@@ -261,7 +264,15 @@ impl Console {
                 }
             })
         };
-        let app = self.router();
+        let hosts = match listener.local_addr() {
+            Ok(addr) => guard::Hosts::new(addr, &self.inner.allowed_hosts),
+            Err(e) => {
+                tracing::error!(error = %e, "console: no local address; not serving");
+                return;
+            }
+        };
+        let app = guard::wrap(self.router(), hosts)
+            .into_make_service_with_connect_info::<std::net::SocketAddr>();
         if let Err(e) = axum::serve(listener, app)
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
             .await

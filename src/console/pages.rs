@@ -35,7 +35,7 @@ pub struct ActionResult {
     pub audit_id: Option<i64>,
 }
 
-const CSS: &str = r#"
+pub(super) const CSS: &str = r#"
 :root{--fg:#1d232a;--muted:#5d6b79;--line:#d9dee3;--bg:#f6f7f9;--accent:#2357c6;--bad:#b3261e;--warn:#8a5a00;--ok:#1e7b34}
 *{box-sizing:border-box}body{margin:0;font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:var(--fg);background:var(--bg)}
 header{background:#1d232a;color:#fff;padding:.5rem 1rem;display:flex;gap:1rem;align-items:center;flex-wrap:wrap}
@@ -60,7 +60,7 @@ pre{background:#fff;border:1px solid var(--line);padding:.6rem;overflow:auto;max
 "#;
 
 /// Progressive enhancement: "select all" boxes, and a refresh of the overview.
-const SCRIPT: &str = r#"
+pub(super) const SCRIPT: &str = r#"
 document.querySelectorAll('input[data-select-all]').forEach(function(all){
   all.hidden=false;
   all.addEventListener('change',function(){
@@ -194,7 +194,7 @@ pub fn error(nav: Option<&Nav>, message: &str) -> Markup {
         html! {
             h1 { "Something is wrong" }
             p.notice.warn role="alert" { (message) }
-            p { a href="javascript:history.back()" { "Back" } }
+            p { a href="/outbox" { "Back to the outbox" } }
         },
     )
 }

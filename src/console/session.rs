@@ -36,6 +36,17 @@ pub(super) fn same_origin(headers: &HeaderMap) -> bool {
             .is_some_and(|(_, rest)| rest.trim_end_matches('/') == host)
 }
 
+/// Whether `next` (already percent-decoded) is a path on this console. Browsers read
+/// `//host`, `/\host` and, once they drop tabs and newlines from a URL, `/<TAB>/host` as
+/// another site: only a single leading `/`, no backslash and no control or space
+/// character anywhere.
+pub(super) fn same_site_path(next: &str) -> bool {
+    next.starts_with('/')
+        && !next.starts_with("//")
+        && !next.contains('\\')
+        && !next.chars().any(|c| c.is_control() || c.is_whitespace())
+}
+
 /// The response for a caller without access: the login form (browsers) or 401.
 pub(super) fn unauthorized(headers: &HeaderMap, path: &str) -> Response {
     if headers.contains_key(header::AUTHORIZATION) {
@@ -59,9 +70,7 @@ pub(super) async fn login(
         return (StatusCode::FORBIDDEN, "cross-origin request refused").into_response();
     }
     let next = param(&f, "next")
-        // Only a path on this console: never `//host` or `/\host` (browsers read both
-        // as another site).
-        .filter(|n| n.starts_with('/') && !n.starts_with("//") && !n.starts_with("/\\"))
+        .filter(|n| same_site_path(n))
         .unwrap_or("/outbox")
         .to_string();
     let token = param(&f, "token").unwrap_or("").to_string();

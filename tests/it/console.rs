@@ -189,8 +189,10 @@ async fn click_nav(c: &Client, css: &str) {
 }
 
 /// A raw HTTP/1.1 exchange (status line and body), for what a browser does not show.
+/// `Host: x` stands for the console's own address (its host check refuses other names).
 async fn http(addr: std::net::SocketAddr, request: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let request = request.replace("Host: x\r\n", &format!("Host: {addr}\r\n"));
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(request.as_bytes()).await.unwrap();
     let mut out = String::new();
@@ -787,5 +789,105 @@ async fn an_admin_read_token_sees_the_console_without_actions() {
             .is_empty(),
         "no audit entry"
     );
+    s.app.stop().await.unwrap();
+}
+
+/// Issue 25, item 1: DNS rebinding, framing and sniffing, and `next` after login.
+/// - On an open console (no token, the quick start), a hostile page that rebinds its
+///   name to 127.0.0.1 posts with `Host` and `Origin` both its own: refused `421`, and
+///   the event stays pending; reading a payload page the same way is refused too. The
+///   same POST with the console's own `Host` acts (the check is not refusing everything).
+///   Before: the cross-origin check compared `Origin` with `Host`, both the attacker's,
+///   and the cancel went through.
+/// - Every response carries the CSP (inline style and script by hash, `frame-ancestors
+///   'none'`), `nosniff`, `Referrer-Policy: same-origin` and `no-store`.
+/// - `next` after login stays on the console: `/\t/evil.test`, `//evil.test`,
+///   `/\\evil.test` and `https://evil.test` all land on `/outbox`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebinding_framing_and_open_redirects_are_refused() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    let mut s = Service::start(c).await;
+    let console = s.app.console_addr.unwrap();
+    let port = console.port();
+    let id = enqueue(&mut s.client, event("rebind", "k", b"secret payload")).await;
+    let form = format!("action=cancel&id={id}&confirm=yes");
+    let post = |host: String| {
+        format!(
+            "POST /outbox/events HTTP/1.1\r\nHost: {host}\r\nOrigin: http://{host}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        )
+    };
+    let r = http(console, &post(format!("a.test:{port}"))).await;
+    assert!(r.starts_with("HTTP/1.1 421"), "{r}");
+    let r = http(
+        console,
+        &format!(
+            "GET /outbox/events/{id} HTTP/1.1\r\nHost: a.test:{port}\r\nConnection: close\r\n\r\n"
+        ),
+    )
+    .await;
+    assert!(
+        r.starts_with("HTTP/1.1 421") && !r.contains("secret payload"),
+        "{r}"
+    );
+    assert_eq!(s.stored(BoxKind::Outbox, id).await.status, Status::Pending);
+    // The console's own name acts: the refusal above was the host check.
+    let r = http(console, &post(format!("localhost:{port}"))).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    eventually_status(
+        &s,
+        id,
+        Status::Failed,
+        "cancelled through the console's own name",
+    )
+    .await;
+
+    // Headers on every response, pages and refusals alike.
+    for req in [
+        "GET /outbox HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_string(),
+        format!("GET /outbox/events/{id} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        format!("GET /outbox HTTP/1.1\r\nHost: a.test:{port}\r\nConnection: close\r\n\r\n"),
+    ] {
+        let r = http(console, &req).await.to_ascii_lowercase();
+        for h in [
+            "content-security-policy: default-src 'none'; style-src 'sha256-",
+            "frame-ancestors 'none'",
+            "x-content-type-options: nosniff",
+            "referrer-policy: same-origin",
+            "cache-control: no-store",
+        ] {
+            assert!(r.contains(h), "{h} missing from {req}: {r}");
+        }
+    }
+
+    // `next` stays on the console (an open console accepts any login token field).
+    for next in [
+        "/%09/evil.test",
+        "//evil.test",
+        "/%5Cevil.test",
+        "https://evil.test",
+        "/%0A/evil.test",
+    ] {
+        let body = format!("token=&next={next}");
+        let r = http(
+            console,
+            &format!(
+                "POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            ),
+        )
+        .await;
+        let location = r
+            .lines()
+            .find(|l| l.to_ascii_lowercase().starts_with("location:"))
+            .map(|l| l[9..].trim().to_string());
+        assert!(
+            location.as_deref().is_none_or(|l| l == "/outbox"),
+            "next={next} redirected to {location:?}: {r}"
+        );
+    }
     s.app.stop().await.unwrap();
 }

@@ -1,0 +1,163 @@
+//! What every console request and response passes (issue 25, item 1):
+//! - **Host check.** The `Host` header must name the console's own address, `localhost`
+//!   (or `127.0.0.1`, `[::1]`) with its port, or a name configured for a proxy
+//!   (`MAILROOM_CONSOLE_ALLOWED_HOSTS`); anything else is `421 Misdirected Request`, GET
+//!   included. After a DNS rebind a hostile page's requests reach the console with the
+//!   attacker's name in `Host` (and the same in `Origin`), so comparing the two, as the
+//!   cross-origin check does, is not enough on an open console.
+//! - **Response headers.** A Content-Security-Policy that allows exactly the console's
+//!   inline style and script (by hash) and nothing from elsewhere, no framing
+//!   (`frame-ancestors 'none'`), forms only to the console; `nosniff`; no referrer to
+//!   other sites; and `Cache-Control: no-store` (pages carry payloads and CSRF tokens).
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use sha2::{Digest, Sha256};
+
+/// The `Host` values the console answers to, lower-cased.
+#[derive(Clone)]
+pub(super) struct Hosts(Arc<HashSet<String>>);
+
+impl Hosts {
+    /// The console's own address and localhost's names with its port, and `extra`
+    /// (`name` or `name:port`; a bare name matches any port).
+    pub(super) fn new(addr: SocketAddr, extra: &[String]) -> Hosts {
+        let port = addr.port();
+        let mut set: HashSet<String> = [
+            addr.to_string(),
+            format!("localhost:{port}"),
+            format!("127.0.0.1:{port}"),
+            format!("[::1]:{port}"),
+        ]
+        .into_iter()
+        .collect();
+        set.extend(extra.iter().map(|h| h.to_ascii_lowercase()));
+        Hosts(Arc::new(set))
+    }
+
+    pub(super) fn allows(&self, host: &str) -> bool {
+        let host = host.to_ascii_lowercase();
+        if self.0.contains(&host) {
+            return true;
+        }
+        // A configured bare name covers any port the proxy forwards with (the console's
+        // own names are in the set with their port only).
+        match host.rsplit_once(':') {
+            Some((name, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => {
+                self.0.contains(name)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The console's routes behind the host check and the response headers.
+pub(super) fn wrap(router: axum::Router, hosts: Hosts) -> axum::Router {
+    router.layer(axum::middleware::from_fn(
+        move |req: Request, next: Next| {
+            let hosts = hosts.clone();
+            async move { guard(&hosts, req, next).await }
+        },
+    ))
+}
+
+async fn guard(hosts: &Hosts, req: Request, next: Next) -> Response {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let mut resp = if hosts.allows(host) {
+        next.run(req).await
+    } else {
+        tracing::warn!(
+            host,
+            "console: request for a host it does not serve refused (421)"
+        );
+        (
+            StatusCode::MISDIRECTED_REQUEST,
+            "this console does not answer to that host name (see MAILROOM_CONSOLE_ALLOWED_HOSTS)",
+        )
+            .into_response()
+    };
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_str(&content_security_policy()).expect("an ASCII policy"),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    // `same-origin`, not `no-referrer`: with no-referrer, browsers send `Origin: null` on
+    // the console's own form posts, which the cross-origin check must refuse.
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("same-origin"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    resp
+}
+
+/// The policy: the inline style and script by their SHA-256, nothing else.
+pub(super) fn content_security_policy() -> String {
+    static POLICY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    POLICY
+        .get_or_init(|| {
+            let hash = |s: &str| {
+                base64::engine::general_purpose::STANDARD.encode(Sha256::digest(s.as_bytes()))
+            };
+            format!(
+                "default-src 'none'; style-src 'sha256-{}'; script-src 'sha256-{}'; \
+                 img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; \
+                 base-uri 'none'",
+                hash(super::pages::CSS),
+                hash(super::pages::SCRIPT)
+            )
+        })
+        .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_consoles_own_names_are_served() {
+        let addr: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        let h = Hosts::new(
+            addr,
+            &["console.example.com".into(), "ops.example.com:8443".into()],
+        );
+        for ok in [
+            "127.0.0.1:8080",
+            "localhost:8080",
+            "LOCALHOST:8080",
+            "[::1]:8080",
+            "console.example.com",
+            "console.example.com:443",
+            "ops.example.com:8443",
+        ] {
+            assert!(h.allows(ok), "{ok}");
+        }
+        for refused in [
+            "a.test:8080",
+            "a.test",
+            "",
+            "localhost:9999",
+            "127.0.0.1:9999",
+            "ops.example.com:9999",
+            "evil.console.example.com",
+        ] {
+            assert!(!h.allows(refused), "{refused}");
+        }
+    }
+}
