@@ -9,10 +9,17 @@
 //!   inline style and script (by hash) and nothing from elsewhere, no framing
 //!   (`frame-ancestors 'none'`), forms only to the console; `nosniff`; no referrer to
 //!   other sites; and `Cache-Control: no-store` (pages carry payloads and CSRF tokens).
+//! - **Login attempts.** At most `LOGIN_FAILURES` failed logins per client address per
+//!   `LOGIN_WINDOW`; past that, `429` until the window ends. Each failure is logged with
+//!   the address, never with what was typed.
+//! - **Login attempts.** At most `LOGIN_FAILURES` failed logins per client address per
+//!   `LOGIN_WINDOW`; past that, `429` until the window ends. Each failure is logged with
+//!   the address, never with what was typed.
 
-use std::collections::HashSet;
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use axum::extract::Request;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -58,25 +65,67 @@ impl Hosts {
     }
 }
 
-/// The console's routes behind the host check and the response headers.
+/// Failed logins a client address may make per window.
+const LOGIN_FAILURES: u32 = 5;
+/// The window failed logins are counted in.
+const LOGIN_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Failed logins per client address: when its window began and how many.
+#[derive(Clone, Default)]
+pub(super) struct Logins(Arc<Mutex<HashMap<IpAddr, (Instant, u32)>>>);
+
+impl Logins {
+    /// Whether `ip` may try again now.
+    fn may_try(&self, ip: IpAddr) -> bool {
+        let mut m = self.0.lock().expect("logins lock");
+        match m.get(&ip) {
+            Some((start, n)) if start.elapsed() < LOGIN_WINDOW => *n < LOGIN_FAILURES,
+            Some(_) => {
+                m.remove(&ip);
+                true
+            }
+            None => true,
+        }
+    }
+
+    fn failed(&self, ip: IpAddr) {
+        let mut m = self.0.lock().expect("logins lock");
+        if m.len() > 10_000 {
+            m.retain(|_, (start, _)| start.elapsed() < LOGIN_WINDOW);
+        }
+        let e = m.entry(ip).or_insert((Instant::now(), 0));
+        if e.0.elapsed() >= LOGIN_WINDOW {
+            *e = (Instant::now(), 0);
+        }
+        e.1 += 1;
+    }
+}
+
+/// The console's routes behind the host check, the login limit and the response headers.
 pub(super) fn wrap(router: axum::Router, hosts: Hosts) -> axum::Router {
+    let logins = Logins::default();
     router.layer(axum::middleware::from_fn(
         move |req: Request, next: Next| {
-            let hosts = hosts.clone();
-            async move { guard(&hosts, req, next).await }
+            let (hosts, logins) = (hosts.clone(), logins.clone());
+            async move { guard(&hosts, &logins, req, next).await }
         },
     ))
 }
 
-async fn guard(hosts: &Hosts, req: Request, next: Next) -> Response {
+async fn guard(hosts: &Hosts, logins: &Logins, req: Request, next: Next) -> Response {
     let host = req
         .headers()
         .get(header::HOST)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let mut resp = if hosts.allows(host) {
-        next.run(req).await
+    let login = if req.method() == axum::http::Method::POST && req.uri().path() == "/login" {
+        req.extensions()
+            .get::<axum::extract::ConnectInfo<SocketAddr>>()
+            .map(|c| c.0.ip())
     } else {
+        None
+    };
+    let mut resp = if !hosts.allows(host) {
         tracing::warn!(
             host,
             "console: request for a host it does not serve refused (421)"
@@ -86,6 +135,25 @@ async fn guard(hosts: &Hosts, req: Request, next: Next) -> Response {
             "this console does not answer to that host name (see MAILROOM_CONSOLE_ALLOWED_HOSTS)",
         )
             .into_response()
+    } else if let Some(ip) = login.filter(|ip| !logins.may_try(*ip)) {
+        tracing::warn!(client = %ip, "console: too many failed logins; refused (429)");
+        let mut r = (
+            StatusCode::TOO_MANY_REQUESTS,
+            "too many failed logins from this address; try again in a minute",
+        )
+            .into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
+        r
+    } else {
+        let r = next.run(req).await;
+        if let Some(ip) = login
+            && r.status() == StatusCode::UNAUTHORIZED
+        {
+            logins.failed(ip);
+            tracing::warn!(client = %ip, "console: failed login");
+        }
+        r
     };
     let h = resp.headers_mut();
     h.insert(

@@ -31,8 +31,8 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::{Admin, decode_token, encode_token};
 use crate::api::auth::{Auth, LEGACY_ADMIN_TOKEN, Scope};
 use crate::domain::admin::{
-    ActionContext, CancelRequest, DEFAULT_REQUEUE, EventFilter, EventsQuery, PendingOrder,
-    PendingQuery, RequeueRequest, Selection,
+    ActionContext, DEFAULT_REQUEUE, EventFilter, EventsQuery, PendingOrder, PendingQuery,
+    RequeueRequest, Selection,
 };
 use crate::domain::{BoxKind, EventId, Status};
 use crate::error::Error;

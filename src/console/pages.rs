@@ -262,6 +262,16 @@ pub fn rate_chart(per_minute: &[u64], covered: usize, what: &str) -> Markup {
     }
 }
 
+/// A fresh id for a confirmation form (the admin layer acts once per id).
+pub(super) fn request_id() -> String {
+    use base64::Engine as _;
+    let bytes: [u8; 16] = rand::random();
+    format!(
+        "console-{}",
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

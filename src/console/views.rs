@@ -12,12 +12,25 @@ pub(super) fn error_page(nav: Option<&pages::Nav>, e: &Error) -> Response {
         Error::Unavailable(_) | Error::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
+    // The console's own refusals say what to fix; anything from the database or the
+    // process is logged with a reference and shown only as that reference: its text
+    // may name tables, constraints or values (issue 25, item 1).
     let message = match e {
-        Error::Internal(m) => {
-            tracing::error!(error = %m, "console: internal error");
-            "internal error".to_string()
+        Error::InvalidArgument(_) | Error::NotFound(_) | Error::PermissionDenied { .. } => {
+            e.to_string()
         }
-        other => other.to_string(),
+        other => {
+            let reference = &super::session::random_token()[..10];
+            tracing::error!(error = %other, reference, "console: request failed");
+            format!(
+                "the request failed ({}); the server's log has the details under reference {reference}",
+                match other {
+                    Error::Unavailable(_) | Error::Overloaded(_) =>
+                        "the database is busy or unreachable: retry",
+                    _ => "internal error",
+                }
+            )
+        }
     };
     (code, pages::error(nav, &message)).into_response()
 }
@@ -349,6 +362,11 @@ pub(super) async fn page_post(
     let confirm = param(&fields, "confirm") == Some("yes");
     let action = param(&fields, "action").unwrap_or("");
     let filter = EventsFilter::parse(&fields);
+    // The confirmation form's id: the same form sent twice acts once.
+    let request_id = param(&fields, "request_id")
+        .filter(|_| confirm)
+        .unwrap_or("")
+        .to_string();
     let context = ActionContext {
         dry_run: !confirm,
         principal: access.name.clone(),
@@ -356,21 +374,37 @@ pub(super) async fn page_post(
     };
     let r = match action {
         "requeue" | "requeue-filter" => {
-            let selection = if action == "requeue" {
+            let req = if action == "requeue" {
                 if ids.is_empty() {
                     return error_page(Some(&nav), &Error::invalid("id", "select events first"));
                 }
-                Selection::Ids(ids.clone())
-            } else {
-                match filter.filter(&target) {
-                    Ok(f) => Selection::Filter(f),
+                // The gRPC request's own validation (id count, request id), not a copy.
+                let pb_req = crate::pb::RequeueFailedRequest {
+                    ids: ids.clone(),
+                    dry_run: !confirm,
+                    request_id: request_id.clone(),
+                    ..Default::default()
+                };
+                match crate::api::admin::requests::requeue_request(
+                    target.box_kind(),
+                    pb_req,
+                    context,
+                ) {
+                    Ok(r) => r,
                     Err(e) => return error_page(Some(&nav), &e),
                 }
-            };
-            let req = RequeueRequest {
-                selection,
-                limit: DEFAULT_REQUEUE,
-                context,
+            } else {
+                match filter.filter(&target) {
+                    Ok(f) => RequeueRequest {
+                        selection: Selection::Filter(f),
+                        limit: DEFAULT_REQUEUE,
+                        context: ActionContext {
+                            request_id: (!request_id.is_empty()).then(|| request_id.clone()),
+                            ..context
+                        },
+                    },
+                    Err(e) => return error_page(Some(&nav), &e),
+                }
             };
             c.inner
                 .admin
@@ -389,10 +423,17 @@ pub(super) async fn page_post(
                 return error_page(Some(&nav), &Error::invalid("id", "select events first"));
             }
             let reason = param(&fields, "reason").unwrap_or("cancelled in the console");
-            let req = CancelRequest {
+            // The gRPC request's own validation (id count, reason length, request id).
+            let pb_req = crate::pb::CancelEventsRequest {
                 ids: ids.clone(),
                 reason: reason.to_string(),
-                context,
+                dry_run: !confirm,
+                request_id: request_id.clone(),
+                ..Default::default()
+            };
+            let req = match crate::api::admin::requests::cancel_request(pb_req, context) {
+                Ok(r) => r,
+                Err(e) => return error_page(Some(&nav), &e),
             };
             c.inner
                 .admin

@@ -891,3 +891,98 @@ async fn rebinding_framing_and_open_redirects_are_refused() {
     }
     s.app.stop().await.unwrap();
 }
+
+/// Issue 25, item 1: logins are rate-limited per address (5 failures a minute, then 429
+/// even for the right token, until the minute ends); a resubmitted confirmation acts
+/// once (the form's request id); the console's actions go through the gRPC request's own
+/// validation (a 1,001-byte reason is refused, naming the field, and changes nothing).
+/// Before: unlimited guesses; a reloaded confirmation acted again; any reason length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logins_are_limited_and_a_confirmation_acts_once() {
+    use mailroom::api::auth::{Scope, TokenEntry};
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.tokens = vec![TokenEntry {
+        name: "ops".into(),
+        token: TOKEN.into(),
+        scopes: vec![Scope::Admin, Scope::Enqueue],
+        topics: None,
+        subscriptions: None,
+    }];
+    let s = Service::start(c).await;
+    let console = s.app.console_addr.unwrap();
+    let login = |token: &str| {
+        let body = format!("token={token}&next=/outbox");
+        format!(
+            "POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    for i in 0..5 {
+        let r = http(console, &login(&format!("wrong-guess-{i}"))).await;
+        assert!(r.starts_with("HTTP/1.1 401"), "guess {i}: {r}");
+    }
+    let r = http(console, &login("wrong-guess-5")).await;
+    assert!(r.starts_with("HTTP/1.1 429"), "{r}");
+    let r = http(console, &login(TOKEN)).await;
+    assert!(
+        r.starts_with("HTTP/1.1 429"),
+        "the right token waits out the minute too: {r}"
+    );
+
+    // A confirmation sent twice (the same form: the same request id) acts once.
+    let mut client = s.client.clone();
+    let mut enqueue = async |e: pb::Event| {
+        client
+            .enqueue(with_token(
+                pb::EnqueueRequest { event: Some(e) },
+                Some(TOKEN),
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .id
+    };
+    let id = enqueue(event("confirm", "k", b"x")).await;
+    let auth = format!("Authorization: Bearer {TOKEN}\r\n");
+    let post = |form: String| {
+        format!(
+            "POST /outbox/events HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        )
+    };
+    // The dry run renders the confirmation form with its request id.
+    let dry = http(console, &post(format!("action=cancel&id={id}&reason=test"))).await;
+    let rid = dry
+        .split("name=\"request_id\" value=\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .unwrap_or_else(|| panic!("no request id in the confirmation form: {dry}"))
+        .to_string();
+    let confirm = format!("action=cancel&id={id}&reason=test&confirm=yes&request_id={rid}");
+    for _ in 0..2 {
+        let r = http(console, &post(confirm.clone())).await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    }
+    let audit = s.app.store.list_audit(10, None).await.unwrap();
+    assert_eq!(audit.entries.len(), 1, "{:?}", audit.entries);
+
+    // The gRPC validation: a reason over 1,000 bytes is refused and changes nothing.
+    let other = enqueue(event("confirm", "k2", b"x")).await;
+    let r = http(
+        console,
+        &post(format!(
+            "action=cancel&id={other}&reason={}&confirm=yes",
+            "r".repeat(1001)
+        )),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 400") && r.contains("reason"), "{r}");
+    assert_eq!(
+        s.stored(BoxKind::Outbox, other).await.status,
+        Status::Pending
+    );
+    s.app.stop().await.unwrap();
+}

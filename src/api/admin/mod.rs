@@ -3,7 +3,7 @@
 //! (`crate::admin`), runs it and converts the result back. Validation lives here.
 //! Validation and conversion are in `requests`.
 
-mod requests;
+pub mod requests;
 
 use tonic::{Request, Response, Status};
 

@@ -145,7 +145,10 @@ pub fn action(
                 }
                 @if r.count > 0 {
                     form method="post" action={(base) "/events"} {
-                        @for (k, v) in form { @if k != "confirm" && k != "csrf" { input type="hidden" name=(k) value=(v); } }
+                        @for (k, v) in form { @if k != "confirm" && k != "csrf" && k != "request_id" { input type="hidden" name=(k) value=(v); } }
+                        // One id per confirmation form: a resubmitted form (reload, double
+                        // click, back and submit) names the same request and acts once.
+                        input type="hidden" name="request_id" value=(super::request_id());
                         (csrf(nav))
                         input type="hidden" name="action" value=(action);
                         input type="hidden" name="confirm" value="yes";
