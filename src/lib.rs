@@ -12,8 +12,9 @@
 //!   Kafka record headers as bytes beside their text view.
 //! - `pb`      — generated protobuf/gRPC code, and `pb::time` (Timestamp, Duration,
 //!   RetryInfo as Rust times).
-//! - `secret`, `tls` — secrets `Debug` never shows; TLS settings as files, and the tonic
-//!   client and server configurations built from them.
+//! - `secret`, `tls`, `web` — secrets `Debug` never shows; TLS settings as files, and the
+//!   tonic client and server configurations built from them; the console's and the
+//!   metrics' HTTP servers (header-read timeout, connection cap).
 //! - `store`   — the `Store` trait and its engines, one folder each (`store/postgres/`,
 //!   `store/sqlite/`); all SQL lives here, including LISTEN/NOTIFY wake-ups
 //!   (`store::postgres::notify`). Typed `StoreError`s; the admin flows are written once
@@ -66,3 +67,4 @@ pub mod sink;
 pub mod store;
 pub mod telemetry;
 pub mod tls;
+pub mod web;

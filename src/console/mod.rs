@@ -271,14 +271,13 @@ impl Console {
                 return;
             }
         };
-        let app = guard::wrap(self.router(), hosts)
-            .into_make_service_with_connect_info::<std::net::SocketAddr>();
-        if let Err(e) = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await
-        {
-            tracing::error!(error = %e, "console server failed");
-        }
+        crate::web::serve(
+            listener,
+            guard::wrap(self.router(), hosts),
+            shutdown,
+            "console",
+        )
+        .await;
         sampler.abort();
     }
 

@@ -319,12 +319,7 @@ impl Metrics {
                 }
             }),
         );
-        if let Err(e) = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await
-        {
-            tracing::error!(error = %e, "metrics server failed");
-        }
+        crate::web::serve(listener, app, shutdown, "metrics").await;
     }
 
     /// Refreshes the backlog gauges every `interval` until `shutdown`.

@@ -986,3 +986,62 @@ async fn logins_are_limited_and_a_confirmation_acts_once() {
     );
     s.app.stop().await.unwrap();
 }
+
+/// Issue 25, item 1 (slowloris): 50 connections send half a request line and stall. A
+/// normal request is still answered at once, and the server closes every stalled
+/// connection once its header-read timeout (`web::HEADER_READ_TIMEOUT`, 10 s) passes.
+/// Before: `axum::serve` had no header timeout, and the stalled connections stayed open
+/// for as long as their clients wanted. (The metrics server is served by the same code.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_connections_are_closed_and_do_not_block_the_console() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    let s = Service::start(c).await;
+    let console = s.app.console_addr.unwrap();
+    let mut stalled = Vec::new();
+    for _ in 0..50 {
+        let mut t = tokio::net::TcpStream::connect(console).await.unwrap();
+        t.write_all(b"GET /outbox HTTP/1.1\r\nHo").await.unwrap();
+        stalled.push(t);
+    }
+    let started = std::time::Instant::now();
+    let r = http(
+        console,
+        "GET /outbox HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // Every stalled connection is closed by the server (EOF or reset), within the
+    // timeout plus a margin.
+    let deadline = Duration::from_secs(20);
+    for (i, t) in stalled.iter_mut().enumerate() {
+        let mut buf = [0u8; 512];
+        let closed = tokio::time::timeout(deadline.saturating_sub(started.elapsed()), async {
+            loop {
+                match t.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(
+            closed.is_ok(),
+            "stalled connection {i} still open after {deadline:?}"
+        );
+    }
+    assert!(
+        started.elapsed() >= Duration::from_secs(9),
+        "closed by the header timeout, not at once: {:?}",
+        started.elapsed()
+    );
+    s.app.stop().await.unwrap();
+}
