@@ -365,6 +365,7 @@ impl App {
                 auth: auth.clone(),
                 read_only: config.console_read_only,
                 allowed_hosts: config.console_allowed_hosts.clone(),
+                secure_cookie: config.console_secure_cookie,
                 subscriptions: config
                     .subscriptions
                     .iter()

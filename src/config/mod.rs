@@ -90,6 +90,8 @@ pub struct Config {
     pub console_allowed_hosts: Vec<String>,
     /// The console shows but never acts, whatever the token.
     pub console_read_only: bool,
+    /// The console's session cookie is `Secure` and `__Host-` (TLS in front of it).
+    pub console_secure_cookie: bool,
     /// How often the backlog gauges are refreshed.
     pub metrics_stats_interval: Duration,
     /// TLS of the gRPC port; `None`: plaintext.

@@ -88,6 +88,7 @@ impl Config {
             metrics_listen,
             console_listen,
             console_read_only: s.console_read_only.unwrap_or(false),
+            console_secure_cookie: s.console_secure_cookie.unwrap_or(false),
             console_allowed_hosts: s
                 .console_allowed_hosts
                 .clone()

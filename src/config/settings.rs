@@ -218,6 +218,10 @@ pub struct Settings {
         value_delimiter = ','
     )]
     pub console_allowed_hosts: Option<Vec<String>>,
+    /// Browsers reach the console over TLS (a TLS-terminating proxy in front): the
+    /// session cookie is `Secure` and named `__Host-mailroom_session` [default: false].
+    #[arg(long, env = "MAILROOM_CONSOLE_SECURE_COOKIE", global = true)]
+    pub console_secure_cookie: Option<bool>,
     /// How often the backlog gauges (pending, blocked keys, oldest age) are refreshed
     /// from the database, in ms [default: 15000].
     #[arg(long, env = "MAILROOM_METRICS_STATS_INTERVAL_MS", global = true)]
@@ -387,6 +391,7 @@ impl Settings {
             console_listen,
             console_read_only,
             console_allowed_hosts,
+            console_secure_cookie,
             metrics_stats_interval_ms,
             tls_cert,
             tls_key,

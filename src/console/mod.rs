@@ -52,6 +52,10 @@ pub const RATE_WINDOW: Duration = Duration::from_secs(3600);
 /// How long a login lasts.
 const SESSION_TTL: Duration = Duration::from_secs(12 * 3600);
 const SESSION_COOKIE: &str = "mailroom_session";
+/// The session cookie's name and attributes when browsers reach the console over TLS
+/// (a TLS proxy in front): `__Host-` makes browsers refuse it unless it is `Secure`,
+/// has `Path=/` and no `Domain`, so no other site or subdomain can plant or read it.
+const SECURE_SESSION_COOKIE: &str = "__Host-mailroom_session";
 /// Rows per page of the event and audit lists.
 const LIST_PAGE: u32 = 50;
 /// Keys per backlog page.
@@ -155,6 +159,9 @@ pub struct ConsoleParts {
     pub read_only: bool,
     /// `Host` names the console answers to besides its own address and localhost.
     pub allowed_hosts: Vec<String>,
+    /// Browsers reach the console over TLS (through a proxy): the session cookie is
+    /// `Secure` and named `__Host-…`.
+    pub secure_cookie: bool,
     /// The inbox subscriptions, for the inbox pages.
     pub subscriptions: Vec<String>,
     /// The relays' counters, for the rate chart.
@@ -320,7 +327,7 @@ impl Console {
                 via_session: false,
             });
         }
-        let id = cookie(headers, SESSION_COOKIE)?;
+        let id = cookie(headers, self.session_cookie())?;
         let (token, csrf) = {
             let mut sessions = self.inner.sessions.lock().expect("sessions lock");
             sessions.retain(|_, s| s.expires > Instant::now());
@@ -337,6 +344,24 @@ impl Console {
             csrf: Some(csrf),
             via_session: true,
         })
+    }
+
+    /// The session cookie's name.
+    fn session_cookie(&self) -> &'static str {
+        if self.inner.secure_cookie {
+            SECURE_SESSION_COOKIE
+        } else {
+            SESSION_COOKIE
+        }
+    }
+
+    /// The session cookie's attributes after its value.
+    fn cookie_attributes(&self) -> &'static str {
+        if self.inner.secure_cookie {
+            "Path=/; HttpOnly; Secure; SameSite=Strict"
+        } else {
+            "Path=/; HttpOnly; SameSite=Strict"
+        }
     }
 
     fn target(&self, name: &str) -> Option<Target> {

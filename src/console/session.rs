@@ -97,16 +97,22 @@ pub(super) async fn login(
         },
     );
     let cookie = format!(
-        "{SESSION_COOKIE}={id}; Path=/; HttpOnly; SameSite=Strict; Max-Age={}",
+        "{}={id}; {}; Max-Age={}",
+        c.session_cookie(),
+        c.cookie_attributes(),
         SESSION_TTL.as_secs()
     );
     ([(header::SET_COOKIE, cookie)], Redirect::to(&next)).into_response()
 }
 
 pub(super) async fn logout(State(c): State<Console>, headers: HeaderMap) -> Response {
-    if let Some(id) = cookie(&headers, SESSION_COOKIE) {
+    if let Some(id) = cookie(&headers, c.session_cookie()) {
         c.inner.sessions.lock().expect("sessions lock").remove(&id);
     }
-    let clear = format!("{SESSION_COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0");
+    let clear = format!(
+        "{}=; {}; Max-Age=0",
+        c.session_cookie(),
+        c.cookie_attributes()
+    );
     ([(header::SET_COOKIE, clear)], Redirect::to("/login")).into_response()
 }

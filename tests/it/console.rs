@@ -1045,3 +1045,63 @@ async fn stalled_connections_are_closed_and_do_not_block_the_console() {
     );
     s.app.stop().await.unwrap();
 }
+
+/// Issue 25, item 1: behind a TLS proxy (`MAILROOM_CONSOLE_SECURE_COOKIE=true`) the
+/// session cookie is `__Host-mailroom_session`, `Secure`, `Path=/`, no `Domain`, and it
+/// is the one the console reads back; by default (plain HTTP on loopback) it is
+/// `mailroom_session` without `Secure`, which browsers would not send over HTTP otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_cookie_is_secure_behind_tls() {
+    use mailroom::api::auth::{Scope, TokenEntry};
+    for secure in [false, true] {
+        let url = fresh_pg().await;
+        let mut c = config(&url);
+        c.relays = 0;
+        c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+        c.console_secure_cookie = secure;
+        c.tokens = vec![TokenEntry {
+            name: "ops".into(),
+            token: TOKEN.into(),
+            scopes: vec![Scope::Admin],
+            topics: None,
+            subscriptions: None,
+        }];
+        let s = Service::start(c).await;
+        let console = s.app.console_addr.unwrap();
+        let body = format!("token={TOKEN}&next=/outbox");
+        let r = http(
+            console,
+            &format!(
+                "POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            ),
+        )
+        .await;
+        let set = r
+            .lines()
+            .find(|l| l.to_ascii_lowercase().starts_with("set-cookie:"))
+            .unwrap_or_else(|| panic!("no cookie: {r}"))
+            .to_string();
+        let pair = set[11..].trim().split(';').next().unwrap().to_string();
+        if secure {
+            assert!(pair.starts_with("__Host-mailroom_session="), "{set}");
+            assert!(set.contains("; Secure") && set.contains("Path=/"), "{set}");
+            assert!(!set.to_ascii_lowercase().contains("domain="), "{set}");
+        } else {
+            assert!(pair.starts_with("mailroom_session="), "{set}");
+            assert!(!set.contains("Secure"), "{set}");
+        }
+        let page = http(
+            console,
+            &format!(
+                "GET /outbox HTTP/1.1\r\nHost: x\r\nCookie: {pair}\r\nConnection: close\r\n\r\n"
+            ),
+        )
+        .await;
+        assert!(
+            page.starts_with("HTTP/1.1 200"),
+            "the cookie logs in: {page}"
+        );
+        s.app.stop().await.unwrap();
+    }
+}
