@@ -35,38 +35,8 @@ fn big_event(key: &str, bytes: usize) -> pb::Event {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_requests_are_refused_per_method_without_buffering_them() {
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("m.db").display());
-    let sink = dir.path().join("sink.jsonl");
-    let port = free_port();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
-        .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
-        .env("MAILROOM_DATABASE_URL", &db)
-        .env("MAILROOM_LOCAL_SINK", &sink)
-        .env_remove("MAILROOM_MAX_BATCH_BYTES")
-        // No relays: the memory measured is the request path's alone.
-        .env("MAILROOM_RELAYS", "0")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let (mut child, mut client) = start_binary(dir.path(), &[]).await;
     let pid = child.id();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let channel = loop {
-        match tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{port}"))
-            .unwrap()
-            .connect()
-            .await
-        {
-            Ok(c) => break c,
-            Err(_) if Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(100)).await
-            }
-            Err(e) => panic!("mailroom did not start: {e}"),
-        }
-    };
-    let mut client = OutboxServiceClient::new(channel)
-        .max_encoding_message_size(usize::MAX)
-        .max_decoding_message_size(usize::MAX);
     let baseline = vm_hwm_bytes(pid);
 
     // Per method: a batch of 8 MiB is fine although one Enqueue may carry ~1 MiB (9

@@ -792,6 +792,40 @@ async fn an_admin_read_token_sees_the_console_without_actions() {
     s.app.stop().await.unwrap();
 }
 
+/// A console on a fresh database, no relays, with `tokens` (none: an open console).
+async fn console_service(
+    tokens: Vec<mailroom::api::auth::TokenEntry>,
+) -> (Service, std::net::SocketAddr) {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.tokens = tokens;
+    let s = Service::start(c).await;
+    let console = s.app.console_addr.unwrap();
+    (s, console)
+}
+
+/// The `ops` token: the admin scope and enqueue.
+fn ops_token() -> mailroom::api::auth::TokenEntry {
+    use mailroom::api::auth::{Scope, TokenEntry};
+    TokenEntry {
+        name: "ops".into(),
+        token: TOKEN.into(),
+        scopes: vec![Scope::Admin, Scope::Enqueue],
+        topics: None,
+        subscriptions: None,
+    }
+}
+
+/// A raw form POST to `path` with `headers` (each ending in `\r\n`).
+fn form_post(path: &str, headers: &str, form: &str) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\n{headers}Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+        form.len()
+    )
+}
+
 /// Issue 25, item 1: DNS rebinding, framing and sniffing, and `next` after login.
 /// - On an open console (no token, the quick start), a hostile page that rebinds its
 ///   name to 127.0.0.1 posts with `Host` and `Origin` both its own: refused `421`, and
@@ -805,12 +839,7 @@ async fn an_admin_read_token_sees_the_console_without_actions() {
 ///   `/\\evil.test` and `https://evil.test` all land on `/outbox`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rebinding_framing_and_open_redirects_are_refused() {
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
-    let mut s = Service::start(c).await;
-    let console = s.app.console_addr.unwrap();
+    let (mut s, console) = console_service(Vec::new()).await;
     let port = console.port();
     let id = enqueue(&mut s.client, event("rebind", "k", b"secret payload")).await;
     let form = format!("action=cancel&id={id}&confirm=yes");
@@ -871,13 +900,9 @@ async fn rebinding_framing_and_open_redirects_are_refused() {
         "https://evil.test",
         "/%0A/evil.test",
     ] {
-        let body = format!("token=&next={next}");
         let r = http(
             console,
-            &format!(
-                "POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            ),
+            &form_post("/login", "", &format!("token=&next={next}")),
         )
         .await;
         let location = r
@@ -899,27 +924,8 @@ async fn rebinding_framing_and_open_redirects_are_refused() {
 /// Before: unlimited guesses; a reloaded confirmation acted again; any reason length.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logins_are_limited_and_a_confirmation_acts_once() {
-    use mailroom::api::auth::{Scope, TokenEntry};
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
-    c.tokens = vec![TokenEntry {
-        name: "ops".into(),
-        token: TOKEN.into(),
-        scopes: vec![Scope::Admin, Scope::Enqueue],
-        topics: None,
-        subscriptions: None,
-    }];
-    let s = Service::start(c).await;
-    let console = s.app.console_addr.unwrap();
-    let login = |token: &str| {
-        let body = format!("token={token}&next=/outbox");
-        format!(
-            "POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-    };
+    let (s, console) = console_service(vec![ops_token()]).await;
+    let login = |token: &str| form_post("/login", "", &format!("token={token}&next=/outbox"));
     for i in 0..5 {
         let r = http(console, &login(&format!("wrong-guess-{i}"))).await;
         assert!(r.starts_with("HTTP/1.1 401"), "guess {i}: {r}");
@@ -947,12 +953,7 @@ async fn logins_are_limited_and_a_confirmation_acts_once() {
     };
     let id = enqueue(event("confirm", "k", b"x")).await;
     let auth = format!("Authorization: Bearer {TOKEN}\r\n");
-    let post = |form: String| {
-        format!(
-            "POST /outbox/events HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
-            form.len()
-        )
-    };
+    let post = |form: String| form_post("/outbox/events", &auth, &form);
     // The dry run renders the confirmation form with its request id.
     let dry = http(console, &post(format!("action=cancel&id={id}&reason=test"))).await;
     let rid = dry
@@ -995,12 +996,7 @@ async fn logins_are_limited_and_a_confirmation_acts_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_connections_are_closed_and_do_not_block_the_console() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let url = fresh_pg().await;
-    let mut c = config(&url);
-    c.relays = 0;
-    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
-    let s = Service::start(c).await;
-    let console = s.app.console_addr.unwrap();
+    let (s, console) = console_service(Vec::new()).await;
     let mut stalled = Vec::new();
     for _ in 0..50 {
         let mut t = tokio::net::TcpStream::connect(console).await.unwrap();
@@ -1052,29 +1048,18 @@ async fn stalled_connections_are_closed_and_do_not_block_the_console() {
 /// `mailroom_session` without `Secure`, which browsers would not send over HTTP otherwise.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_session_cookie_is_secure_behind_tls() {
-    use mailroom::api::auth::{Scope, TokenEntry};
     for secure in [false, true] {
         let url = fresh_pg().await;
         let mut c = config(&url);
         c.relays = 0;
         c.console_listen = Some("127.0.0.1:0".parse().unwrap());
         c.console_secure_cookie = secure;
-        c.tokens = vec![TokenEntry {
-            name: "ops".into(),
-            token: TOKEN.into(),
-            scopes: vec![Scope::Admin],
-            topics: None,
-            subscriptions: None,
-        }];
+        c.tokens = vec![ops_token()];
         let s = Service::start(c).await;
         let console = s.app.console_addr.unwrap();
-        let body = format!("token={TOKEN}&next=/outbox");
         let r = http(
             console,
-            &format!(
-                "POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            ),
+            &form_post("/login", "", &format!("token={TOKEN}&next=/outbox")),
         )
         .await;
         let set = r
