@@ -7,6 +7,7 @@
 //! list and fails when a module imports one that imports it back, or one from a higher
 //! line than its own; modules on one line are one layer; `docs/architecture.md` shows
 //! the graph):
+//! - `backoff` — capped exponential backoff with equal jitter, the one every retry uses.
 //! - `domain`  — events, statuses, boxes, enqueue outcomes, topic rules and request
 //!   limits; `domain::admin` the operator's queries and outcomes; `domain::headers`
 //!   Kafka record headers as bytes beside their text view.
@@ -49,6 +50,7 @@
 pub mod admin;
 pub mod api;
 pub mod app;
+pub mod backoff;
 pub mod cli;
 pub mod config;
 pub mod console;

@@ -4,8 +4,6 @@
 
 use std::time::Duration;
 
-use rand::RngExt;
-
 /// Per-box retry settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RetryPolicy {
@@ -31,64 +29,18 @@ impl RetryPolicy {
     /// The un-jittered delay `d` after a failure with `attempts_made` attempts spent
     /// before it.
     pub fn ceiling(&self, attempts_made: u32) -> Duration {
-        let factor = 2u32.checked_pow(attempts_made.min(31)).unwrap_or(u32::MAX);
-        self.base.saturating_mul(factor).min(self.cap)
+        crate::backoff::ceiling(self.base, self.cap, attempts_made)
     }
 
     /// The wait before the next attempt, drawn from `[d/2, d]`.
     pub fn delay(&self, attempts_made: u32, rng: &mut impl rand::Rng) -> Duration {
-        let d = self.ceiling(attempts_made);
-        if d.is_zero() {
-            return Duration::ZERO;
-        }
-        let half = d / 2;
-        // Saturates: a span past u64::MAX µs (half a million years) is not a backoff.
-        let span = u64::try_from((d - half).as_micros()).unwrap_or(u64::MAX);
-        half + Duration::from_micros(rng.random_range(0..=span))
+        crate::backoff::equal_jitter(self.ceiling(attempts_made), rng)
     }
 }
 
 /// The relay's own pause after a transient failure: doubling from `min` to `max`, equal
 /// jitter, reset by the next success. It throttles probes of a dead destination.
-#[derive(Debug, Clone)]
-pub struct ProbeBackoff {
-    min: Duration,
-    max: Duration,
-    failures: u32,
-}
-
-impl ProbeBackoff {
-    /// A probe backoff from `min`, doubling up to `max`.
-    pub fn new(min: Duration, max: Duration) -> Self {
-        ProbeBackoff {
-            min,
-            max,
-            failures: 0,
-        }
-    }
-
-    /// A failed probe: the pause before the next one.
-    pub fn failed(&mut self, rng: &mut impl rand::Rng) -> Duration {
-        let p = RetryPolicy {
-            base: self.min,
-            cap: self.max,
-            max_attempts: 0,
-        };
-        let d = p.delay(self.failures, rng);
-        self.failures = self.failures.saturating_add(1);
-        d
-    }
-
-    /// A successful probe: the next failure starts from `min` again.
-    pub fn succeeded(&mut self) {
-        self.failures = 0;
-    }
-
-    /// True while the destination is believed down: claim one event at a time.
-    pub fn probing(&self) -> bool {
-        self.failures > 0
-    }
-}
+pub type ProbeBackoff = crate::backoff::Backoff;
 
 #[cfg(test)]
 mod tests {
@@ -131,21 +83,5 @@ mod tests {
         let v: Vec<Duration> = (0..1000).map(|_| p.delay(0, &mut rng)).collect();
         assert!(v.iter().any(|d| *d < Duration::from_millis(6000)));
         assert!(v.iter().any(|d| *d > Duration::from_millis(9000)));
-    }
-
-    #[test]
-    fn probe_backoff_grows_and_resets() {
-        let mut b = ProbeBackoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-        assert!(!b.probing());
-        let first = b.failed(&mut rng);
-        assert!(first <= Duration::from_millis(100));
-        for _ in 0..10 {
-            b.failed(&mut rng);
-        }
-        assert!(b.failed(&mut rng) <= Duration::from_secs(5));
-        assert!(b.probing());
-        b.succeeded();
-        assert!(!b.probing());
     }
 }

@@ -177,6 +177,8 @@ where
     Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
 {
     let mut run = 1;
+    let mut backoff =
+        crate::backoff::Backoff::new(Duration::from_millis(10), Duration::from_millis(40));
     loop {
         match call().await {
             Err(e) if run < ABORTED_RUNS && aborted(&e) => {
@@ -191,9 +193,8 @@ where
                     _ => String::new(),
                 };
                 tracing::warn!(error = %e, %detail, run, "PostgreSQL aborted the transaction; running it again");
-                let pause =
-                    rand::RngExt::random_range(&mut rand::rng(), 1..=10u64) * u64::from(run);
-                tokio::time::sleep(Duration::from_millis(pause)).await;
+                let pause = backoff.failed(&mut rand::rng());
+                tokio::time::sleep(pause).await;
                 run += 1;
             }
             r => return r.map_err(StoreError::from),

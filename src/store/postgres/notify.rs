@@ -98,9 +98,9 @@ async fn reconnecting<F, Fut, S, SFut>(
             },
         };
         if started.elapsed() >= STABLE {
-            backoff.reset();
+            backoff.succeeded();
         }
-        let pause = backoff.next_pause();
+        let pause = backoff.failed(&mut rand::rng());
         tracing::warn!(error = %e, pause_ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
             "LISTEN failed or its connection was lost; reconnecting after a pause");
         tokio::select! {
@@ -111,65 +111,13 @@ async fn reconnecting<F, Fut, S, SFut>(
     }
 }
 
-/// Capped exponential backoff with equal jitter: the n-th pause in a row is half of
-/// `min(cap, first·2ⁿ)` plus a random part of up to the other half.
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    first: Duration,
-    cap: Duration,
-    failures: u32,
-}
-
-impl Backoff {
-    /// A backoff whose first ceiling is `first`, doubling per failure up to `cap`.
-    pub fn new(first: Duration, cap: Duration) -> Self {
-        Backoff {
-            first,
-            cap,
-            failures: 0,
-        }
-    }
-
-    /// The pause before the next attempt; each call is one more failure in a row.
-    pub fn next_pause(&mut self) -> Duration {
-        let ceiling = self
-            .first
-            .saturating_mul(1u32 << self.failures.min(20))
-            .min(self.cap);
-        self.failures = self.failures.saturating_add(1);
-        let half = ceiling / 2;
-        // Saturates rather than wraps for a cap beyond u64::MAX ms (no real cap is).
-        let half_ms = u64::try_from(half.as_millis()).unwrap_or(u64::MAX);
-        let jitter = rand::RngExt::random_range(&mut rand::rng(), 0..=half_ms);
-        half + Duration::from_millis(jitter)
-    }
-
-    /// After a success: the next pause is the first again.
-    pub fn reset(&mut self) {
-        self.failures = 0;
-    }
-}
+use crate::backoff::Backoff;
 
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
     use super::*;
-
-    #[test]
-    fn pauses_double_up_to_the_cap_with_jitter() {
-        let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
-        for ceiling in [1u64, 2, 4, 8, 16, 30, 30, 30] {
-            let p = b.next_pause();
-            let ceiling = Duration::from_secs(ceiling);
-            assert!(
-                p >= ceiling / 2 && p <= ceiling,
-                "{p:?} outside {ceiling:?}"
-            );
-        }
-        b.reset();
-        assert!(b.next_pause() <= Duration::from_secs(1));
-    }
 
     /// A listener whose every attempt fails at once (as against a closed port) makes a
     /// bounded number of attempts in a window, not a hot loop. The clock is virtual: the
