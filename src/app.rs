@@ -43,23 +43,17 @@ pub async fn pg_pool(
     max_connections: u32,
 ) -> anyhow::Result<sqlx::PgPool> {
     let redacted = redact_url(&config.database_url.0);
-    let mut opts: sqlx::postgres::PgConnectOptions = config
-        .database_url
-        .0
-        .parse()
-        .map_err(|_| anyhow::anyhow!("{redacted} is not a valid PostgreSQL URL"))?;
-    if let Some(t) = statement_timeout {
-        opts = opts.options([("statement_timeout", t.as_millis().to_string())]);
-    }
-    // A request that cannot get a connection within the acquire timeout fails as
-    // UNAVAILABLE instead of waiting behind an exhausted pool.
-    sqlx::postgres::PgPoolOptions::new()
-        .max_connections(max_connections)
-        .acquire_timeout(config.database_acquire_timeout)
-        .connect_with(opts)
-        .await
-        .map_err(crate::store::StoreError::from)
-        .with_context(|| format!("connecting to {redacted}"))
+    crate::store::postgres::pool(
+        &config.database_url.0,
+        crate::store::postgres::PoolShape {
+            max_connections,
+            acquire_timeout: config.database_acquire_timeout,
+            statement_timeout,
+            lazy: false,
+        },
+    )
+    .await
+    .with_context(|| format!("connecting to {redacted}"))
 }
 
 /// The service's pools, one per query class with its class's statement timeout:
@@ -136,10 +130,23 @@ pub async fn ce_source(config: &Config, store: &dyn Store) -> anyhow::Result<Str
 /// Builds the configured sink. A Kafka sink without `MAILROOM_SOURCE` opens (and
 /// migrates, when asked) the store to read the installation id.
 pub async fn open_sink(config: &Config) -> anyhow::Result<Arc<dyn Sink>> {
-    let source = match (&config.sink, &config.source) {
-        (_, Some(s)) => s.clone(),
-        (SinkConfig::Kafka { .. }, None) => ce_source(config, &*open_store(config).await?).await?,
-        (SinkConfig::Local { .. }, None) => String::new(),
+    let store = match (&config.sink, &config.source) {
+        (SinkConfig::Kafka { .. }, None) => Some(open_store(config).await?),
+        _ => None,
+    };
+    sink_for(config, store.as_deref()).await
+}
+
+/// The configured sink; `store` (needed for a Kafka sink without `MAILROOM_SOURCE`)
+/// gives the installation id.
+async fn sink_for(config: &Config, store: Option<&dyn Store>) -> anyhow::Result<Arc<dyn Sink>> {
+    let source = match (&config.sink, &config.source, store) {
+        (_, Some(s), _) => s.clone(),
+        (SinkConfig::Kafka { .. }, None, Some(store)) => ce_source(config, store).await?,
+        (SinkConfig::Kafka { .. }, None, None) => {
+            anyhow::bail!("a Kafka sink without MAILROOM_SOURCE needs the store's installation id")
+        }
+        (SinkConfig::Local { .. }, None, _) => String::new(),
     };
     let sink = base_sink(config, source).await?;
     let (counted, transient) = config.faults;
@@ -221,8 +228,10 @@ pub struct App {
 impl App {
     /// Starts everything with the configured sink; returns once the server listens.
     pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<App> {
-        let sink = open_sink(&config).await?;
-        App::start_with_sink(config, sink, shutdown).await
+        // The store is opened (and migrated) once; the sink may need its installation id.
+        let store = open_store(&config).await?;
+        let sink = sink_for(&config, Some(&*store)).await?;
+        App::start_parts(config, store, sink, shutdown).await
     }
 
     /// Starts everything with a given sink (tests wrap the real one to inject faults).
@@ -232,6 +241,15 @@ impl App {
         shutdown: CancellationToken,
     ) -> anyhow::Result<App> {
         let store = open_store(&config).await?;
+        App::start_parts(config, store, sink, shutdown).await
+    }
+
+    async fn start_parts(
+        config: Config,
+        store: Arc<dyn Store>,
+        sink: Arc<dyn Sink>,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<App> {
         // The verdict at start-up, logged once; every part that changes rows asks it.
         let schema = SchemaGate::new(store.clone());
         if let Err(e) = schema.read().await {
@@ -262,10 +280,16 @@ impl App {
             tasks.push(tokio::spawn(relay.run(background.clone())));
         }
         if config.is_postgres() && config.listen_notify {
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(2)
-                .connect_lazy(&config.database_url.0)
-                .context("LISTEN/NOTIFY pool")?;
+            let pool = crate::store::postgres::pool(
+                &config.database_url.0,
+                crate::store::postgres::PoolShape {
+                    max_connections: 2,
+                    lazy: true,
+                    ..Default::default()
+                },
+            )
+            .await
+            .context("LISTEN/NOTIFY pool")?;
             let trigger = Arc::new(tokio::sync::Notify::new());
             wakeup.set_remote(trigger.clone());
             tasks.push(tokio::spawn(crate::store::postgres::notify::notifier(

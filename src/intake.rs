@@ -302,12 +302,9 @@ async fn commit_group(store: &dyn Store, group: Vec<Job>, wakeup: &Wakeup) {
         .iter()
         .flat_map(|j| j.events.iter().cloned())
         .collect();
-    let mut result = store.enqueue(&events, atomic).await;
-    // A deadlock or serialization failure between concurrent groups is worth one retry.
-    if let Err(crate::store::StoreError::Retryable(_)) = &result {
-        result = store.enqueue(&events, atomic).await;
-    }
-    match result {
+    // A deadlock or serialization failure is run again by the store (`retry_aborted`),
+    // the one layer that retries aborted transactions.
+    match store.enqueue(&events, atomic).await {
         Err(e) => {
             let e = Error::from(e);
             tracing::warn!(error = %e, events = events.len(), "enqueue transaction failed");

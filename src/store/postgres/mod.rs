@@ -56,18 +56,64 @@ pub struct PgPools {
     pub admin: PgPool,
 }
 
+/// What a pool is: its size, how long a request waits for a connection (then fails
+/// `UNAVAILABLE` rather than queueing behind an exhausted pool), the statement timeout
+/// its sessions run with (`None`: the server's), and whether it connects at once (a bad
+/// URL fails at start-up) or on first use.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolShape {
+    /// Connections at most.
+    pub max_connections: u32,
+    /// How long a request waits for a connection.
+    pub acquire_timeout: Duration,
+    /// `statement_timeout` of every session (the `options` startup parameter).
+    pub statement_timeout: Option<Duration>,
+    /// Connect on first use instead of at once.
+    pub lazy: bool,
+}
+
+impl Default for PoolShape {
+    fn default() -> Self {
+        PoolShape {
+            max_connections: 4,
+            acquire_timeout: Duration::from_secs(3),
+            statement_timeout: None,
+            lazy: false,
+        }
+    }
+}
+
+/// Every PostgreSQL pool mailroom opens (the query classes' pools, the migrations', the
+/// LISTEN connection's) is built here.
+pub async fn pool(url: &str, shape: PoolShape) -> StoreResult<PgPool> {
+    let mut opts: PgConnectOptions = url
+        .parse()
+        .map_err(|e: sqlx::Error| StoreError::Other(format!("bad database url: {e}")))?;
+    if let Some(t) = shape.statement_timeout {
+        opts = opts.options([("statement_timeout", t.as_millis().to_string())]);
+    }
+    let options = PgPoolOptions::new()
+        .max_connections(shape.max_connections)
+        .acquire_timeout(shape.acquire_timeout);
+    if shape.lazy {
+        Ok(options.connect_lazy_with(opts))
+    } else {
+        Ok(options.connect_with(opts).await?)
+    }
+}
+
 impl PgStore {
     /// Connects lazily-checked: the pool is created and one connection tried, so a bad
     /// URL fails at start-up while a database that goes away later only degrades health.
     pub async fn connect(url: &str, max_connections: u32) -> StoreResult<Self> {
-        let opts: PgConnectOptions = url
-            .parse()
-            .map_err(|e: sqlx::Error| StoreError::Other(format!("bad database url: {e}")))?;
-        let pool = PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(3))
-            .connect_with(opts)
-            .await?;
+        let pool = pool(
+            url,
+            PoolShape {
+                max_connections,
+                ..PoolShape::default()
+            },
+        )
+        .await?;
         Ok(Self::from_pool(pool))
     }
 
