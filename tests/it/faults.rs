@@ -9,7 +9,7 @@
 //! `tests/it/overload.rs::overload_sheds_fast_and_loses_nothing`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -66,19 +66,32 @@ async fn crash_loop_sigkill_and_restart_lose_nothing_acknowledged() {
     let pool = pg_pool(&db).await;
     let kills = 3 * soak();
     let mut completed_at_kill = Vec::new();
-    for _ in 0..kills {
-        sleep_ms(rng.range(1000, 2500)).await;
-        m.kill();
-        completed_at_kill.push(
+    let completed = || {
+        let pool = pool.clone();
+        async move {
             scalar(
                 &pool,
                 "SELECT count(*) FROM outbox_events_view WHERE status = 'completed'",
             )
-            .await,
-        );
+            .await
+        }
+    };
+    for _ in 0..kills {
+        // Each kill lands while the process publishes: it has published since the last one.
+        let before = completed_at_kill.last().copied().unwrap_or(0);
+        eventually(
+            scaled(Duration::from_secs(30)),
+            "the restarted process publishes",
+            || async { completed().await > before },
+        )
+        .await;
+        sleep_ms(rng.range(1000, 2500)).await;
+        m.kill();
+        completed_at_kill.push(completed().await);
         sleep_ms(rng.range(100, 600)).await;
         m.start_ready().await;
     }
+    let sigkills = m.sigkills;
     sleep_ms(1500).await;
     let log = writers.stop().await;
     let last_restart = Instant::now();
@@ -104,10 +117,12 @@ async fn crash_loop_sigkill_and_restart_lose_nothing_acknowledged() {
         took,
         last_restart.elapsed(),
     );
-    assert_eq!(m.starts, kills + 1);
+    // The faults fired: every kill ended a running process by SIGKILL, and each process
+    // (the first and every restart) published before it was killed.
+    assert_eq!(sigkills, kills, "kills that hit a running process");
     assert!(
-        completed_at_kill.iter().any(|&c| c > 0),
-        "no kill landed while publishing"
+        completed_at_kill.windows(2).all(|w| w[0] < w[1]) && completed_at_kill[0] > 0,
+        "a process was killed before it published: {completed_at_kill:?}"
     );
     assert_eq!(v.delivered, total, "every stored event is on the topic");
     v.assert_sound("crash loop");
@@ -701,6 +716,9 @@ struct FaultyHandler {
     calls: Arc<Mutex<Vec<Call>>>,
     rng: Arc<Mutex<Rng>>,
     faulty: Arc<AtomicBool>,
+    /// Calls it hung on and calls it failed (proof both faults fired).
+    hangs: Arc<AtomicU64>,
+    errors: Arc<AtomicU64>,
 }
 
 #[tonic::async_trait]
@@ -719,8 +737,10 @@ impl HandlerService for FaultyHandler {
         if self.faulty.load(Ordering::Relaxed) {
             if roll < 5 {
                 // Past the handler timeout (300 ms): mailroom gives up, counts an attempt.
+                self.hangs.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(700)).await;
             } else if roll < 10 {
+                self.errors.fetch_add(1, Ordering::SeqCst);
                 return Err(tonic::Status::internal("handler bug"));
             }
         }
@@ -730,13 +750,17 @@ impl HandlerService for FaultyHandler {
     }
 }
 
-/// A "handler" that answers every connection with junk bytes.
-async fn junk_server() -> String {
+/// A "handler" that answers every connection with junk bytes; also the count of
+/// connections it answered.
+async fn junk_server() -> (String, Arc<AtomicU64>) {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
+    let answered = Arc::new(AtomicU64::new(0));
+    let counter = answered.clone();
     tokio::spawn(async move {
         use tokio::io::AsyncWriteExt;
         while let Ok((mut s, _)) = l.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
             tokio::spawn(async move {
                 let _ = s
                     .write_all(b"HTTP/1.1 418 I'm a teapot\r\n\r\n\xff\xfe\x00garbage\x00\x01")
@@ -745,7 +769,7 @@ async fn junk_server() -> String {
             });
         }
     });
-    addr
+    (addr, answered)
 }
 
 /// Scenario 8. The inbox, end to end (outbox → broker → mailroom's consumer → handler),
@@ -762,11 +786,13 @@ async fn inbox_survives_handler_faults_and_consumer_restarts() {
         calls: Arc::default(),
         rng: Arc::new(Mutex::new(rng)),
         faulty: Arc::new(AtomicBool::new(true)),
+        hangs: Arc::default(),
+        errors: Arc::default(),
     };
     let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let real = hl.local_addr().unwrap().to_string();
     serve_handler_on(hl, handler.clone());
-    let junk = junk_server().await;
+    let (junk, junk_answered) = junk_server().await;
     let hproxy = Proxy::start(real.clone()).await;
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("mailroom.toml");
@@ -820,29 +846,68 @@ async fn inbox_survives_handler_faults_and_consumer_restarts() {
     inbox_spec.pace = Duration::from_millis(25);
     let writers = Writers::start(inbox_spec);
     let step = |ms: u64| tokio::time::sleep(scaled(Duration::from_millis(ms)));
+    // Messages received but not yet handled when each kill landed.
+    let mut unhandled_at_kill = Vec::new();
+    let mut kills = 0;
+    // The faults start once messages flow to the handler (the consumer group joins first).
+    let calls_now = || handler.calls.lock().unwrap().len();
+    eventually(
+        scaled(Duration::from_secs(60)),
+        "the handler is called",
+        || {
+            let n = calls_now();
+            async move { n > 0 }
+        },
+    )
+    .await;
+    // Each fault lasts at least its step and until mailroom met it.
+    let until = |what: &'static str, counter: Arc<AtomicU64>| {
+        let from = counter.load(Ordering::SeqCst);
+        async move {
+            eventually(scaled(Duration::from_secs(30)), what, || {
+                let n = counter.load(Ordering::SeqCst);
+                async move { n > from }
+            })
+            .await
+        }
+    };
     for round in 0..soak() {
         step(1500).await;
         // The handler crashes mid-call (its connections cut) and stays down a while.
+        let down = until("a call meets the handler down", hproxy.refused.clone());
         hproxy.cut();
         step(1000).await;
+        down.await;
         hproxy.restore();
         step(1000).await;
         // Junk instead of gRPC.
+        let junk_met = until("a call meets the junk server", junk_answered.clone());
         hproxy.retarget(junk.clone());
         hproxy.drop_connections();
         step(800).await;
+        junk_met.await;
         hproxy.retarget(real.clone());
         hproxy.drop_connections();
         step(1000).await;
         // The consumer (and dispatcher) killed mid-batch, twice.
         for _ in 0..2 {
             m.kill();
+            kills += 1;
+            unhandled_at_kill.push(
+                scalar(
+                    &pool,
+                    "SELECT count(*) FROM inbox_events \
+                     WHERE subscription = 'faults' AND status <> 'completed'",
+                )
+                .await,
+            );
             sleep_ms(300).await;
             m.start_ready().await;
             step(1200).await;
         }
         eprintln!("inbox faults: round {round} done");
     }
+    let sigkills = m.sigkills;
     let log = writers.stop().await;
     let stopped = Instant::now();
     drained(&db, log.acked.len(), scaled(Duration::from_secs(60))).await;
@@ -932,6 +997,33 @@ async fn inbox_survives_handler_faults_and_consumer_restarts() {
         after_recorded.len(),
         lost.len(),
         m.starts,
+    );
+    // Each fault fired: the cut closed the handler's connections and refused new ones,
+    // the junk server was called, the handler hung and failed, and every kill ended a
+    // running process with messages received but not yet handled.
+    let (dropped, refused) = (
+        hproxy.dropped.load(Ordering::SeqCst),
+        hproxy.refused.load(Ordering::SeqCst),
+    );
+    let junk_calls = junk_answered.load(Ordering::SeqCst);
+    let (hangs, errors) = (
+        handler.hangs.load(Ordering::SeqCst),
+        handler.errors.load(Ordering::SeqCst),
+    );
+    eprintln!(
+        "inbox faults fired: {dropped} handler connections dropped, {refused} refused while \
+         down, {junk_calls} junk connections, {hangs} hangs, {errors} errors, {} SIGKILLs with \
+         {unhandled_at_kill:?} messages unhandled",
+        sigkills
+    );
+    assert!(dropped > 0, "the cut closed no handler connection");
+    assert!(refused > 0, "no connection met the handler down");
+    assert!(junk_calls > 0, "mailroom never reached the junk server");
+    assert!(hangs > 0 && errors > 0, "hangs {hangs}, errors {errors}");
+    assert_eq!(sigkills, kills, "kills that hit a running process");
+    assert!(
+        unhandled_at_kill.iter().any(|&n| n > 0),
+        "no kill landed with messages in hand: {unhandled_at_kill:?}"
     );
     assert!(!acked.is_empty());
     assert!(

@@ -180,35 +180,61 @@ async fn redelivered_records_are_handled_once() {
     })
     .await;
     s.app.stop().await.unwrap();
+    // The same group resumes from its committed offsets: five new records are all it
+    // receives (without the commits it would read all 55 again).
+    for i in 50..55 {
+        let key = format!("k{}", i % 3);
+        let payload = format!("ok:{i}");
+        producer
+            .send(
+                FutureRecord::to("raw").key(&key).payload(&payload),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+    }
+    let s = Service::start(c.clone()).await;
+    eventually(Duration::from_secs(60), "55 handled", || async {
+        inbox_count(&s, Status::Completed).await == 55
+    })
+    .await;
+    let resumed = s.app.inbox.intake_stats["audit"].clone();
+    tokio::time::sleep(quiet).await;
+    assert_eq!(
+        resumed.received.load(std::sync::atomic::Ordering::Relaxed),
+        5,
+        "the group resumed from its committed offsets"
+    );
+    s.app.stop().await.unwrap();
     // A consumer that never saw the commits (a new group) gets every record again.
     let mut again = sub.clone();
     again.group = format!("{}-redelivered", sub.group);
     c.subscriptions = vec![again];
     let s = Service::start(c).await;
     let stats = s.app.inbox.intake_stats["audit"].clone();
-    eventually(Duration::from_secs(60), "50 records redelivered", || {
+    eventually(Duration::from_secs(60), "55 records redelivered", || {
         let stats = stats.clone();
-        async move { stats.received.load(std::sync::atomic::Ordering::Relaxed) >= 50 }
+        async move { stats.received.load(std::sync::atomic::Ordering::Relaxed) >= 55 }
     })
     .await;
     tokio::time::sleep(quiet).await;
     assert_eq!(
         stats.duplicates.load(std::sync::atomic::Ordering::Relaxed),
-        50
+        55
     );
-    assert_eq!(handler.calls().len(), 50, "no message handled twice");
+    assert_eq!(handler.calls().len(), 55, "no message handled twice");
     assert_eq!(
         s.app
             .store
             .count_events(BoxKind::Inbox, None)
             .await
             .unwrap(),
-        50
+        55
     );
     let mut ids: Vec<String> = handler.calls().into_iter().map(|c| c.message_id).collect();
     ids.sort();
     ids.dedup();
-    assert_eq!(ids.len(), 50);
+    assert_eq!(ids.len(), 55);
     assert!(ids.iter().all(|id| id.starts_with("kafka:raw:")), "{ids:?}");
     s.app.stop().await.unwrap();
 }

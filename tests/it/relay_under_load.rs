@@ -30,8 +30,21 @@ fn spawn_mailroom(
     faults: (f64, f64),
     relays: u32,
 ) -> std::process::Child {
-    std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
-        .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
+    mailroom_command(port, db, brokers, faults, relays)
+        .spawn()
+        .expect("spawn mailroom")
+}
+
+/// The command `spawn_mailroom` runs, for callers that add settings.
+fn mailroom_command(
+    port: u16,
+    db: &str,
+    brokers: &str,
+    faults: (f64, f64),
+    relays: u32,
+) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"));
+    cmd.env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
         .env("MAILROOM_DATABASE_URL", db)
         .env("MAILROOM_KAFKA_BROKERS", brokers)
         .env("MAILROOM_KAFKA_MESSAGE_TIMEOUT_MS", "3000")
@@ -43,9 +56,8 @@ fn spawn_mailroom(
         .env("MAILROOM_FAULT_TRANSIENT_RATE", faults.1.to_string())
         .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn mailroom")
+        .stderr(std::process::Stdio::null());
+    cmd
 }
 
 fn check_order(per_key: &HashMap<String, Vec<i64>>) -> usize {
@@ -70,10 +82,16 @@ async fn stand_test_four_relays_two_processes_random_faults() {
         max_attempts: 6,
     };
     c.relay.batch_size = 50;
+    c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
     let s = Service::start(c).await;
+    let metrics_1 = s.app.metrics_addr.expect("metrics address");
     // Process 2: the binary, 2 more relays, same faults.
     let port = free_port();
-    let mut other = spawn_mailroom(port, &url, &broker.addr(), (0.05, 0.03), 2);
+    let metrics_2: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let mut other = mailroom_command(port, &url, &broker.addr(), (0.05, 0.03), 2)
+        .env("MAILROOM_METRICS_LISTEN", metrics_2.to_string())
+        .spawn()
+        .expect("spawn mailroom");
     wait_listening(port, "mailroom listening").await;
 
     // Two writers; each owns its keys, so per key the acceptance order is the send order.
@@ -113,6 +131,19 @@ async fn stand_test_four_relays_two_processes_random_faults() {
         w.await.unwrap();
     }
     wait_completed(&s.app.store, 600, Duration::from_secs(120)).await;
+    // The faults fired and both processes published: each process's own counters.
+    let (mut counted, mut transient) = (0.0, 0.0);
+    for (name, addr) in [("in-test process", metrics_1), ("binary", metrics_2)] {
+        let page = scrape(addr).await;
+        let text = body(&page);
+        let published = sample(text, "mailroom_outbox_published_total");
+        assert!(published > 0.0, "the {name} published nothing");
+        counted += sample(text, "mailroom_outbox_retried_total{class=\"counted\"}");
+        transient += sample(text, "mailroom_outbox_retried_total{class=\"transient\"}");
+        eprintln!("stand test: the {name} published {published}");
+    }
+    assert!(counted > 0.0, "no counted fault fired");
+    assert!(transient > 0.0, "no transient fault fired");
     let _ = other.kill();
     let _ = other.wait();
     let records = consume(&broker.addr(), "stand", 600, Duration::from_secs(30));
@@ -121,7 +152,10 @@ async fn stand_test_four_relays_two_processes_random_faults() {
     assert_eq!(distinct, 600, "every event published");
     assert_eq!(per_key.len(), 25);
     assert_eq!(check_order(&per_key), 0, "keys out of order");
-    eprintln!("stand test: 600 published, {dups} duplicate deliveries, 0 keys out of order");
+    eprintln!(
+        "stand test: 600 published, {counted} counted and {transient} transient faults, \
+         {dups} duplicate deliveries, 0 keys out of order"
+    );
     s.app.stop().await.unwrap();
 }
 

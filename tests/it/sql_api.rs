@@ -423,6 +423,20 @@ async fn idempotency_and_pending_counts_match_grpc() {
                 .await
                 .unwrap();
         assert_eq!(sql, e.fingerprint(), "{e:?}");
+        // The 128-bit form, the one idempotency compares today (content_fp version 2).
+        let sql128: Vec<u8> =
+            sqlx::query_scalar("SELECT mailroom_fingerprint128($1, $2, $3, $4, $5, $6, $7)")
+                .bind(&e.topic)
+                .bind(&e.key)
+                .bind(&e.payload)
+                .bind(serde_json::to_value(&e.headers).unwrap())
+                .bind(&e.event_type)
+                .bind(e.deliver_after)
+                .bind(e.max_attempts as i32)
+                .fetch_one(&mut a)
+                .await
+                .unwrap();
+        assert_eq!(sql128, e.fingerprint128(), "{e:?}");
     }
 
     // SQL first, then gRPC with the same content: the original id, a duplicate.
@@ -1052,7 +1066,23 @@ async fn overlapping_idempotent_retries_wait_for_the_first_transaction() {
             }
             r
         });
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The retry started and waits on a lock the first transaction holds (a task that
+        // had not started yet would pass a plain "not finished" check).
+        let url2 = url.clone();
+        eventually(Duration::from_secs(10), "the retry waits on a lock", || {
+            let url = url2.clone();
+            async move {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                         AND datname = current_database() AND query LIKE '%mailroom.enqueue%'",
+                )
+                .fetch_one(&mut admin(&url).await)
+                .await
+                .unwrap();
+                waiting == 1
+            }
+        })
+        .await;
         assert!(
             !second.is_finished(),
             "the retry did not wait for the first transaction"

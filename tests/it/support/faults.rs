@@ -81,6 +81,8 @@ pub struct Mailroom {
     /// The process's stderr (RUST_LOG=warn), appended across restarts.
     pub log: std::path::PathBuf,
     pub starts: u32,
+    /// Kills that found the process running and ended it by SIGKILL (proof a kill bit).
+    pub sigkills: u32,
 }
 
 impl Mailroom {
@@ -116,6 +118,7 @@ impl Mailroom {
             child: None,
             log,
             starts: 0,
+            sigkills: 0,
         }
     }
 
@@ -174,9 +177,19 @@ impl Mailroom {
         }
     }
 
-    /// SIGKILL: no shutdown, no release of leases, in-flight RPCs cut.
+    /// SIGKILL: no shutdown, no release of leases, in-flight RPCs cut. Counted in
+    /// `sigkills` when the process was running and died of the signal.
     pub fn kill(&mut self) {
-        super::reap(&mut self.child);
+        use std::os::unix::process::ExitStatusExt;
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        let running = matches!(c.try_wait(), Ok(None));
+        let _ = c.kill();
+        let status = c.wait();
+        if running && matches!(status, Ok(s) if s.signal() == Some(9)) {
+            self.sigkills += 1;
+        }
     }
 }
 

@@ -36,6 +36,8 @@ pub struct Proxy {
     /// Connections open now, and connections a cut or a drop closed (proof a cut bit).
     open: Arc<AtomicU64>,
     pub dropped: Arc<AtomicU64>,
+    /// Connections refused while the proxy was cut (proof the outage was met).
+    pub refused: Arc<AtomicU64>,
 }
 
 /// A connection's silence: the freezes it was born after, and the swallowed-chunk count.
@@ -104,6 +106,8 @@ impl Proxy {
         let stall_tx = stalled.clone();
         let held2 = held_chunks.clone();
         let up2 = up.clone();
+        let refused = Arc::new(AtomicU64::new(0));
+        let refused2 = refused.clone();
         let delay2 = delay_ms.clone();
         let target2 = target.clone();
         tokio::spawn(async move {
@@ -112,6 +116,7 @@ impl Proxy {
                     break;
                 };
                 if !up2.load(Ordering::SeqCst) {
+                    refused2.fetch_add(1, Ordering::SeqCst);
                     drop(inbound);
                     continue;
                 }
@@ -170,6 +175,7 @@ impl Proxy {
             held_chunks,
             open,
             dropped: Arc::new(AtomicU64::new(0)),
+            refused,
         }
     }
 
