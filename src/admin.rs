@@ -154,15 +154,6 @@ impl Admin {
     }
 }
 
-/// Constant-time comparison of two secrets (the length is not hidden).
-pub fn secrets_equal(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    std::hint::black_box(diff) == 0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,13 +184,5 @@ mod tests {
                 other => panic!("{bad:?} gave {other:?}"),
             }
         }
-    }
-
-    #[test]
-    fn secrets_compare() {
-        assert!(secrets_equal(b"abc", b"abc"));
-        assert!(!secrets_equal(b"abc", b"abd"));
-        assert!(!secrets_equal(b"abc", b"abcd"));
-        assert!(secrets_equal(b"", b""));
     }
 }

@@ -11,9 +11,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 
+use crate::access::Auth;
 use crate::admin::Admin;
 use crate::api::admin::AdminApi;
-use crate::api::auth::Auth;
 use crate::api::layers::{AuthLayer, ByteAdmissionLayer, OverloadLayer, RpcLogLayer};
 use crate::api::outbox::{OutboxApi, OutboxLimits};
 use crate::config::{Config, redact_url};

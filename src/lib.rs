@@ -21,6 +21,7 @@
 //!   (`store::postgres::notify`). Typed `StoreError`s; the admin flows are written once
 //!   (`store/admin_flow.rs`) over each engine's statements.
 //! - `error`   — the service's typed errors; store errors become these once, here.
+//! - `access`  — the access model: token files, scopes, principals; what each RPC needs.
 //! - `schema`  — the schema gate: a binary never acts on a schema it does not know.
 //! - `telemetry` — logs (it owns `LogFormat`), OTLP trace export, joining callers' traces.
 //! - `sink`    — destinations (it owns `SinkConfig`): Kafka (each partition a fault
@@ -38,7 +39,7 @@
 //!   batched deletion of completed (and expired failed) events and idle keys.
 //! - `api`     — gRPC services: pb conversion and validation in, a middle-layer call,
 //!   `Status` out (`api::status`, the one place); `api::layers` (RPC log, token check,
-//!   overload) in front of them; `api::auth` the token model.
+//!   overload) in front of them.
 //! - `console` — the operator's web console, over `admin`.
 //! - `cli`     — `mailroom admin …`: the operator's gRPC client.
 //! - `config`  — typed settings (flags > `MAILROOM_*` env > TOML file > defaults),
@@ -47,6 +48,7 @@
 
 #![warn(clippy::cast_possible_truncation)]
 
+pub mod access;
 pub mod admin;
 pub mod api;
 pub mod app;

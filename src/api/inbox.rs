@@ -31,7 +31,7 @@ impl pb::inbox_service_server::InboxService for InboxApi {
         &self,
         request: Request<pb::ReceiveRequest>,
     ) -> Result<Response<pb::ReceiveResponse>, Status> {
-        let principal = crate::api::auth::Principal::of(request.extensions());
+        let principal = crate::access::Principal::of(request.extensions());
         let trace = convert::traceparent(request.metadata());
         let state = convert::tracestate(request.metadata());
         let r = request.into_inner();
@@ -90,7 +90,7 @@ impl pb::inbox_service_server::InboxService for InboxApi {
         &self,
         request: Request<pb::ListSubscriptionsRequest>,
     ) -> Result<Response<pb::ListSubscriptionsResponse>, Status> {
-        let principal = crate::api::auth::Principal::of(request.extensions());
+        let principal = crate::access::Principal::of(request.extensions());
         Ok(Response::new(pb::ListSubscriptionsResponse {
             subscriptions: self
                 .inbox

@@ -3,7 +3,6 @@
 //! `layers` (RPC log, token check, overload, byte admission).
 
 pub mod admin;
-pub mod auth;
 pub mod convert;
 pub mod inbox;
 pub mod layers;

@@ -4,8 +4,8 @@
 
 use tonic::{Request, Response, Status};
 
-use super::auth::Principal;
 use super::convert;
+use crate::access::Principal;
 use crate::domain::Enqueued;
 use crate::domain::Limits;
 use crate::intake::Intake;

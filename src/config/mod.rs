@@ -81,7 +81,7 @@ pub struct Config {
     /// Inbox subscriptions.
     pub subscriptions: Vec<SubscriptionConfig>,
     /// Tokens from `tokens_file` (the admin token is added to them by the app).
-    pub tokens: Vec<crate::api::auth::TokenEntry>,
+    pub tokens: Vec<crate::access::TokenEntry>,
     /// Prometheus `/metrics` address, when served.
     pub metrics_listen: Option<SocketAddr>,
     /// The operator console's address, when it is served.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::enqueue_request_bytes;
 use super::{Config, ConfigError, DatabaseTimeouts, Settings, SubscriptionSettings, bad};
-use crate::api::auth::{MIN_TOKEN_LEN, TokenEntry, load_tokens};
+use crate::access::{MIN_TOKEN_LEN, TokenEntry, load_tokens};
 use crate::api::layers::OverloadConfig;
 use crate::domain::Limits;
 use crate::inbox::SubscriptionConfig;

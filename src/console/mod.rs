@@ -28,8 +28,8 @@ use axum::response::{IntoResponse, Redirect, Response};
 use base64::Engine as _;
 use tokio_util::sync::CancellationToken;
 
+use crate::access::{Auth, LEGACY_ADMIN_TOKEN, Scope};
 use crate::admin::{Admin, decode_token, encode_token};
-use crate::api::auth::{Auth, LEGACY_ADMIN_TOKEN, Scope};
 use crate::domain::admin::{
     ActionContext, DEFAULT_REQUEUE, EventFilter, EventsQuery, PendingOrder, PendingQuery,
     RequeueRequest, Selection,

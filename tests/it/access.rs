@@ -32,7 +32,7 @@ struct Pki {
 async fn tokens_scopes_and_topics() {
     let (url, dir) = fresh_sqlite();
     let mut c = quiet_config(&url);
-    c.tokens = mailroom::api::auth::load_tokens(&token_file(dir.path())).unwrap();
+    c.tokens = mailroom::access::load_tokens(&token_file(dir.path())).unwrap();
     let mut s = Service::start(c).await;
     let mut admin = AdminServiceClient::new(channel(s.app.addr).await);
     let enq = |topic: &str| pb::EnqueueRequest {
@@ -378,7 +378,7 @@ async fn identities_decide_what_a_caller_may_do() {
     let (url, d2) = fresh_sqlite();
     let mut c = quiet_config(&url);
     c.tls = Some(tls.clone());
-    c.tokens = mailroom::api::auth::load_tokens(&token_file(d2.path())).unwrap();
+    c.tokens = mailroom::access::load_tokens(&token_file(d2.path())).unwrap();
     let app = mailroom::app::App::start(c, CancellationToken::new())
         .await
         .unwrap();
@@ -423,7 +423,7 @@ async fn identities_decide_what_a_caller_may_do() {
          scopes = [\"admin_read\"]\ntopics = [\"orders\"]\n",
     )
     .unwrap();
-    let err = mailroom::api::auth::load_tokens(&bad).unwrap_err();
+    let err = mailroom::access::load_tokens(&bad).unwrap_err();
     assert!(
         err.contains("orders-reader") && err.contains("admin"),
         "{err}"
@@ -442,7 +442,7 @@ async fn identities_decide_what_a_caller_may_do() {
         ),
     )
     .unwrap();
-    c.tokens = mailroom::api::auth::load_tokens(&tokens).unwrap();
+    c.tokens = mailroom::access::load_tokens(&tokens).unwrap();
     let mut s = Service::start(c).await;
     let id = s
         .client

@@ -656,7 +656,7 @@ async fn a_read_only_console_refuses_actions() {
 /// changed; an `admin` token of the same console still gets the forms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admin_read_token_sees_the_console_without_actions() {
-    use mailroom::api::auth::{Scope, TokenEntry};
+    use mailroom::access::{Scope, TokenEntry};
     const VIEWER: &str = "console-viewer-token-0123456789";
     let url = fresh_pg().await;
     let dir = tempfile::tempdir().unwrap();
@@ -794,7 +794,7 @@ async fn an_admin_read_token_sees_the_console_without_actions() {
 
 /// A console on a fresh database, no relays, with `tokens` (none: an open console).
 async fn console_service(
-    tokens: Vec<mailroom::api::auth::TokenEntry>,
+    tokens: Vec<mailroom::access::TokenEntry>,
 ) -> (Service, std::net::SocketAddr) {
     let url = fresh_pg().await;
     let mut c = config(&url);
@@ -807,8 +807,8 @@ async fn console_service(
 }
 
 /// The `ops` token: the admin scope and enqueue.
-fn ops_token() -> mailroom::api::auth::TokenEntry {
-    use mailroom::api::auth::{Scope, TokenEntry};
+fn ops_token() -> mailroom::access::TokenEntry {
+    use mailroom::access::{Scope, TokenEntry};
     TokenEntry {
         name: "ops".into(),
         token: TOKEN.into(),

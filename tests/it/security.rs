@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::support::*;
-use mailroom::api::auth::{Scope, TokenEntry};
+use mailroom::access::{Scope, TokenEntry};
 use mailroom::config::{Config, Settings};
 use mailroom::inbox::SubscriptionConfig;
 use mailroom::pb;

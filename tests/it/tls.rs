@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::security::{Seen, token};
 use crate::support::pki::{Pki, pki};
 use crate::support::*;
-use mailroom::api::auth::Scope;
+use mailroom::access::Scope;
 use mailroom::config::{Config, Settings};
 use mailroom::pb::handler_service_server::HandlerServiceServer;
 use mailroom::pb::inbox_service_client::InboxServiceClient;

@@ -7,7 +7,7 @@ pub mod requests;
 
 use tonic::{Request, Response, Status};
 
-use super::auth::{LEGACY_ADMIN_TOKEN, Principal, Scope};
+use crate::access::{LEGACY_ADMIN_TOKEN, Principal, Scope};
 use crate::admin::{Admin, encode_token};
 use crate::domain::admin::{ActionContext, EventsQuery};
 use crate::error::Error;

@@ -374,7 +374,7 @@ mod tests {
 
     #[test]
     fn bearer_values_parse() {
-        use crate::api::auth::bearer;
+        use crate::access::bearer;
         assert_eq!(bearer("Bearer abc"), Some("abc"));
         assert_eq!(bearer("bearer  abc "), Some("abc"));
         assert_eq!(bearer("Basic abc"), None);

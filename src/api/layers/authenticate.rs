@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tonic::codegen::http;
 
 use super::{Inner, Middleware, MiddlewareLayer, Outcome};
-use crate::api::auth::{Auth, required_scope};
+use crate::access::{Auth, required_scope};
 
 /// Checks the bearer token of every RPC against the scope its method needs.
 #[derive(Clone)]
@@ -39,7 +39,7 @@ impl Middleware for Authenticate {
                 req.extensions_mut().insert(principal);
                 Box::pin(inner.call(req))
             }
-            Err(status) => Box::pin(async move { Ok(status.into_http()) }),
+            Err(e) => Box::pin(async move { Ok(tonic::Status::from(e).into_http()) }),
         }
     }
 }

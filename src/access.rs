@@ -1,11 +1,11 @@
-//! Bearer tokens with scopes, checked in one place: `api::layers::AuthLayer`, a tower layer in front
-//! of every gRPC service. It authenticates the `authorization: Bearer <token>` header,
-//! checks that the token's scopes cover the service called, and hands the caller on to
-//! the handlers as a `Principal` in the request extensions. The scope is the method's
-//! ([`required_scope`]): the AdminService's reads need `admin_read`, which the `admin`
-//! scope includes, and its actions `admin`. The one check that needs
-//! the decoded request, a producer token's topic list, is `Principal::check_topic`,
-//! called by the OutboxService before anything is stored.
+//! The access model: bearer tokens with scopes, token files, and the `Principal` a
+//! checked request carries. It knows nothing of gRPC: checks return the crate's
+//! `Error`, which the gRPC layer (`api::layers::AuthLayer`, in front of every service)
+//! and the console each turn into their own answer. The scope a call needs is the
+//! method's ([`required_scope`]): the AdminService's reads need `admin_read`, which the
+//! `admin` scope includes, and its actions `admin`. The one check that needs the
+//! decoded request, a producer token's topic list, is `Principal::check_topic`, called
+//! by the OutboxService before anything is stored.
 //!
 //! - No token configured at all: everything is open (the loopback default).
 //! - Only the legacy `admin_token`: the AdminService needs it, Enqueue and the
@@ -22,11 +22,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use serde::Deserialize;
-use tonic::Status;
-use tonic::codegen::http;
 
-use crate::admin::secrets_equal;
 use crate::error::Error;
+use crate::secret::secrets_equal;
 
 /// The name the legacy `admin_token` goes by (audit entries say "(token)").
 pub const LEGACY_ADMIN_TOKEN: &str = "admin-token";
@@ -248,15 +246,14 @@ impl Principal {
     }
 
     /// `PERMISSION_DENIED` unless this caller may use the inbox `subscription`.
-    pub fn check_subscription(&self, subscription: &str) -> Result<(), Status> {
+    pub fn check_subscription(&self, subscription: &str) -> Result<(), Error> {
         if self.may_use_subscription(subscription) {
             Ok(())
         } else {
             Err(Error::PermissionDenied {
                 message: "this token may not use that subscription".into(),
                 required_scope: None,
-            }
-            .into())
+            })
         }
     }
 
@@ -274,13 +271,12 @@ impl Principal {
     }
 
     /// `PERMISSION_DENIED` unless this caller may enqueue to `topic`.
-    pub fn check_topic(&self, topic: &str) -> Result<(), Status> {
+    pub fn check_topic(&self, topic: &str) -> Result<(), Error> {
         match &self.topics {
             Some(list) if !list.iter().any(|t| t == topic) => Err(Error::PermissionDenied {
                 message: format!("this token may not enqueue to topic {topic:?}"),
                 required_scope: None,
-            }
-            .into()),
+            }),
             _ => Ok(()),
         }
     }
@@ -378,7 +374,7 @@ impl Auth {
         &self,
         scope: Option<Scope>,
         authorization: Option<&http::HeaderValue>,
-    ) -> Result<Principal, Status> {
+    ) -> Result<Principal, Error> {
         let Some(scope) = scope else {
             return Ok(Principal::anonymous());
         };
@@ -391,7 +387,7 @@ impl Auth {
         let given = authorization
             .and_then(|v| v.to_str().ok())
             .and_then(bearer)
-            .ok_or_else(|| Status::from(Error::Unauthenticated))?;
+            .ok_or(Error::Unauthenticated)?;
         // Compare against every token (no early exit) so timing says nothing about which.
         let mut found: Option<&TokenEntry> = None;
         for t in &self.tokens {
@@ -399,7 +395,7 @@ impl Auth {
                 found = Some(t);
             }
         }
-        let t = found.ok_or_else(|| Status::from(Error::Unauthenticated))?;
+        let t = found.ok_or(Error::Unauthenticated)?;
         if !t.scopes.iter().any(|s| s.covers(scope)) {
             tracing::info!(token = %t.name, scope = scope.name(), "token lacks the scope");
             let message = if scope == Scope::Admin && t.scopes.contains(&Scope::AdminRead) {
@@ -410,8 +406,7 @@ impl Auth {
             return Err(Error::PermissionDenied {
                 message,
                 required_scope: Some(scope.name()),
-            }
-            .into());
+            });
         }
         Ok(Principal {
             name: Some(t.name.clone()),
@@ -474,13 +469,16 @@ mod tests {
         assert_eq!(p.name.as_deref(), Some("p"));
         assert!(p.check_topic("orders").is_ok());
         assert_eq!(
-            p.check_topic("other").unwrap_err().code(),
+            p.check_topic("other")
+                .map_err(tonic::Status::from)
+                .unwrap_err()
+                .code(),
             tonic::Code::PermissionDenied
         );
         let code = |s, h: Option<&str>| {
             auth.check(s, h.map(header).as_ref())
                 .map(|_| tonic::Code::Ok)
-                .unwrap_or_else(|e| e.code())
+                .unwrap_or_else(|e| tonic::Status::from(e).code())
         };
         assert_eq!(
             code(adm, Some("Bearer producer-token-0001")),
@@ -581,7 +579,10 @@ mod tests {
         let o = header("Bearer ops-token-00000001");
         let p = auth.check(read, Some(&v)).unwrap();
         assert!(p.has(Scope::AdminRead) && !p.has(Scope::Admin));
-        let e = auth.check(write, Some(&v)).unwrap_err();
+        let e = auth
+            .check(write, Some(&v))
+            .map_err(tonic::Status::from)
+            .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
         assert!(e.message().contains("only read"), "{e:?}");
         let info = e.get_details_error_info().expect("ErrorInfo");
@@ -602,7 +603,10 @@ mod tests {
         // An admin_read token reaches nothing else.
         for other in [Scope::Enqueue, Scope::Inbox] {
             assert_eq!(
-                auth.check(Some(other), Some(&v)).unwrap_err().code(),
+                auth.check(Some(other), Some(&v))
+                    .map_err(tonic::Status::from)
+                    .unwrap_err()
+                    .code(),
                 tonic::Code::PermissionDenied
             );
         }
