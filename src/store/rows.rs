@@ -29,6 +29,17 @@ pub(crate) trait Cols {
     }
 }
 
+/// The columns `decode_event` reads, in one list for every engine and statement:
+/// `payload` is the payload's expression (a `CASE` where the admin may hide it) and
+/// `headers` the engine's text form of the headers column.
+pub(crate) fn event_columns(payload: &str, headers: &str) -> String {
+    format!(
+        "id, topic, event_key, {payload} AS payload, {headers} AS headers, event_type, \
+         idempotency_key, status, attempts, max_attempts, scheduled_at, created_at, \
+         updated_at, published_at, last_error"
+    )
+}
+
 /// A `StoredEvent` from the event columns (headers as JSON text).
 pub(crate) fn decode_event(row: &impl Cols) -> StoreResult<StoredEvent> {
     let headers = row.text("headers")?;

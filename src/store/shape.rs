@@ -86,12 +86,11 @@ impl Shape {
         } else {
             ("x''", "headers", "length(payload)")
         };
-        format!(
-            "id, topic, event_key, CASE WHEN {with_payload} THEN payload ELSE {empty} END AS payload,
-             {headers} AS headers, event_type, idempotency_key, status, attempts, max_attempts,
-             scheduled_at, created_at, updated_at, published_at, last_error,
-             {size} AS payload_size, {sub}{t} AS subscription, {mid}{t} AS message_id"
-        )
+        let event = super::rows::event_columns(
+            &format!("CASE WHEN {with_payload} THEN payload ELSE {empty} END"),
+            headers,
+        );
+        format!("{event}, {size} AS payload_size, {sub}{t} AS subscription, {mid}{t} AS message_id")
     }
 
     /// The subscription column `col` (`''` in the outbox, which has none).

@@ -3,11 +3,6 @@
 
 use std::sync::Arc;
 
-/// Columns read into a `StoredEvent`, in `decode_event` order.
-const EVENT_COLUMNS: &str = "id, topic, event_key, payload, headers::text AS headers, event_type, \
-     idempotency_key, status, attempts, max_attempts, scheduled_at, created_at, updated_at, \
-     published_at, last_error";
-
 /// SQL text per box, built once: the boxes differ only in table names.
 pub(super) struct Sql {
     pub(super) lease_keys: Arc<str>,
@@ -32,7 +27,7 @@ impl Sql {
     /// `scoped`: the tables carry a `subscription` column (the inbox), and every claim
     /// and settle statement takes the subscription as its last parameter.
     pub(super) fn new(events: &str, keys: &str, scoped: bool) -> Self {
-        let c = EVENT_COLUMNS;
+        let c = &crate::store::rows::event_columns("payload", "headers::text");
         // Extra predicates for scoped tables; `$S` is replaced by the parameter number.
         let scope = |frag: &str, n: u8| {
             if scoped {
