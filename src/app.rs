@@ -10,6 +10,8 @@ use anyhow::Context as _;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
+use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::HealthService;
 
 use crate::access::Auth;
 use crate::admin::Admin;
@@ -260,250 +262,77 @@ impl App {
             .with_context(|| format!("binding {}", config.listen))?;
         let addr = listener.local_addr()?;
 
-        let (reporter, health_service) = tonic_health::server::health_reporter();
+        let reporter = tonic_health::server::HealthReporter::new();
+        let health_service =
+            HealthServer::new(HealthService::from_health_reporter(reporter.clone()));
         let health = Health::new(reporter);
         health.set_all(ServingStatus::Serving).await;
         health.set_live().await;
 
-        let background = CancellationToken::new();
-        let mut tasks = Vec::new();
-
-        let wakeup = Wakeup::default();
-        let mut relay_stats = Vec::new();
-        let (cycle_latency, publish_latency) = Default::default();
-        for _ in 0..config.relays {
-            let relay = Relay::new(store.clone(), sink.clone(), Queue::Outbox, config.relay)
-                .with_latency(&cycle_latency, &publish_latency)
-                .with_schema(schema.clone());
-            wakeup.register(relay.waker());
-            relay_stats.push(relay.stats());
-            tasks.push(tokio::spawn(relay.run(background.clone())));
-        }
-        if config.is_postgres() && config.listen_notify {
-            let pool = crate::store::postgres::pool(
-                &config.database_url.0,
-                crate::store::postgres::PoolShape {
-                    max_connections: 2,
-                    lazy: true,
-                    ..Default::default()
-                },
-            )
-            .await
-            .context("LISTEN/NOTIFY pool")?;
-            let trigger = Arc::new(tokio::sync::Notify::new());
-            wakeup.set_remote(trigger.clone());
-            tasks.push(tokio::spawn(crate::store::postgres::notify::notifier(
-                pool.clone(),
-                trigger,
-                std::time::Duration::from_millis(5),
-                background.clone(),
-            )));
-            let local = wakeup.clone();
-            tasks.push(tokio::spawn(crate::store::postgres::notify::listener(
-                pool,
-                move || local.wake_local(),
-                background.clone(),
-            )));
-        }
-        let intake = Intake::start(store.clone(), config.intake, wakeup)
-            .with_topic_limits(sink.topic_limits());
-        let inbox_config = crate::inbox::InboxConfig {
-            subscriptions: config.subscriptions.clone(),
-            source: config.sink.clone(),
-            relay: config.relay,
-            limits: crate::domain::Limits {
-                max_payload_bytes: config.inbox_max_payload_bytes,
-                ..config.limits
+        let mut bg = Background::default();
+        let outbox = start_outbox(&config, &store, &sink, &schema, &mut bg).await?;
+        let (inbox_handles, inbox_tasks) = crate::inbox::start(
+            store.clone(),
+            &inbox_config(&config),
+            &schema,
+            bg.token.clone(),
+        )?;
+        bg.tasks.extend(inbox_tasks);
+        bg.spawn(health.clone().monitor(
+            crate::health::Checks {
+                store: store.clone(),
+                relays: outbox.stats.clone(),
+                inbox: inbox_handles.task_health.clone(),
+                max_broker_down: config.ready_max_broker_down,
+                max_lag: config.ready_max_lag,
+                interval: config.health_interval,
+                schema: schema.clone(),
             },
-            faults: config.inbox_faults.clone(),
-        };
-        let (inbox_handles, inbox_tasks) =
-            crate::inbox::start(store.clone(), &inbox_config, &schema, background.clone())?;
-        tasks.extend(inbox_tasks);
-        let checks = crate::health::Checks {
-            store: store.clone(),
-            relays: relay_stats.clone(),
-            inbox: inbox_handles.task_health.clone(),
-            max_broker_down: config.ready_max_broker_down,
-            max_lag: config.ready_max_lag,
-            interval: config.health_interval,
-            schema: schema.clone(),
-        };
-        tasks.push(tokio::spawn(
-            health.clone().monitor(checks, background.clone()),
+            bg.token.clone(),
         ));
-        let inbox =
-            pb::inbox_service_server::InboxServiceServer::new(crate::api::inbox::InboxApi::new(
-                Arc::new(crate::inbox::Inbox::new(
-                    store.clone(),
-                    config.subscriptions.clone(),
-                    inbox_handles.clone(),
-                )),
-                config.limits,
-            ));
-
-        let metrics = Metrics::with_inbox(relay_stats.clone(), inbox_handles.clone());
-        let mut metrics_addr = None;
-        if let Some(listen) = config.metrics_listen {
-            let (l, addr) = bind(listen, "metrics").await?;
-            metrics_addr = Some(addr);
-            tasks.push(tokio::spawn(metrics.clone().serve(l, background.clone())));
-            tasks.push(tokio::spawn(metrics.clone().poll_stats(
-                store.clone(),
-                config.metrics_stats_interval,
-                background.clone(),
-            )));
-        }
-        tasks.push(tokio::spawn(crate::retention::run(
+        let metrics = Metrics::with_inbox(outbox.stats.clone(), inbox_handles.clone());
+        let metrics_addr = start_metrics(&config, &store, &metrics, &mut bg).await?;
+        bg.spawn(crate::retention::run(
             store.clone(),
             config.retention,
             Some(metrics.clone()),
             schema.clone(),
-            background.clone(),
-        )));
-        let mtls = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some());
-        let auth = Auth::new(
-            config.tokens.clone(),
-            !config.tokens.is_empty(),
-            config.admin_token.as_ref().map(|t| t.0.as_str()),
-        )
-        .with_mtls(mtls);
-        if mtls && config.tokens.is_empty() && config.admin_token.is_none() {
-            tracing::info!(
-                "mTLS without tokens: client certificates may enqueue and receive; the admin \
-                 service and the console's actions need a token (MAILROOM_TOKENS_FILE)"
-            );
-        }
-        if config.open_on_network {
-            tracing::warn!(
-                addr = %config.listen,
-                "--allow-unauthenticated: every RPC is open to anyone who can reach this address"
-            );
-        }
-        let mut console_addr = None;
-        if let Some(listen) = config.console_listen {
-            let (l, addr) = bind(listen, "console").await?;
-            console_addr = Some(addr);
-            let console = crate::console::Console::new(crate::console::ConsoleParts {
-                admin: Admin::new(store.clone(), config.relay.lease).with_schema(schema.clone()),
-                auth: auth.clone(),
-                read_only: config.console_read_only,
-                allowed_hosts: config.console_allowed_hosts.clone(),
-                secure_cookie: config.console_secure_cookie,
-                subscriptions: config
-                    .subscriptions
-                    .iter()
-                    .map(|s| s.name.clone())
-                    .collect(),
-                relays: relay_stats.clone(),
-                inbox: inbox_handles.clone(),
-            });
-            tasks.push(tokio::spawn(console.serve(l, background.clone())));
-        }
-        let tls = match &config.tls {
-            None => None,
-            Some(t) => Some(t.tonic()?),
+            bg.token.clone(),
+        ));
+        let auth = auth_for(&config);
+        let parts = Parts {
+            config: &config,
+            store: &store,
+            schema: &schema,
+            metrics: &metrics,
+            relays: &outbox.stats,
+            inbox: &inbox_handles,
         };
-
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1()
-            .context("building reflection service")?;
-        // The same descriptors under grpc.reflection.v1alpha: Python's grpcio-reflection
-        // and several GUI clients speak only that version.
-        let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1alpha()
-            .context("building reflection service (v1alpha)")?;
-        // A decoding limit per method: one event for Enqueue, MAILROOM_MAX_BATCH_BYTES for
-        // EnqueueBatch. An oversized request is refused from its length prefix, before
-        // it is buffered.
-        let outbox = OutboxLimits::new(
-            OutboxApi::new(intake, config.limits).with_metrics(metrics.clone()),
-            crate::config::enqueue_request_bytes(&config.limits),
-            config.max_batch_bytes,
-        );
-        let admin = pb::admin_service_server::AdminServiceServer::new(
-            AdminApi::new(Admin::new(store.clone(), config.relay.lease).with_schema(schema))
-                .with_metrics(metrics.clone()),
-        );
-
-        let stop = shutdown.clone();
-        let grace = config.shutdown_grace;
-        tracing::info!(
-            %addr,
-            store = store.engine(),
-            database = %redact_url(&config.database_url.0),
-            sink = match &config.sink { SinkConfig::Kafka { .. } => "kafka", SinkConfig::Local { .. } => "local" },
-            relays = config.relays,
-            tls = config.tls.is_some(),
-            mtls = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
-            tokens = auth.enabled(),
-            metrics = ?metrics_addr,
-            console = ?console_addr,
-            "mailroom serving"
-        );
-        let server_health = health.clone();
-        let overload = OverloadLayer::new(config.overload);
-        let admission = ByteAdmissionLayer::new(config.overload.max_request_bytes);
-        let rpc_log = RpcLogLayer::new(metrics.clone());
-        let task = tokio::spawn(async move {
-            let signal = {
-                let stop = stop.clone();
-                let health = server_health.clone();
-                async move {
-                    stop.cancelled().await;
-                    tracing::info!("shutting down: NOT_SERVING, draining RPCs");
-                    health.set_all(ServingStatus::NotServing).await;
-                }
-            };
-            // TCP_NODELAY on every connection: without it, Nagle holds back the second
-            // write of a response until the client's delayed ACK (~40 ms per call).
-            // (tonic's own nodelay setting does not apply to a listener we pass in.)
-            let incoming =
-                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-            let mut builder = tonic::transport::Server::builder();
-            if let Some(tls) = tls {
-                builder = builder.tls_config(tls).context("TLS configuration")?;
-            }
-            // Outermost first: log and count every answer, then authenticate, then
-            // admit (concurrency limit, timeout, then request bytes in flight) only what
-            // is allowed.
-            let server = builder
-                .layer(rpc_log)
-                .layer(AuthLayer::new(auth))
-                .layer(overload)
-                .layer(admission)
-                .add_service(health_service)
-                .add_service(reflection)
-                .add_service(reflection_v1alpha)
-                .add_service(outbox)
-                .add_service(admin)
-                .add_service(inbox)
-                .serve_with_incoming_shutdown(incoming, signal);
-            let mut server = std::pin::pin!(server);
-            // The server runs until the signal, then gets `grace` to finish in-flight RPCs.
-            let served = tokio::select! {
-                r = &mut server => r,
-                _ = async { stop.cancelled().await; tokio::time::sleep(grace).await } => {
-                    tracing::warn!("grace period over; abandoning in-flight RPCs");
-                    Ok(())
-                }
-            };
-            background.cancel();
-            let drain = futures::future::join_all(tasks);
-            if tokio::time::timeout(grace, drain).await.is_err() {
-                tracing::warn!("background tasks did not stop within the grace period");
-            }
-            tracing::info!("mailroom stopped");
-            served.context("gRPC server")
-        });
+        let console_addr = start_console(&parts, &auth, &mut bg).await?;
+        let services = Services::new(&parts, health_service, outbox.intake);
+        log_serving(&parts, addr, &auth, metrics_addr, console_addr);
+        let stack = Stack {
+            tls: config.tls.as_ref().map(|t| t.tonic()).transpose()?,
+            rpc_log: RpcLogLayer::new(metrics.clone()),
+            auth: AuthLayer::new(auth),
+            overload: OverloadLayer::new(config.overload),
+            admission: ByteAdmissionLayer::new(config.overload.max_request_bytes),
+        };
+        let task = tokio::spawn(serve(
+            listener,
+            stack,
+            services,
+            Stop {
+                shutdown: shutdown.clone(),
+                grace: config.shutdown_grace,
+                health,
+                background: bg,
+            },
+        ));
         Ok(App {
             addr,
             store,
-            relay_stats,
+            relay_stats: outbox.stats,
             inbox: inbox_handles,
             metrics,
             metrics_addr,
@@ -528,6 +357,334 @@ impl App {
         self.shutdown();
         self.wait().await
     }
+}
+
+/// The background tasks started so far and the token that stops them (after the gRPC
+/// server has drained).
+#[derive(Default)]
+struct Background {
+    token: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Background {
+    fn spawn(&mut self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.tasks.push(tokio::spawn(task));
+    }
+}
+
+/// The outbox's running half: the intake `Enqueue` calls, and each relay's counters.
+struct Outbox {
+    intake: Intake,
+    stats: Vec<Arc<RelayStats>>,
+}
+
+/// Starts the outbox relays, their wake-ups (in-process, and LISTEN/NOTIFY across
+/// processes on PostgreSQL) and the intake that wakes them.
+async fn start_outbox(
+    config: &Config,
+    store: &Arc<dyn Store>,
+    sink: &Arc<dyn Sink>,
+    schema: &SchemaGate,
+    bg: &mut Background,
+) -> anyhow::Result<Outbox> {
+    let wakeup = Wakeup::default();
+    let mut stats = Vec::new();
+    let (cycle_latency, publish_latency) = Default::default();
+    for _ in 0..config.relays {
+        let relay = Relay::new(store.clone(), sink.clone(), Queue::Outbox, config.relay)
+            .with_latency(&cycle_latency, &publish_latency)
+            .with_schema(schema.clone());
+        wakeup.register(relay.waker());
+        stats.push(relay.stats());
+        bg.spawn(relay.run(bg.token.clone()));
+    }
+    if config.is_postgres() && config.listen_notify {
+        let pool = crate::store::postgres::pool(
+            &config.database_url.0,
+            crate::store::postgres::PoolShape {
+                max_connections: 2,
+                lazy: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .context("LISTEN/NOTIFY pool")?;
+        let trigger = Arc::new(tokio::sync::Notify::new());
+        wakeup.set_remote(trigger.clone());
+        bg.spawn(crate::store::postgres::notify::notifier(
+            pool.clone(),
+            trigger,
+            std::time::Duration::from_millis(5),
+            bg.token.clone(),
+        ));
+        let local = wakeup.clone();
+        bg.spawn(crate::store::postgres::notify::listener(
+            pool,
+            move || local.wake_local(),
+            bg.token.clone(),
+        ));
+    }
+    let intake =
+        Intake::start(store.clone(), config.intake, wakeup).with_topic_limits(sink.topic_limits());
+    Ok(Outbox { intake, stats })
+}
+
+/// The inbox's settings, from the service's.
+fn inbox_config(config: &Config) -> crate::inbox::InboxConfig {
+    crate::inbox::InboxConfig {
+        subscriptions: config.subscriptions.clone(),
+        source: config.sink.clone(),
+        relay: config.relay,
+        limits: crate::domain::Limits {
+            max_payload_bytes: config.inbox_max_payload_bytes,
+            ..config.limits
+        },
+        faults: config.inbox_faults.clone(),
+    }
+}
+
+/// Serves `/metrics` and refreshes its database gauges, when `metrics_listen` is set.
+async fn start_metrics(
+    config: &Config,
+    store: &Arc<dyn Store>,
+    metrics: &Metrics,
+    bg: &mut Background,
+) -> anyhow::Result<Option<SocketAddr>> {
+    let Some(listen) = config.metrics_listen else {
+        return Ok(None);
+    };
+    let (l, addr) = bind(listen, "metrics").await?;
+    bg.spawn(metrics.clone().serve(l, bg.token.clone()));
+    bg.spawn(metrics.clone().poll_stats(
+        store.clone(),
+        config.metrics_stats_interval,
+        bg.token.clone(),
+    ));
+    Ok(Some(addr))
+}
+
+/// The token table, with the start-up lines that say what is open.
+fn auth_for(config: &Config) -> Auth {
+    let mtls = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some());
+    let auth = Auth::new(
+        config.tokens.clone(),
+        !config.tokens.is_empty(),
+        config.admin_token.as_ref().map(|t| t.0.as_str()),
+    )
+    .with_mtls(mtls);
+    if mtls && config.tokens.is_empty() && config.admin_token.is_none() {
+        tracing::info!(
+            "mTLS without tokens: client certificates may enqueue and receive; the admin \
+             service and the console's actions need a token (MAILROOM_TOKENS_FILE)"
+        );
+    }
+    if config.open_on_network {
+        tracing::warn!(
+            addr = %config.listen,
+            "--allow-unauthenticated: every RPC is open to anyone who can reach this address"
+        );
+    }
+    auth
+}
+
+/// The gRPC services mailroom serves (reflection is added by `serve`).
+struct Services {
+    health: HealthServer<HealthService>,
+    outbox: OutboxLimits,
+    admin: pb::admin_service_server::AdminServiceServer<AdminApi>,
+    inbox: pb::inbox_service_server::InboxServiceServer<crate::api::inbox::InboxApi>,
+}
+
+/// What the later start-up phases read: the settings and the parts already running.
+struct Parts<'a> {
+    config: &'a Config,
+    store: &'a Arc<dyn Store>,
+    schema: &'a SchemaGate,
+    metrics: &'a Metrics,
+    relays: &'a [Arc<RelayStats>],
+    inbox: &'a crate::inbox::InboxHandles,
+}
+
+/// Serves the operator console, when `console_listen` is set.
+async fn start_console(
+    p: &Parts<'_>,
+    auth: &Auth,
+    bg: &mut Background,
+) -> anyhow::Result<Option<SocketAddr>> {
+    let Some(listen) = p.config.console_listen else {
+        return Ok(None);
+    };
+    let (l, addr) = bind(listen, "console").await?;
+    let console = crate::console::Console::new(crate::console::ConsoleParts {
+        admin: Admin::new(p.store.clone(), p.config.relay.lease).with_schema(p.schema.clone()),
+        auth: auth.clone(),
+        read_only: p.config.console_read_only,
+        allowed_hosts: p.config.console_allowed_hosts.clone(),
+        secure_cookie: p.config.console_secure_cookie,
+        subscriptions: p
+            .config
+            .subscriptions
+            .iter()
+            .map(|s| s.name.clone())
+            .collect(),
+        relays: p.relays.to_vec(),
+        inbox: p.inbox.clone(),
+    });
+    bg.spawn(console.serve(l, bg.token.clone()));
+    Ok(Some(addr))
+}
+
+/// The one line that says what started, and where.
+fn log_serving(
+    p: &Parts<'_>,
+    addr: SocketAddr,
+    auth: &Auth,
+    metrics: Option<SocketAddr>,
+    console: Option<SocketAddr>,
+) {
+    let config = p.config;
+    tracing::info!(
+        %addr,
+        store = p.store.engine(),
+        database = %redact_url(&config.database_url.0),
+        sink = match &config.sink { SinkConfig::Kafka { .. } => "kafka", SinkConfig::Local { .. } => "local" },
+        relays = config.relays,
+        tls = config.tls.is_some(),
+        mtls = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
+        tokens = auth.enabled(),
+        metrics = ?metrics,
+        console = ?console,
+        "mailroom serving"
+    );
+}
+
+impl Services {
+    fn new(p: &Parts<'_>, health: HealthServer<HealthService>, intake: Intake) -> Services {
+        let config = p.config;
+        let admin = Admin::new(p.store.clone(), config.relay.lease).with_schema(p.schema.clone());
+        let inbox = crate::inbox::Inbox::new(
+            p.store.clone(),
+            config.subscriptions.clone(),
+            p.inbox.clone(),
+        );
+        Services {
+            health,
+            // A decoding limit per method: one event for Enqueue,
+            // MAILROOM_MAX_BATCH_BYTES for EnqueueBatch. An oversized request is refused
+            // from its length prefix, before it is buffered.
+            outbox: OutboxLimits::new(
+                OutboxApi::new(intake, config.limits).with_metrics(p.metrics.clone()),
+                crate::config::enqueue_request_bytes(&config.limits),
+                config.max_batch_bytes,
+            ),
+            admin: pb::admin_service_server::AdminServiceServer::new(
+                AdminApi::new(admin).with_metrics(p.metrics.clone()),
+            ),
+            inbox: pb::inbox_service_server::InboxServiceServer::new(
+                crate::api::inbox::InboxApi::new(Arc::new(inbox), config.limits),
+            ),
+        }
+    }
+}
+
+/// What every RPC passes through, outermost first, and the server's TLS.
+struct Stack {
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    rpc_log: RpcLogLayer,
+    auth: AuthLayer,
+    overload: OverloadLayer,
+    admission: ByteAdmissionLayer,
+}
+
+/// How the server stops: the shutdown signal, the grace period, the health to turn
+/// NOT_SERVING, and the background tasks to stop once RPCs are drained.
+struct Stop {
+    shutdown: CancellationToken,
+    grace: std::time::Duration,
+    health: Health,
+    background: Background,
+}
+
+/// The reflection services: v1, and the same descriptors under v1alpha (Python's
+/// grpcio-reflection and several GUI clients speak only that version).
+fn reflection() -> anyhow::Result<(
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+    tonic_reflection::server::v1alpha::ServerReflectionServer<
+        impl tonic_reflection::server::v1alpha::ServerReflection,
+    >,
+)> {
+    let v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building reflection service")?;
+    let v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .context("building reflection service (v1alpha)")?;
+    Ok((v1, v1alpha))
+}
+
+/// Serves gRPC until the shutdown signal, lets in-flight RPCs finish within the grace
+/// period, then stops the background tasks (each within the grace period too).
+async fn serve(
+    listener: tokio::net::TcpListener,
+    stack: Stack,
+    services: Services,
+    stop: Stop,
+) -> anyhow::Result<()> {
+    let (reflection, reflection_v1alpha) = reflection()?;
+    let signal = {
+        let (shutdown, health) = (stop.shutdown.clone(), stop.health.clone());
+        async move {
+            shutdown.cancelled().await;
+            tracing::info!("shutting down: NOT_SERVING, draining RPCs");
+            health.set_all(ServingStatus::NotServing).await;
+        }
+    };
+    // TCP_NODELAY on every connection: without it, Nagle holds back the second write of
+    // a response until the client's delayed ACK (~40 ms per call). (tonic's own nodelay
+    // setting does not apply to a listener we pass in.)
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = stack.tls {
+        builder = builder.tls_config(tls).context("TLS configuration")?;
+    }
+    // Outermost first: log and count every answer, then authenticate, then admit
+    // (concurrency limit, timeout, then request bytes in flight) only what is allowed.
+    let server = builder
+        .layer(stack.rpc_log)
+        .layer(stack.auth)
+        .layer(stack.overload)
+        .layer(stack.admission)
+        .add_service(services.health)
+        .add_service(reflection)
+        .add_service(reflection_v1alpha)
+        .add_service(services.outbox)
+        .add_service(services.admin)
+        .add_service(services.inbox)
+        .serve_with_incoming_shutdown(incoming, signal);
+    let mut server = std::pin::pin!(server);
+    // The server runs until the signal, then gets `grace` to finish in-flight RPCs.
+    let grace = stop.grace;
+    let served = tokio::select! {
+        r = &mut server => r,
+        _ = async { stop.shutdown.cancelled().await; tokio::time::sleep(grace).await } => {
+            tracing::warn!("grace period over; abandoning in-flight RPCs");
+            Ok(())
+        }
+    };
+    stop.background.token.cancel();
+    let drain = futures::future::join_all(stop.background.tasks);
+    if tokio::time::timeout(grace, drain).await.is_err() {
+        tracing::warn!("background tasks did not stop within the grace period");
+    }
+    tracing::info!("mailroom stopped");
+    served.context("gRPC server")
 }
 
 /// Binds a side port (`what`: metrics, console); the address says which port port 0 got.
