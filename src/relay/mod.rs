@@ -311,19 +311,41 @@ impl Shared {
         self: Arc<Self>,
         claim: Claim,
         honour_probe_pause: bool,
-        mut slot: ActiveSlot,
+        slot: ActiveSlot,
     ) -> Result<CycleReport, StoreError> {
         let started = Instant::now();
         let token = claim.token;
-        let limits = self.limits();
         self.stats.cycles.fetch_add(1, Ordering::Relaxed);
         let mut report = CycleReport {
             keys: claim.keyed.len(),
             ..Default::default()
         };
+        let (plans, mut idle) = self.plan_claim(&claim);
+        let (out, held_unkeyed) = self.gate_lines(plans, honour_probe_pause, &mut idle);
+        self.give_back_held(token, &idle, &held_unkeyed).await?;
+        if out.is_empty() {
+            return Ok(report);
+        }
+        report.attempted = out.iter().map(|o| o.plan.run.len()).sum();
+        let delivered_at = Instant::now();
+        let failed = self
+            .deliver_and_settle(token, &out, &mut report, slot)
+            .await;
+        self.stats.publish_latency.observe(delivered_at.elapsed());
+        if report.attempted > 0 {
+            self.stats.cycle_latency.observe(started.elapsed());
+        }
+        self.account(&report);
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
 
-        // Plan every line; the budget is shared in claim order.
-        let mut budget = limits.max_events as usize;
+    /// Plans every line of a claim, the event budget shared in claim order; keys with
+    /// nothing to publish now come back as releases.
+    fn plan_claim<'a>(&self, claim: &'a Claim) -> (Vec<LinePlan<'a>>, Vec<KeyRelease>) {
+        let mut budget = self.limits().max_events as usize;
         let mut plans: Vec<LinePlan<'_>> = Vec::new();
         let mut idle = Vec::new();
         for w in &claim.keyed {
@@ -339,56 +361,72 @@ impl Shared {
             }
         }
         plans.extend(claim.unkeyed.iter().map(plan_single));
+        (plans, idle)
+    }
 
-        // Gate each line by its topic's health.
+    /// Gates each line by its topic's health: open lines go out, a topic due for a
+    /// probe sends one event, a topic that is down holds its lines (keys released with
+    /// the wait; unkeyed events returned by how long they wait, one entry per wait).
+    fn gate_lines<'a>(
+        &self,
+        plans: Vec<LinePlan<'a>>,
+        honour_probe_pause: bool,
+        idle: &mut Vec<KeyRelease>,
+    ) -> (Vec<Outgoing<'a>>, HashMap<Duration, Vec<EventId>>) {
         let mut out: Vec<Outgoing<'_>> = Vec::with_capacity(plans.len());
-        // Unkeyed events of topics that are down, by how long they wait (one per topic).
         let mut held_unkeyed: HashMap<Duration, Vec<EventId>> = HashMap::new();
-        {
-            let now = Instant::now();
-            let mut domains = self.domains.lock().expect("domains lock");
-            for mut plan in plans {
-                let domain = self.sink.domain(plan.run[0]);
-                match domains.gate(&domain, now, honour_probe_pause) {
-                    Gate::Open => out.push(Outgoing {
+        let now = Instant::now();
+        let mut domains = self.domains.lock().expect("domains lock");
+        for mut plan in plans {
+            let domain = self.sink.domain(plan.run[0]);
+            match domains.gate(&domain, now, honour_probe_pause) {
+                Gate::Open => out.push(Outgoing {
+                    plan,
+                    domain,
+                    probe: false,
+                }),
+                Gate::Probe => {
+                    plan.run.truncate(1);
+                    plan.stop = Stop::Budget;
+                    out.push(Outgoing {
                         plan,
                         domain,
-                        probe: false,
-                    }),
-                    Gate::Probe => {
-                        plan.run.truncate(1);
-                        plan.stop = Stop::Budget;
-                        out.push(Outgoing {
-                            plan,
-                            domain,
-                            probe: true,
-                        });
-                    }
-                    Gate::Closed { until } => {
-                        let wait = until.saturating_duration_since(now);
-                        self.stats.held_back.fetch_add(1, Ordering::Relaxed);
-                        match plan.line {
-                            Some(line) => idle.push(KeyRelease {
-                                line: line.clone(),
-                                ready: Readiness {
-                                    after: Some(wait),
-                                    ..Default::default()
-                                },
-                            }),
-                            None => held_unkeyed.entry(wait).or_default().push(plan.run[0].id),
-                        }
+                        probe: true,
+                    });
+                }
+                Gate::Closed { until } => {
+                    let wait = until.saturating_duration_since(now);
+                    self.stats.held_back.fetch_add(1, Ordering::Relaxed);
+                    match plan.line {
+                        Some(line) => idle.push(KeyRelease {
+                            line: line.clone(),
+                            ready: Readiness {
+                                after: Some(wait),
+                                ..Default::default()
+                            },
+                        }),
+                        None => held_unkeyed.entry(wait).or_default().push(plan.run[0].id),
                     }
                 }
             }
         }
-        // Keys with nothing to publish go back at once, not after the delivery; unkeyed
-        // events of a topic that is down stay claimed until it is due for a probe.
+        (out, held_unkeyed)
+    }
+
+    /// Keys with nothing to publish go back at once, not after the delivery; unkeyed
+    /// events of a topic that is down stay claimed until it is due for a probe.
+    async fn give_back_held(
+        &self,
+        token: i64,
+        idle: &[KeyRelease],
+        held_unkeyed: &HashMap<Duration, Vec<EventId>>,
+    ) -> Result<(), StoreError> {
         if !idle.is_empty() {
             self.store
-                .settle(Settlement::new(&self.queue, token, &[], &idle))
+                .settle(Settlement::new(&self.queue, token, &[], idle))
                 .await?;
         }
-        for (wait, ids) in &held_unkeyed {
+        for (wait, ids) in held_unkeyed {
             self.store
                 .renew(Renewal {
                     queue: &self.queue,
@@ -399,13 +437,20 @@ impl Shared {
                 })
                 .await?;
         }
-        if out.is_empty() {
-            return Ok(report);
-        }
+        Ok(())
+    }
 
+    /// Delivers the lines and settles them as they finish (finished lines linger a
+    /// moment to settle together), renewing the leases of those still in flight. The
+    /// slot is given back at the first settle. Returns the first settle error.
+    async fn deliver_and_settle(
+        &self,
+        token: i64,
+        out: &[Outgoing<'_>],
+        report: &mut CycleReport,
+        mut slot: ActiveSlot,
+    ) -> Option<StoreError> {
         let lines: Vec<Vec<&_>> = out.iter().map(|o| o.plan.run.clone()).collect();
-        report.attempted = lines.iter().map(Vec::len).sum();
-        let delivered_at = Instant::now();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let sink = self.sink.clone();
         let deliver = async move {
@@ -434,34 +479,26 @@ impl Shared {
                     _ = async { tokio::time::sleep_until(linger.expect("set")).await }, if linger.is_some() => {
                         linger = None;
                         let batch = std::mem::take(&mut finished);
-                        if let Err(e) = self.settle_lines(token, &out, batch, &mut report).await {
+                        if let Err(e) = self.settle_lines(token, out, batch, report).await {
                             first_error.get_or_insert(e);
                         }
                         slot.release();
                         self.progress.notify_one();
                     }
                     _ = renew.tick(), if self.config.renew_leases => {
-                        self.renew_outstanding(token, &out, &outstanding).await;
+                        self.renew_outstanding(token, out, &outstanding).await;
                     }
                 }
             }
             if !finished.is_empty()
-                && let Err(e) = self.settle_lines(token, &out, finished, &mut report).await
+                && let Err(e) = self.settle_lines(token, out, finished, report).await
             {
                 first_error.get_or_insert(e);
             }
             first_error
         };
         let ((), failed) = tokio::join!(deliver, settle_as_done);
-        self.stats.publish_latency.observe(delivered_at.elapsed());
-        if report.attempted > 0 {
-            self.stats.cycle_latency.observe(started.elapsed());
-        }
-        self.account(&report);
-        match failed {
-            Some(e) => Err(e),
-            None => Ok(report),
-        }
+        failed
     }
 
     /// Settles finished lines in one transaction and updates the topics' health.
