@@ -4,10 +4,12 @@
 use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Row};
 
+use super::sql::Sql;
 use super::{PgStore, decode_event, millis, q, scoped};
-use crate::domain::{EventId, Queue, Status};
+use crate::domain::{EventId, Queue, Status, StoredEvent};
 use crate::store::Due;
 use crate::store::rows::in_due_order;
 use crate::store::{
@@ -40,7 +42,6 @@ impl PgStore {
         limits: ClaimLimits,
     ) -> StoreResult<Claim> {
         let sql = self.sql(queue.box_kind());
-        let lease_ms = millis(limits.lease);
         if sql.fold.is_some() {
             self.fold().await?;
         }
@@ -54,15 +55,12 @@ impl PgStore {
             q(&sql.lease_keys)
                 .bind(limits.max_keys as i64)
                 .bind(token)
-                .bind(lease_ms)
+                .bind(millis(limits.lease))
                 .bind(limits.max_run.max(1) as i64)
                 .bind(limits.max_events as i64),
             queue,
         );
-        let leased = match tx.as_mut() {
-            Some(tx) => lease.fetch_all(&mut **tx).await?,
-            None => lease.fetch_all(&self.relay_pool).await?,
-        };
+        let leased = self.fetch_in(&mut tx, lease).await?;
         // The database's time, as the lease statement saw it, until the windows say
         // theirs; without a leased key nothing reads it (it only places keyed windows'
         // delayed events).
@@ -72,102 +70,30 @@ impl PgStore {
         };
         let mut keyed = Vec::with_capacity(leased.len());
         if !leased.is_empty() {
-            let mut topics = Vec::with_capacity(leased.len());
-            let mut names = Vec::with_capacity(leased.len());
-            let mut cursors: Vec<i64> = Vec::with_capacity(leased.len());
-            // Windows are read for the keys whose order lock was free; the others come
-            // back empty, to be looked at again after `HELD_RECHECK` or as soon as the
-            // writer's commit is folded in (which pulls `ready_at` to now). Their
-            // `line_end` covers every id, so nothing counts as new at the release.
-            let mut held = Vec::new();
-            for r in &leased {
-                let line = LineKey {
-                    topic: r.try_get(0)?,
-                    key: r.try_get(1)?,
-                };
-                if !r.try_get::<bool, _>("free")? {
-                    held.push(KeyWindow {
-                        line,
-                        rows: Vec::new(),
-                        full: false,
-                        delayed_at: Some(now + HELD_RECHECK),
-                        line_end: Some(i64::MAX),
-                    });
-                    continue;
-                }
-                cursors.push(r.try_get(2)?);
-                topics.push(line.topic.clone());
-                names.push(line.key.clone());
-                keyed.push(KeyWindow {
-                    line,
-                    rows: Vec::new(),
-                    full: false,
-                    delayed_at: None,
-                    line_end: None,
-                });
-            }
+            let mut lines = Leased::split(&leased, now)?;
             let per_key = limits.per_key(leased.len());
-            let windows = scoped(
-                q(&sql.windows)
-                    .bind(topics)
-                    .bind(names)
-                    .bind(per_key as i64)
-                    .bind(cursors)
-                    .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
-                queue,
-            );
-            let rows = if keyed.is_empty() {
-                Vec::new()
-            } else {
-                match tx.as_mut() {
-                    Some(tx) => windows.fetch_all(&mut **tx).await?,
-                    None => windows.fetch_all(&self.relay_pool).await?,
-                }
-            };
-            // In claim order, ids ascending; the rows past the byte budget come back not
-            // `taken`, and their keys' windows end before them, marked full (looked at
-            // again at once).
-            let mut in_line = vec![0usize; keyed.len()];
-            // The clock the windows judged delays by: planning must judge them alike.
-            if let Some(r) = rows.first() {
-                now = r.try_get("now")?;
-            }
-            for r in &rows {
-                let i = usize::try_from(r.try_get::<i64, _>("o")? - 1)
-                    .map_err(|_| StoreError::Other("bad ordinality".into()))?;
-                let w = &mut keyed[i];
-                w.line_end = r.try_get("line_end")?;
-                w.delayed_at = r.try_get("delayed_at")?;
-                if r.try_get::<Option<i64>, _>("id")?.is_some() {
-                    in_line[i] += 1;
-                    if r.try_get::<bool, _>("taken")? {
-                        w.rows.push(decode_event(r)?);
-                    }
+            if !lines.free.is_empty() {
+                let windows = scoped(
+                    q(&sql.windows)
+                        .bind(std::mem::take(&mut lines.topics))
+                        .bind(std::mem::take(&mut lines.names))
+                        .bind(per_key as i64)
+                        .bind(std::mem::take(&mut lines.cursors))
+                        .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
+                    queue,
+                );
+                let rows = self.fetch_in(&mut tx, windows).await?;
+                if let Some(t) = fill_windows(&rows, &mut lines.free, per_key)? {
+                    now = t;
                 }
             }
-            for (w, &n) in keyed.iter_mut().zip(&in_line) {
-                w.full = n >= per_key as usize || w.rows.len() < n;
-            }
-            keyed.extend(held);
+            keyed = lines.free;
+            keyed.extend(lines.held);
         }
         if let Some(tx) = tx {
             tx.commit().await?;
         }
-        let unkeyed = if limits.max_unkeyed > 0 {
-            let rows = scoped(
-                q(&sql.claim_unkeyed)
-                    .bind(limits.max_unkeyed as i64)
-                    .bind(token)
-                    .bind(lease_ms)
-                    .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
-                queue,
-            )
-            .fetch_all(&self.relay_pool)
-            .await?;
-            in_due_order(&rows)?
-        } else {
-            Vec::new()
-        };
+        let unkeyed = self.claim_unkeyed(sql, queue, token, limits).await?;
         Ok(Claim {
             token,
             now,
@@ -176,163 +102,60 @@ impl PgStore {
         })
     }
 
+    /// Runs a read in the claim's transaction when it has one, else on the relay pool.
+    async fn fetch_in(
+        &self,
+        tx: &mut Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+        query: PgQuery,
+    ) -> Result<Vec<PgRow>, sqlx::Error> {
+        match tx.as_mut() {
+            Some(tx) => query.fetch_all(&mut **tx).await,
+            None => query.fetch_all(&self.relay_pool).await,
+        }
+    }
+
+    /// Claims due unkeyed events within the byte budget, in the order they are due.
+    async fn claim_unkeyed(
+        &self,
+        sql: &Sql,
+        queue: &Queue,
+        token: i64,
+        limits: ClaimLimits,
+    ) -> StoreResult<Vec<StoredEvent>> {
+        if limits.max_unkeyed == 0 {
+            return Ok(Vec::new());
+        }
+        let rows = scoped(
+            q(&sql.claim_unkeyed)
+                .bind(limits.max_unkeyed as i64)
+                .bind(token)
+                .bind(millis(limits.lease))
+                .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
+            queue,
+        )
+        .fetch_all(&self.relay_pool)
+        .await?;
+        in_due_order(&rows)
+    }
+
     pub(super) async fn settle_once(&self, s: Settlement<'_>) -> Result<SettleReport, sqlx::Error> {
-        let (queue, token, updates, releases) = (s.queue, s.token, s.updates, s.releases);
-        let sql = self.sql(queue.box_kind());
+        let sql = self.sql(s.queue.box_kind());
         let mut tx = self.relay_pool.begin().await?;
-        if !releases.is_empty() {
-            // Lock our still-valid keys in byte order, the order enqueue, receive and the
-            // admin flows take them (Rust's sort of `(topic, key)`): the statement locks in
-            // the array's order, so the database's collation (ICU, en_US…) plays no part.
-            let mut sorted: Vec<&LineKey> = releases.iter().map(|r| &r.line).collect();
-            sorted.sort();
-            let topics: Vec<&str> = sorted.iter().map(|l| l.topic.as_str()).collect();
-            let names: Vec<&str> = sorted.iter().map(|l| l.key.as_str()).collect();
-            let topics: Vec<String> = topics.into_iter().map(str::to_string).collect();
-            let names: Vec<String> = names.into_iter().map(str::to_string).collect();
-            scoped(
-                q(&sql.lock_keys).bind(topics).bind(names).bind(token),
-                queue,
-            )
-            .fetch_all(&mut *tx)
-            .await?;
+        if !s.releases.is_empty() {
+            lock_released_keys(&mut tx, sql, &s).await?;
         }
-        let mut applied = 0;
-        // Completions of keyed events move their keys' cursors (the outbox), with the
-        // release: what a cursor covers needs no row of its own. Only keys released here
-        // can move, since the release is what moves them.
-        let mut covered: HashSet<EventId> = HashSet::new();
-        // Per key: the new cursor, the events it covers, and how many of them were counted.
-        let mut runs: HashMap<LineKey, (i64, i64, i64)> = HashMap::new();
-        if let Some(check) = &sql.check_runs {
-            let completed: Vec<EventId> = updates
-                .iter()
-                .filter(|u| matches!(u, EventUpdate::Completed { .. }))
-                .map(EventUpdate::id)
-                .collect();
-            if !completed.is_empty() && !releases.is_empty() {
-                let released: HashSet<&LineKey> = releases.iter().map(|r| &r.line).collect();
-                let rows = sqlx::query(AssertSqlSafe(check.clone()))
-                    .bind(&completed)
-                    .bind(token)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                for r in &rows {
-                    let line = LineKey {
-                        topic: r.try_get("topic")?,
-                        key: r.try_get("event_key")?,
-                    };
-                    if !r.try_get::<bool, _>("covered")? || !released.contains(&line) {
-                        continue;
-                    }
-                    let ids: Vec<i64> = r.try_get("ids")?;
-                    covered.extend(ids);
-                    runs.insert(
-                        line,
-                        (
-                            r.try_get("through")?,
-                            r.try_get("n")?,
-                            r.try_get("counted")?,
-                        ),
-                    );
-                }
-                applied += covered.len();
-            }
-        }
-        let updates: Vec<&EventUpdate> = updates
+        let runs = covered_runs(&mut tx, sql, &s).await?;
+        let mut applied = runs.covered.len();
+        let updates: Vec<&EventUpdate> = s
+            .updates
             .iter()
-            .filter(|u| !covered.contains(&u.id()))
+            .filter(|u| !runs.covered.contains(&u.id()))
             .collect();
         if !updates.is_empty() {
-            let n = updates.len();
-            let mut ids = Vec::with_capacity(n);
-            let mut kind = Vec::with_capacity(n);
-            let mut attempts: Vec<Option<i32>> = Vec::with_capacity(n);
-            let mut delay: Vec<Option<i64>> = Vec::with_capacity(n);
-            let mut at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
-            let mut error: Vec<Option<&str>> = Vec::with_capacity(n);
-            for u in &updates {
-                ids.push(u.id());
-                let c = u.columns();
-                // The statement's kinds: a pending update is a retry or a release.
-                let k = match (c.status, c.release) {
-                    (_, true) => "release",
-                    (Status::Pending, false) => "retry",
-                    (other, false) => other.as_str(),
-                };
-                let (d, t) = match c.due {
-                    Some(Due::After(delay)) => (Some(millis(delay)), None),
-                    Some(Due::At(at)) => (None, Some(at)),
-                    None => (None, None),
-                };
-                let (a, e) = (c.attempts.map(|n| n as i32), c.error);
-                kind.push(k);
-                attempts.push(a);
-                delay.push(d);
-                at.push(t);
-                error.push(e);
-            }
-            // `as usize` fits: the statement changes at most one row per update.
-            #[allow(clippy::cast_possible_truncation)]
-            let changed = q(&sql.settle_events)
-                .bind(&ids)
-                .bind(&kind)
-                .bind(&attempts)
-                .bind(&delay)
-                .bind(&at)
-                .bind(&error)
-                .bind(token)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected() as usize;
-            applied += changed;
+            applied += apply_updates(&mut tx, sql, s.token, &updates).await?;
         }
-        if !releases.is_empty() {
-            let n = releases.len();
-            let mut topics = Vec::with_capacity(n);
-            let mut names = Vec::with_capacity(n);
-            let mut at = Vec::with_capacity(n);
-            let mut after = Vec::with_capacity(n);
-            let mut seen = Vec::with_capacity(n);
-            for r in releases {
-                topics.push(r.line.topic.as_str());
-                names.push(r.line.key.as_str());
-                at.push(r.ready.at);
-                after.push(r.ready.after.map(millis));
-                seen.push(r.ready.seen_up_to);
-            }
-            let topics: Vec<String> = topics.into_iter().map(str::to_string).collect();
-            let names: Vec<String> = names.into_iter().map(str::to_string).collect();
-            let (statement, advance) = match &sql.release_advance {
-                Some(advance) if !runs.is_empty() => (advance, true),
-                _ => (&sql.release_keys, false),
-            };
-            let release = q(statement)
-                .bind(topics)
-                .bind(names)
-                .bind(at)
-                .bind(after)
-                .bind(seen)
-                .bind(token);
-            if advance {
-                let mut through: Vec<Option<i64>> = Vec::with_capacity(releases.len());
-                let mut n: Vec<Option<i64>> = Vec::with_capacity(releases.len());
-                let mut counted: Vec<Option<i64>> = Vec::with_capacity(releases.len());
-                for r in releases {
-                    let run = runs.get(&r.line);
-                    through.push(run.map(|r| r.0));
-                    n.push(run.map(|r| r.1));
-                    counted.push(run.map(|r| r.2));
-                }
-                release
-                    .bind(through)
-                    .bind(n)
-                    .bind(counted)
-                    .execute(&mut *tx)
-                    .await?;
-            } else {
-                scoped(release, queue).execute(&mut *tx).await?;
-            }
+        if !s.releases.is_empty() {
+            release_keys(&mut tx, sql, &s, &runs.per_key).await?;
         }
         tx.commit().await?;
         Ok(SettleReport::of(applied, s.updates.len()))
@@ -377,4 +200,275 @@ impl PgStore {
         }
         Ok(held)
     }
+}
+
+/// A PostgreSQL statement with its parameters bound.
+type PgQuery = sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// The leased keys of a claim, split by their order lock: the free ones get windows
+/// (their cursors, topics and names are the windows statement's arrays), the held ones
+/// come back empty.
+struct Leased {
+    free: Vec<KeyWindow>,
+    topics: Vec<String>,
+    names: Vec<String>,
+    cursors: Vec<i64>,
+    held: Vec<KeyWindow>,
+}
+
+impl Leased {
+    /// Windows are read for the keys whose order lock was free; the others come back
+    /// empty, to be looked at again after `HELD_RECHECK` or as soon as the writer's
+    /// commit is folded in (which pulls `ready_at` to now). Their `line_end` covers every
+    /// id, so nothing counts as new at the release.
+    fn split(leased: &[PgRow], now: DateTime<Utc>) -> StoreResult<Leased> {
+        let mut l = Leased {
+            free: Vec::with_capacity(leased.len()),
+            topics: Vec::with_capacity(leased.len()),
+            names: Vec::with_capacity(leased.len()),
+            cursors: Vec::with_capacity(leased.len()),
+            held: Vec::new(),
+        };
+        for r in leased {
+            let line = LineKey {
+                topic: r.try_get(0)?,
+                key: r.try_get(1)?,
+            };
+            if !r.try_get::<bool, _>("free")? {
+                l.held.push(KeyWindow {
+                    line,
+                    rows: Vec::new(),
+                    full: false,
+                    delayed_at: Some(now + HELD_RECHECK),
+                    line_end: Some(i64::MAX),
+                });
+                continue;
+            }
+            l.cursors.push(r.try_get(2)?);
+            l.topics.push(line.topic.clone());
+            l.names.push(line.key.clone());
+            l.free.push(KeyWindow {
+                line,
+                rows: Vec::new(),
+                full: false,
+                delayed_at: None,
+                line_end: None,
+            });
+        }
+        Ok(l)
+    }
+}
+
+/// Fills the windows from the windows statement's rows: in claim order, ids ascending;
+/// the rows past the byte budget come back not `taken`, and their keys' windows end
+/// before them, marked full (looked at again at once). Returns the clock the windows
+/// judged delays by (planning must judge them alike), if any row came back.
+fn fill_windows(
+    rows: &[PgRow],
+    keyed: &mut [KeyWindow],
+    per_key: u32,
+) -> StoreResult<Option<DateTime<Utc>>> {
+    let mut in_line = vec![0usize; keyed.len()];
+    let now = match rows.first() {
+        Some(r) => Some(r.try_get("now")?),
+        None => None,
+    };
+    for r in rows {
+        let i = usize::try_from(r.try_get::<i64, _>("o")? - 1)
+            .map_err(|_| StoreError::Other("bad ordinality".into()))?;
+        let w = &mut keyed[i];
+        w.line_end = r.try_get("line_end")?;
+        w.delayed_at = r.try_get("delayed_at")?;
+        if r.try_get::<Option<i64>, _>("id")?.is_some() {
+            in_line[i] += 1;
+            if r.try_get::<bool, _>("taken")? {
+                w.rows.push(decode_event(r)?);
+            }
+        }
+    }
+    for (w, &n) in keyed.iter_mut().zip(&in_line) {
+        w.full = n >= per_key as usize || w.rows.len() < n;
+    }
+    Ok(now)
+}
+
+/// Locks the settlement's still-valid keys in byte order, the order enqueue, receive
+/// and the admin flows take them (Rust's sort of `(topic, key)`): the statement locks in
+/// the array's order, so the database's collation (ICU, en_US…) plays no part.
+async fn lock_released_keys(
+    tx: &mut sqlx::PgConnection,
+    sql: &Sql,
+    s: &Settlement<'_>,
+) -> Result<(), sqlx::Error> {
+    let mut sorted: Vec<&LineKey> = s.releases.iter().map(|r| &r.line).collect();
+    sorted.sort();
+    let topics: Vec<String> = sorted.iter().map(|l| l.topic.clone()).collect();
+    let names: Vec<String> = sorted.iter().map(|l| l.key.clone()).collect();
+    scoped(
+        q(&sql.lock_keys).bind(topics).bind(names).bind(s.token),
+        s.queue,
+    )
+    .fetch_all(tx)
+    .await?;
+    Ok(())
+}
+
+/// The completions that move their keys' cursors (the outbox): the events a cursor
+/// covers, and per key the new cursor, how many events it covers and how many of them
+/// were counted.
+#[derive(Default)]
+struct Runs {
+    covered: HashSet<EventId>,
+    per_key: HashMap<LineKey, (i64, i64, i64)>,
+}
+
+/// Completions of keyed events move their keys' cursors (the outbox), with the release:
+/// what a cursor covers needs no row of its own. Only keys released here can move, since
+/// the release is what moves them.
+async fn covered_runs(
+    tx: &mut sqlx::PgConnection,
+    sql: &Sql,
+    s: &Settlement<'_>,
+) -> Result<Runs, sqlx::Error> {
+    let mut runs = Runs::default();
+    let Some(check) = &sql.check_runs else {
+        return Ok(runs);
+    };
+    let completed: Vec<EventId> = s
+        .updates
+        .iter()
+        .filter(|u| matches!(u, EventUpdate::Completed { .. }))
+        .map(EventUpdate::id)
+        .collect();
+    if completed.is_empty() || s.releases.is_empty() {
+        return Ok(runs);
+    }
+    let released: HashSet<&LineKey> = s.releases.iter().map(|r| &r.line).collect();
+    let rows = sqlx::query(AssertSqlSafe(check.clone()))
+        .bind(&completed)
+        .bind(s.token)
+        .fetch_all(tx)
+        .await?;
+    for r in &rows {
+        let line = LineKey {
+            topic: r.try_get("topic")?,
+            key: r.try_get("event_key")?,
+        };
+        if !r.try_get::<bool, _>("covered")? || !released.contains(&line) {
+            continue;
+        }
+        let ids: Vec<i64> = r.try_get("ids")?;
+        runs.covered.extend(ids);
+        let run = (
+            r.try_get("through")?,
+            r.try_get("n")?,
+            r.try_get("counted")?,
+        );
+        runs.per_key.insert(line, run);
+    }
+    Ok(runs)
+}
+
+/// Applies the updates no cursor covers, in one statement; returns how many it changed.
+async fn apply_updates(
+    tx: &mut sqlx::PgConnection,
+    sql: &Sql,
+    token: i64,
+    updates: &[&EventUpdate],
+) -> Result<usize, sqlx::Error> {
+    let n = updates.len();
+    let mut ids = Vec::with_capacity(n);
+    let mut kind = Vec::with_capacity(n);
+    let mut attempts: Vec<Option<i32>> = Vec::with_capacity(n);
+    let mut delay: Vec<Option<i64>> = Vec::with_capacity(n);
+    let mut at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+    let mut error: Vec<Option<&str>> = Vec::with_capacity(n);
+    for u in updates {
+        ids.push(u.id());
+        let c = u.columns();
+        // The statement's kinds: a pending update is a retry or a release.
+        let k = match (c.status, c.release) {
+            (_, true) => "release",
+            (Status::Pending, false) => "retry",
+            (other, false) => other.as_str(),
+        };
+        let (d, t) = match c.due {
+            Some(Due::After(delay)) => (Some(millis(delay)), None),
+            Some(Due::At(at)) => (None, Some(at)),
+            None => (None, None),
+        };
+        kind.push(k);
+        attempts.push(c.attempts.map(|n| n as i32));
+        delay.push(d);
+        at.push(t);
+        error.push(c.error);
+    }
+    // `as usize` fits: the statement changes at most one row per update.
+    #[allow(clippy::cast_possible_truncation)]
+    let changed = q(&sql.settle_events)
+        .bind(&ids)
+        .bind(&kind)
+        .bind(&attempts)
+        .bind(&delay)
+        .bind(&at)
+        .bind(&error)
+        .bind(token)
+        .execute(tx)
+        .await?
+        .rows_affected() as usize;
+    Ok(changed)
+}
+
+/// Releases the settlement's keys with their next ready times, moving the cursors of
+/// the keys in `runs` (the outbox's `release_advance`) when there are any.
+async fn release_keys(
+    tx: &mut sqlx::PgConnection,
+    sql: &Sql,
+    s: &Settlement<'_>,
+    runs: &HashMap<LineKey, (i64, i64, i64)>,
+) -> Result<(), sqlx::Error> {
+    let n = s.releases.len();
+    let mut topics = Vec::with_capacity(n);
+    let mut names = Vec::with_capacity(n);
+    let mut at = Vec::with_capacity(n);
+    let mut after = Vec::with_capacity(n);
+    let mut seen = Vec::with_capacity(n);
+    for r in s.releases {
+        topics.push(r.line.topic.clone());
+        names.push(r.line.key.clone());
+        at.push(r.ready.at);
+        after.push(r.ready.after.map(millis));
+        seen.push(r.ready.seen_up_to);
+    }
+    let (statement, advance) = match &sql.release_advance {
+        Some(advance) if !runs.is_empty() => (advance, true),
+        _ => (&sql.release_keys, false),
+    };
+    let release = q(statement)
+        .bind(topics)
+        .bind(names)
+        .bind(at)
+        .bind(after)
+        .bind(seen)
+        .bind(s.token);
+    if !advance {
+        scoped(release, s.queue).execute(tx).await?;
+        return Ok(());
+    }
+    let mut through: Vec<Option<i64>> = Vec::with_capacity(n);
+    let mut covered: Vec<Option<i64>> = Vec::with_capacity(n);
+    let mut counted: Vec<Option<i64>> = Vec::with_capacity(n);
+    for r in s.releases {
+        let run = runs.get(&r.line);
+        through.push(run.map(|r| r.0));
+        covered.push(run.map(|r| r.1));
+        counted.push(run.map(|r| r.2));
+    }
+    release
+        .bind(through)
+        .bind(covered)
+        .bind(counted)
+        .execute(tx)
+        .await?;
+    Ok(())
 }
