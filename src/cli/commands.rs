@@ -27,8 +27,20 @@ impl Client {
     }
 }
 
+/// The status as the command's error. A transport failure (refused, TLS handshake)
+/// travels as the status's source chain: each cause is named once.
 fn rpc_error(s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", s.code(), s.message())
+    let mut message = format!("{:?}: {}", s.code(), s.message());
+    let mut source = std::error::Error::source(&s);
+    while let Some(e) = source {
+        let cause = e.to_string();
+        if !message.contains(&cause) {
+            message.push_str(": ");
+            message.push_str(&cause);
+        }
+        source = e.source();
+    }
+    anyhow::anyhow!(message)
 }
 
 /// An RPC's answer, or its status as the command's error.
@@ -40,8 +52,13 @@ fn operator(o: Option<String>) -> String {
     o.or_else(|| std::env::var("USER").ok()).unwrap_or_default()
 }
 
-/// Runs one admin command and returns what it prints.
-pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
+/// A request id for an action: the operator's, or a new one.
+fn request_id(given: Option<String>) -> String {
+    given.unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
+}
+
+/// Connects to `--server` (TLS for https://) with the operator's token.
+async fn connect(args: &AdminArgs) -> anyhow::Result<Client> {
     let mut endpoint = Channel::from_shared(args.server.clone())
         .context("--server is not a URL")?
         .connect_timeout(Duration::from_secs(5));
@@ -69,16 +86,44 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
                 .context("the token must be printable ASCII")?,
         ),
     };
-    let mut c = Client {
+    Ok(Client {
         inner: AdminServiceClient::new(channel),
         token,
-    };
-    let json_out = args.json;
+    })
+}
+
+/// What every command is about: the box (and subscription), and the output format.
+struct Target {
+    bx: i32,
+    inbox: bool,
+    sub: String,
+    json: bool,
+}
+
+/// Runs one admin command and returns what it prints.
+pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
+    let mut c = connect(&args).await?;
     let target = args.target()?;
-    let bx = target as i32;
-    let inbox = target == pb::Box::Inbox;
-    let sub = args.subscription.clone().unwrap_or_default();
+    let t = Target {
+        bx: target as i32,
+        inbox: target == pb::Box::Inbox,
+        sub: args.subscription.clone().unwrap_or_default(),
+        json: args.json,
+    };
     match args.command {
+        command @ (AdminCommand::Pending { .. } | AdminCommand::Failed { .. }) => {
+            backlog(&mut c, &t, command).await
+        }
+        command @ (AdminCommand::Requeue { .. } | AdminCommand::Cancel { .. }) => {
+            actions(&mut c, &t, command).await
+        }
+        command => lookups(&mut c, &t, command).await,
+    }
+}
+
+/// The backlog: pending keys, failed events.
+async fn backlog(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Result<String> {
+    match command {
         AdminCommand::Pending {
             topic,
             key_prefix,
@@ -87,28 +132,26 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             limit,
             page_token,
         } => {
-            let r = answer(
-                c.inner
-                    .list_pending(c.req(pb::ListPendingRequest {
-                        r#box: bx,
-                        subscription: sub,
-                        topic: topic.unwrap_or_default(),
-                        key_prefix: key_prefix.unwrap_or_default(),
-                        only_blocked: blocked,
-                        order: if oldest {
-                            pb::PendingOrder::Oldest
-                        } else {
-                            pb::PendingOrder::MostPending
-                        } as i32,
-                        page_size: limit,
-                        page_token: page_token.unwrap_or_default(),
-                    }))
-                    .await,
-            )?;
-            Ok(if json_out {
-                pending_json(&r, inbox)
+            let order = if oldest {
+                pb::PendingOrder::Oldest
             } else {
-                pending_table(&r, inbox)
+                pb::PendingOrder::MostPending
+            };
+            let req = pb::ListPendingRequest {
+                r#box: t.bx,
+                subscription: t.sub.clone(),
+                topic: topic.unwrap_or_default(),
+                key_prefix: key_prefix.unwrap_or_default(),
+                only_blocked: blocked,
+                order: order as i32,
+                page_size: limit,
+                page_token: page_token.unwrap_or_default(),
+            };
+            let r = answer(c.inner.list_pending(c.req(req)).await)?;
+            Ok(if t.json {
+                pending_json(&r, t.inbox)
+            } else {
+                pending_table(&r, t.inbox)
             })
         }
         AdminCommand::Failed {
@@ -116,109 +159,105 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
             limit,
             page_token,
         } => {
-            let r = answer(
-                c.inner
-                    .list_events(c.req(pb::ListEventsRequest {
-                        r#box: bx,
-                        status: pb::EventStatus::Failed as i32,
-                        filter: Some(filter.to_pb(&sub)),
-                        page_size: limit,
-                        page_token: page_token.unwrap_or_default(),
-                    }))
-                    .await,
-            )?;
-            Ok(failed_out(&r, json_out, inbox))
+            let req = pb::ListEventsRequest {
+                r#box: t.bx,
+                status: pb::EventStatus::Failed as i32,
+                filter: Some(filter.to_pb(&t.sub)),
+                page_size: limit,
+                page_token: page_token.unwrap_or_default(),
+            };
+            let r = answer(c.inner.list_events(c.req(req)).await)?;
+            Ok(failed_out(&r, t.json, t.inbox))
         }
-        AdminCommand::Get { id, payload } => {
-            let r = answer(
-                c.inner
-                    .get_event(c.req(pb::GetEventRequest {
-                        r#box: bx,
-                        id,
-                        include_payload: payload,
-                    }))
-                    .await,
-            )?;
-            let e = r.event.context("server sent no event")?;
-            Ok(if json_out {
-                lines(&event_json(&e, payload, inbox))
-            } else {
-                event_text(&e, payload, inbox)
-            })
-        }
+        _ => unreachable!("dispatched by execute"),
+    }
+}
+
+/// The actions (a dry run unless `--yes`): requeue, cancel.
+async fn actions(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Result<String> {
+    match command {
         AdminCommand::Requeue {
             ids,
             filter,
             limit,
             yes,
             all,
-            request_id,
+            request_id: rid,
             operator: who,
         } => {
             let req = pb::RequeueFailedRequest {
-                r#box: bx,
+                r#box: t.bx,
                 // Ids name events exactly: the filter flags are not sent with them.
-                filter: if ids.is_empty() {
-                    Some(filter.to_pb(&sub))
-                } else {
-                    None
-                },
+                filter: ids.is_empty().then(|| filter.to_pb(&t.sub)),
                 ids,
                 limit: limit.unwrap_or(0),
                 dry_run: !yes,
                 operator: operator(who),
                 all,
-                request_id: request_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+                request_id: request_id(rid),
             };
             let r = answer(c.inner.requeue_failed(c.req(req)).await)?;
-            Ok(requeue_out(&r, json_out))
+            Ok(requeue_out(&r, t.json))
         }
         AdminCommand::Cancel {
             ids,
             reason,
             yes,
-            request_id,
+            request_id: rid,
             operator: who,
         } => {
-            let r = answer(
-                c.inner
-                    .cancel_events(c.req(pb::CancelEventsRequest {
-                        r#box: bx,
-                        ids,
-                        reason,
-                        dry_run: !yes,
-                        operator: operator(who),
-                        request_id: request_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
-                    }))
-                    .await,
-            )?;
-            Ok(cancel_out(&r, !yes, json_out))
+            let req = pb::CancelEventsRequest {
+                r#box: t.bx,
+                ids,
+                reason,
+                dry_run: !yes,
+                operator: operator(who),
+                request_id: request_id(rid),
+            };
+            let r = answer(c.inner.cancel_events(c.req(req)).await)?;
+            Ok(cancel_out(&r, !yes, t.json))
+        }
+        _ => unreachable!("dispatched by execute"),
+    }
+}
+
+/// One event, the counts, the audit log.
+async fn lookups(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Result<String> {
+    match command {
+        AdminCommand::Get { id, payload } => {
+            let req = pb::GetEventRequest {
+                r#box: t.bx,
+                id,
+                include_payload: payload,
+            };
+            let r = answer(c.inner.get_event(c.req(req)).await)?;
+            let e = r.event.context("server sent no event")?;
+            Ok(if t.json {
+                lines(&event_json(&e, payload, t.inbox))
+            } else {
+                event_text(&e, payload, t.inbox)
+            })
         }
         AdminCommand::Stats => {
-            let r = answer(
-                c.inner
-                    .get_stats(c.req(pb::GetStatsRequest {
-                        r#box: bx,
-                        subscription: sub,
-                    }))
-                    .await,
-            )?;
-            Ok(if json_out {
-                stats_json(&r, inbox)
+            let req = pb::GetStatsRequest {
+                r#box: t.bx,
+                subscription: t.sub.clone(),
+            };
+            let r = answer(c.inner.get_stats(c.req(req)).await)?;
+            Ok(if t.json {
+                stats_json(&r, t.inbox)
             } else {
-                stats_table(&r, inbox)
+                stats_table(&r, t.inbox)
             })
         }
         AdminCommand::Audit { limit, page_token } => {
-            let r = answer(
-                c.inner
-                    .list_audit(c.req(pb::ListAuditRequest {
-                        page_size: limit,
-                        page_token: page_token.unwrap_or_default(),
-                    }))
-                    .await,
-            )?;
-            Ok(audit_out(&r, json_out))
+            let req = pb::ListAuditRequest {
+                page_size: limit,
+                page_token: page_token.unwrap_or_default(),
+            };
+            let r = answer(c.inner.list_audit(c.req(req)).await)?;
+            Ok(audit_out(&r, t.json))
         }
+        _ => unreachable!("dispatched by execute"),
     }
 }
