@@ -14,112 +14,29 @@ pub fn new_event(
     field: &str,
     limits: &Limits,
 ) -> Result<NewEvent, Vec<FieldViolation>> {
-    let mut v = Vec::new();
-    let f = |name: &str| format!("{field}.{name}");
+    let mut v = Violations {
+        field,
+        found: Vec::new(),
+    };
     if let Err(why) = check_topic(&ev.topic) {
-        v.push(FieldViolation::new(f("topic"), why));
+        v.add("topic", why);
     }
-    if ev.key.len() > limits.max_key_bytes {
-        v.push(FieldViolation::new(
-            f("key"),
-            format!("must be at most {} bytes", limits.max_key_bytes),
-        ));
-    }
-    if ev.payload.len() > limits.max_payload_bytes {
-        v.push(FieldViolation::new(
-            f("payload"),
-            format!(
-                "is {} bytes; the limit is {}",
-                ev.payload.len(),
-                limits.max_payload_bytes
-            ),
-        ));
-    }
-    if ev.headers.len() > limits.max_headers {
-        v.push(FieldViolation::new(
-            f("headers"),
-            format!("at most {} headers", limits.max_headers),
-        ));
-    }
-    let header_bytes: usize = ev.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
-    if header_bytes > limits.max_header_bytes {
-        v.push(FieldViolation::new(
-            f("headers"),
-            format!(
-                "at most {} bytes of headers in all",
-                limits.max_header_bytes
-            ),
-        ));
-    }
-    if ev.headers.keys().any(|k| k.is_empty()) {
-        v.push(FieldViolation::new(
-            f("headers"),
-            "header names must not be empty",
-        ));
-    }
-    if ev.headers.keys().any(|k| k.starts_with("ce_")) {
-        v.push(FieldViolation::new(
-            f("headers"),
-            "header names starting with 'ce_' are reserved for CloudEvents attributes",
-        ));
-    }
-    // PostgreSQL's text cannot hold NUL: refuse it on every engine rather than fail the
-    // insert (and, with group commit, the other requests sharing its transaction).
-    let nul = |s: &str| s.contains('\0');
-    if nul(&ev.key) {
-        v.push(FieldViolation::new(
-            f("key"),
-            "must not contain NUL characters",
-        ));
-    }
-    if ev.headers.iter().any(|(k, v)| nul(k) || nul(v)) {
-        v.push(FieldViolation::new(
-            f("headers"),
-            "names and values must not contain NUL characters",
-        ));
-    }
-    if nul(&ev.r#type) {
-        v.push(FieldViolation::new(
-            f("type"),
-            "must not contain NUL characters",
-        ));
-    }
-    if nul(&ev.idempotency_key) {
-        v.push(FieldViolation::new(
-            f("idempotency_key"),
-            "must not contain NUL characters",
-        ));
-    }
-    if ev.r#type.len() > 256 {
-        v.push(FieldViolation::new(f("type"), "must be at most 256 bytes"));
-    }
-    if ev.idempotency_key.len() > 256 {
-        v.push(FieldViolation::new(
-            f("idempotency_key"),
-            "must be at most 256 bytes",
-        ));
-    }
-    if ev.max_attempts > limits.max_attempts_cap {
-        v.push(FieldViolation::new(
-            f("max_attempts"),
-            format!("must be at most {}", limits.max_attempts_cap),
-        ));
-    }
+    check_sizes(&ev, limits, &mut v);
+    check_headers(&ev, limits, &mut v);
+    check_text(&ev, &mut v);
+    check_lengths(&ev, limits, &mut v);
     let deliver_after = match &ev.deliver_after {
         None => None,
-        Some(t) => match timestamp(t) {
-            Some(t) => Some(t),
-            None => {
-                v.push(FieldViolation::new(
-                    f("deliver_after"),
-                    "is not a valid timestamp (seconds in 0001..9999, nanos in 0..1e9)",
-                ));
-                None
-            }
-        },
+        Some(t) => timestamp(t).or_else(|| {
+            v.add(
+                "deliver_after",
+                "is not a valid timestamp (seconds in 0001..9999, nanos in 0..1e9)",
+            );
+            None
+        }),
     };
-    if !v.is_empty() {
-        return Err(v);
+    if !v.found.is_empty() {
+        return Err(v.found);
     }
     let non_empty = |s: String| if s.is_empty() { None } else { Some(s) };
     Ok(NewEvent {
@@ -136,6 +53,103 @@ pub fn new_event(
             ev.max_attempts
         },
     })
+}
+
+/// The violations found in one event, each named `<field>.<name>`.
+struct Violations<'a> {
+    field: &'a str,
+    found: Vec<FieldViolation>,
+}
+
+impl Violations<'_> {
+    fn add(&mut self, name: &str, why: impl Into<String>) {
+        let path = format!("{}.{name}", self.field);
+        self.found.push(FieldViolation::new(path, why.into()));
+    }
+}
+
+/// The key and the payload within their limits.
+fn check_sizes(ev: &pb::Event, limits: &Limits, v: &mut Violations<'_>) {
+    if ev.key.len() > limits.max_key_bytes {
+        v.add(
+            "key",
+            format!("must be at most {} bytes", limits.max_key_bytes),
+        );
+    }
+    if ev.payload.len() > limits.max_payload_bytes {
+        v.add(
+            "payload",
+            format!(
+                "is {} bytes; the limit is {}",
+                ev.payload.len(),
+                limits.max_payload_bytes
+            ),
+        );
+    }
+}
+
+/// The type, the idempotency key and the attempts within their limits.
+fn check_lengths(ev: &pb::Event, limits: &Limits, v: &mut Violations<'_>) {
+    if ev.r#type.len() > 256 {
+        v.add("type", "must be at most 256 bytes");
+    }
+    if ev.idempotency_key.len() > 256 {
+        v.add("idempotency_key", "must be at most 256 bytes");
+    }
+    if ev.max_attempts > limits.max_attempts_cap {
+        v.add(
+            "max_attempts",
+            format!("must be at most {}", limits.max_attempts_cap),
+        );
+    }
+}
+
+/// The headers: how many, how many bytes, and their names (not empty, not `ce_`, which
+/// CloudEvents attributes own).
+fn check_headers(ev: &pb::Event, limits: &Limits, v: &mut Violations<'_>) {
+    if ev.headers.len() > limits.max_headers {
+        v.add("headers", format!("at most {} headers", limits.max_headers));
+    }
+    let header_bytes: usize = ev.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if header_bytes > limits.max_header_bytes {
+        v.add(
+            "headers",
+            format!(
+                "at most {} bytes of headers in all",
+                limits.max_header_bytes
+            ),
+        );
+    }
+    if ev.headers.keys().any(|k| k.is_empty()) {
+        v.add("headers", "header names must not be empty");
+    }
+    if ev.headers.keys().any(|k| k.starts_with("ce_")) {
+        v.add(
+            "headers",
+            "header names starting with 'ce_' are reserved for CloudEvents attributes",
+        );
+    }
+}
+
+/// PostgreSQL's text cannot hold NUL: refuse it on every engine rather than fail the
+/// insert (and, with group commit, the other requests sharing its transaction).
+fn check_text(ev: &pb::Event, v: &mut Violations<'_>) {
+    let nul = |s: &str| s.contains('\0');
+    if nul(&ev.key) {
+        v.add("key", "must not contain NUL characters");
+    }
+    if ev.headers.iter().any(|(k, v)| nul(k) || nul(v)) {
+        v.add(
+            "headers",
+            "names and values must not contain NUL characters",
+        );
+    }
+    if nul(&ev.r#type) {
+        v.add("type", "must not contain NUL characters");
+    }
+    if nul(&ev.idempotency_key) {
+        v.add("idempotency_key", "must not contain NUL characters");
+    }
 }
 
 /// The W3C `traceparent` of a request, if it is well formed

@@ -126,31 +126,8 @@ fn status_of(e: Error) -> Status {
     {
         let none = HashMap::new;
         match e {
-            Error::InvalidArgument(v) => {
-                let message = v
-                    .iter()
-                    .map(|f| format!("{}: {}", f.field, f.description))
-                    .collect::<Vec<_>>()
-                    .join("; ");
-                let mut details = ErrorDetails::with_bad_request(
-                    v.into_iter()
-                        .map(|f| FieldViolation::new(f.field, f.description))
-                        .collect::<Vec<_>>(),
-                );
-                details.set_error_info(reason::INVALID_ARGUMENT, DOMAIN, none());
-                Status::with_error_details(Code::InvalidArgument, message, details)
-            }
-            Error::AlreadyExists { key } => {
-                let message = Error::AlreadyExists { key: key.clone() }.to_string();
-                let metadata = HashMap::from([("idempotency_key".to_string(), key)]);
-                status(
-                    Code::AlreadyExists,
-                    message,
-                    reason::IDEMPOTENCY_KEY_REUSED,
-                    metadata,
-                    None,
-                )
-            }
+            Error::InvalidArgument(v) => invalid_argument(v),
+            Error::AlreadyExists { key } => already_exists(key),
             Error::NotFound(m) => status(Code::NotFound, m, reason::NOT_FOUND, none(), None),
             Error::FailedPrecondition(m) => status(
                 Code::FailedPrecondition,
@@ -163,21 +140,7 @@ fn status_of(e: Error) -> Status {
                 binary,
                 database,
                 required,
-            } => {
-                let message = e_schema(binary, database, required);
-                let metadata = HashMap::from([
-                    ("binary_schema".to_string(), binary.to_string()),
-                    ("database_schema".to_string(), database.to_string()),
-                    ("required_schema".to_string(), required.to_string()),
-                ]);
-                status(
-                    Code::FailedPrecondition,
-                    message,
-                    reason::SCHEMA_INCOMPATIBLE,
-                    metadata,
-                    None,
-                )
-            }
+            } => schema_incompatible(binary, database, required),
             Error::Overloaded(m) => status(
                 Code::ResourceExhausted,
                 m,
@@ -240,6 +203,52 @@ fn status_of(e: Error) -> Status {
             }
         }
     }
+}
+
+/// `INVALID_ARGUMENT` with a `BadRequest` naming every offending field.
+fn invalid_argument(v: Vec<crate::error::FieldViolation>) -> Status {
+    let message = v
+        .iter()
+        .map(|f| format!("{}: {}", f.field, f.description))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let mut details = ErrorDetails::with_bad_request(
+        v.into_iter()
+            .map(|f| FieldViolation::new(f.field, f.description))
+            .collect::<Vec<_>>(),
+    );
+    details.set_error_info(reason::INVALID_ARGUMENT, DOMAIN, HashMap::new());
+    Status::with_error_details(Code::InvalidArgument, message, details)
+}
+
+/// `ALREADY_EXISTS` for an idempotency key taken by other content, naming the key.
+fn already_exists(key: String) -> Status {
+    let message = Error::AlreadyExists { key: key.clone() }.to_string();
+    let metadata = HashMap::from([("idempotency_key".to_string(), key)]);
+    status(
+        Code::AlreadyExists,
+        message,
+        reason::IDEMPOTENCY_KEY_REUSED,
+        metadata,
+        None,
+    )
+}
+
+/// `FAILED_PRECONDITION` naming the binary's and the database's schema versions.
+fn schema_incompatible(binary: i64, database: i64, required: i64) -> Status {
+    let message = e_schema(binary, database, required);
+    let metadata = HashMap::from([
+        ("binary_schema".to_string(), binary.to_string()),
+        ("database_schema".to_string(), database.to_string()),
+        ("required_schema".to_string(), required.to_string()),
+    ]);
+    status(
+        Code::FailedPrecondition,
+        message,
+        reason::SCHEMA_INCOMPATIBLE,
+        metadata,
+        None,
+    )
 }
 
 /// The message of `Error::SchemaIncompatible`, which names both versions.

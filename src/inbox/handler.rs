@@ -265,9 +265,23 @@ impl HandlerSink {
         let message_id = e.idempotency_key.clone().unwrap_or_default();
         let stored_tp = e.headers.get("traceparent").map(String::as_str);
         let stored_ts = e.headers.get("tracestate").map(String::as_str);
-        // A client span per call (OpenTelemetry RPC conventions), a child of the message's
-        // own trace context; the subscriber gets it as its parent.
-        let span = tracing::info_span!(
+        let span = self.span(e, &message_id, stored_tp);
+        crate::telemetry::join_trace_state(&span, stored_tp, stored_ts);
+        let req = self.request(e, message_id, &span, (stored_tp, stored_ts));
+        let mut client = self.client.clone();
+        let call = tracing::Instrument::instrument(client.handle(req), span.clone());
+        let started = std::time::Instant::now();
+        let answer = tokio::time::timeout(self.timeout, call).await;
+        let elapsed = started.elapsed();
+        self.latency.observe(elapsed);
+        record_answer(&span, &answer);
+        self.call_end(answer, elapsed)
+    }
+
+    /// A client span per call (OpenTelemetry RPC conventions), a child of the message's
+    /// own trace context; the subscriber gets it as its parent.
+    fn span(&self, e: &StoredEvent, message_id: &str, stored_tp: Option<&str>) -> tracing::Span {
+        tracing::info_span!(
             "handle",
             otel.name = HANDLE_SPAN,
             otel.kind = "client",
@@ -286,8 +300,18 @@ impl HandlerSink {
             subscription = %self.subscription,
             inbox_id = e.id,
             traceparent = stored_tp.unwrap_or("")
-        );
-        crate::telemetry::join_trace_state(&span, stored_tp, stored_ts);
+        )
+    }
+
+    /// The `Handle` request: the message, `grpc-timeout` (the subscriber knows when
+    /// mailroom stops waiting), the subscription's token and the trace context.
+    fn request(
+        &self,
+        e: &StoredEvent,
+        message_id: String,
+        span: &tracing::Span,
+        (stored_tp, stored_ts): (Option<&str>, Option<&str>),
+    ) -> tonic::Request<pb::HandleRequest> {
         let view = headers::for_handler(&e.headers, e.key.as_deref());
         let req = pb::HandleRequest {
             message_id,
@@ -317,7 +341,7 @@ impl HandlerSink {
         }
         // The trace context: the client span's when spans are exported, else the stored
         // one unchanged; the stored `tracestate` either way.
-        let trace = crate::telemetry::inject(&span).unwrap_or_else(|| {
+        let trace = crate::telemetry::inject(span).unwrap_or_else(|| {
             [("traceparent", stored_tp), ("tracestate", stored_ts)]
                 .into_iter()
                 .filter_map(|(k, v)| Some((k.to_string(), v?.to_string())))
@@ -328,13 +352,18 @@ impl HandlerSink {
                 req.metadata_mut().insert(k, v);
             }
         }
-        let mut client = self.client.clone();
-        let call = tracing::Instrument::instrument(client.handle(req), span.clone());
-        let started = std::time::Instant::now();
-        let answer = tokio::time::timeout(self.timeout, call).await;
-        let elapsed = started.elapsed();
-        self.latency.observe(elapsed);
-        record_answer(&span, &answer);
+        req
+    }
+
+    /// What the call's answer (or its absence) means for the message.
+    fn call_end(
+        &self,
+        answer: Result<
+            Result<tonic::Response<pb::HandleResponse>, tonic::Status>,
+            tokio::time::error::Elapsed,
+        >,
+        elapsed: Duration,
+    ) -> CallEnd {
         let timed_out = || CallEnd::NoAnswer {
             error: format!("handler timed out after {} ms", self.timeout.as_millis()),
             timed_out: true,

@@ -154,17 +154,24 @@ async fn redelivered_records_are_handled_once() {
         .set("bootstrap.servers", broker.addr())
         .create()
         .unwrap();
-    for i in 0..50 {
-        let key = format!("k{}", i % 3);
-        let payload = format!("ok:{i}");
-        producer
-            .send(
-                FutureRecord::to("raw").key(&key).payload(&payload),
-                Duration::from_secs(10),
-            )
-            .await
-            .unwrap();
-    }
+    // Records `ok:<i>` for i in `ids`, keys k0..k2.
+    let produce = |ids: std::ops::Range<u32>| {
+        let producer = producer.clone();
+        async move {
+            for i in ids {
+                let key = format!("k{}", i % 3);
+                let payload = format!("ok:{i}");
+                producer
+                    .send(
+                        FutureRecord::to("raw").key(&key).payload(&payload),
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    produce(0..50).await;
     let handler = ScriptedHandler::default();
     let url = handler.serve().await;
     let db = fresh_pg().await;
@@ -182,17 +189,7 @@ async fn redelivered_records_are_handled_once() {
     s.app.stop().await.unwrap();
     // The same group resumes from its committed offsets: five new records are all it
     // receives (without the commits it would read all 55 again).
-    for i in 50..55 {
-        let key = format!("k{}", i % 3);
-        let payload = format!("ok:{i}");
-        producer
-            .send(
-                FutureRecord::to("raw").key(&key).payload(&payload),
-                Duration::from_secs(10),
-            )
-            .await
-            .unwrap();
-    }
+    produce(50..55).await;
     let s = Service::start(c.clone()).await;
     eventually(Duration::from_secs(60), "55 handled", || async {
         inbox_count(&s, Status::Completed).await == 55

@@ -409,33 +409,37 @@ async fn idempotency_and_pending_counts_match_grpc() {
         },
     ];
     let mut a = admin(&url).await;
+    // `function(topic, key, payload, headers, type, deliver_after, max_attempts)` of `e`.
+    fn fingerprint_call<'q, T>(
+        function: &'q str,
+        e: &'q NewEvent,
+    ) -> sqlx::query::QueryScalar<'q, sqlx::Postgres, T, sqlx::postgres::PgArguments>
+    where
+        T: Send + Unpin,
+        (T,): for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
+    {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT {function}($1, $2, $3, $4, $5, $6, $7)"
+        )))
+        .bind(&e.topic)
+        .bind(&e.key)
+        .bind(&e.payload)
+        .bind(serde_json::to_value(&e.headers).unwrap())
+        .bind(&e.event_type)
+        .bind(e.deliver_after)
+        .bind(e.max_attempts as i32)
+    }
     for e in &cases {
-        let sql: i64 =
-            sqlx::query_scalar("SELECT mailroom_fingerprint($1, $2, $3, $4, $5, $6, $7)")
-                .bind(&e.topic)
-                .bind(&e.key)
-                .bind(&e.payload)
-                .bind(serde_json::to_value(&e.headers).unwrap())
-                .bind(&e.event_type)
-                .bind(e.deliver_after)
-                .bind(e.max_attempts as i32)
-                .fetch_one(&mut a)
-                .await
-                .unwrap();
+        let sql: i64 = fingerprint_call("mailroom_fingerprint", e)
+            .fetch_one(&mut a)
+            .await
+            .unwrap();
         assert_eq!(sql, e.fingerprint(), "{e:?}");
         // The 128-bit form, the one idempotency compares today (content_fp version 2).
-        let sql128: Vec<u8> =
-            sqlx::query_scalar("SELECT mailroom_fingerprint128($1, $2, $3, $4, $5, $6, $7)")
-                .bind(&e.topic)
-                .bind(&e.key)
-                .bind(&e.payload)
-                .bind(serde_json::to_value(&e.headers).unwrap())
-                .bind(&e.event_type)
-                .bind(e.deliver_after)
-                .bind(e.max_attempts as i32)
-                .fetch_one(&mut a)
-                .await
-                .unwrap();
+        let sql128: Vec<u8> = fingerprint_call("mailroom_fingerprint128", e)
+            .fetch_one(&mut a)
+            .await
+            .unwrap();
         assert_eq!(sql128, e.fingerprint128(), "{e:?}");
     }
 
