@@ -262,12 +262,7 @@ impl App {
             .with_context(|| format!("binding {}", config.listen))?;
         let addr = listener.local_addr()?;
 
-        let reporter = tonic_health::server::HealthReporter::new();
-        let health_service =
-            HealthServer::new(HealthService::from_health_reporter(reporter.clone()));
-        let health = Health::new(reporter);
-        health.set_all(ServingStatus::Serving).await;
-        health.set_live().await;
+        let (health, health_service) = serving_health().await;
 
         let mut bg = Background::default();
         let outbox = start_outbox(&config, &store, &sink, &schema, &mut bg).await?;
@@ -278,18 +273,8 @@ impl App {
             bg.token.clone(),
         )?;
         bg.tasks.extend(inbox_tasks);
-        bg.spawn(health.clone().monitor(
-            crate::health::Checks {
-                store: store.clone(),
-                relays: outbox.stats.clone(),
-                inbox: inbox_handles.task_health.clone(),
-                max_broker_down: config.ready_max_broker_down,
-                max_lag: config.ready_max_lag,
-                interval: config.health_interval,
-                schema: schema.clone(),
-            },
-            bg.token.clone(),
-        ));
+        let checks = readiness_checks(&config, &store, &schema, &outbox, &inbox_handles);
+        bg.spawn(health.clone().monitor(checks, bg.token.clone()));
         let metrics = Metrics::with_inbox(outbox.stats.clone(), inbox_handles.clone());
         let metrics_addr = start_metrics(&config, &store, &metrics, &mut bg).await?;
         bg.spawn(crate::retention::run(
@@ -370,6 +355,35 @@ struct Background {
 impl Background {
     fn spawn(&mut self, task: impl std::future::Future<Output = ()> + Send + 'static) {
         self.tasks.push(tokio::spawn(task));
+    }
+}
+
+/// Health, SERVING and live from the start, and the `grpc.health.v1` service reading it.
+async fn serving_health() -> (Health, HealthServer<HealthService>) {
+    let reporter = tonic_health::server::HealthReporter::new();
+    let service = HealthServer::new(HealthService::from_health_reporter(reporter.clone()));
+    let health = Health::new(reporter);
+    health.set_all(ServingStatus::Serving).await;
+    health.set_live().await;
+    (health, service)
+}
+
+/// What readiness watches: the store, the relays, the inbox's tasks, the schema.
+fn readiness_checks(
+    config: &Config,
+    store: &Arc<dyn Store>,
+    schema: &SchemaGate,
+    outbox: &Outbox,
+    inbox: &crate::inbox::InboxHandles,
+) -> crate::health::Checks {
+    crate::health::Checks {
+        store: store.clone(),
+        relays: outbox.stats.clone(),
+        inbox: inbox.task_health.clone(),
+        max_broker_down: config.ready_max_broker_down,
+        max_lag: config.ready_max_lag,
+        interval: config.health_interval,
+        schema: schema.clone(),
     }
 }
 

@@ -123,84 +123,82 @@ impl From<Error> for Status {
 }
 
 fn status_of(e: Error) -> Status {
-    {
-        let none = HashMap::new;
-        match e {
-            Error::InvalidArgument(v) => invalid_argument(v),
-            Error::AlreadyExists { key } => already_exists(key),
-            Error::NotFound(m) => status(Code::NotFound, m, reason::NOT_FOUND, none(), None),
-            Error::FailedPrecondition(m) => status(
-                Code::FailedPrecondition,
-                m,
-                reason::FAILED_PRECONDITION,
+    let none = HashMap::new;
+    match e {
+        Error::InvalidArgument(v) => invalid_argument(v),
+        Error::AlreadyExists { key } => already_exists(key),
+        Error::NotFound(m) => status(Code::NotFound, m, reason::NOT_FOUND, none(), None),
+        Error::FailedPrecondition(m) => status(
+            Code::FailedPrecondition,
+            m,
+            reason::FAILED_PRECONDITION,
+            none(),
+            None,
+        ),
+        Error::SchemaIncompatible {
+            binary,
+            database,
+            required,
+        } => schema_incompatible(binary, database, required),
+        Error::Overloaded(m) => status(
+            Code::ResourceExhausted,
+            m,
+            reason::INTAKE_FULL,
+            none(),
+            Some(RETRY_OVERLOADED),
+        ),
+        Error::Unavailable(m) => {
+            tracing::warn!(error = %m, "answering UNAVAILABLE");
+            status(
+                Code::Unavailable,
+                "storage unavailable; retry later",
+                reason::STORAGE_UNAVAILABLE,
                 none(),
-                None,
-            ),
-            Error::SchemaIncompatible {
-                binary,
-                database,
-                required,
-            } => schema_incompatible(binary, database, required),
-            Error::Overloaded(m) => status(
-                Code::ResourceExhausted,
-                m,
-                reason::INTAKE_FULL,
-                none(),
-                Some(RETRY_OVERLOADED),
-            ),
-            Error::Unavailable(m) => {
-                tracing::warn!(error = %m, "answering UNAVAILABLE");
-                status(
-                    Code::Unavailable,
-                    "storage unavailable; retry later",
-                    reason::STORAGE_UNAVAILABLE,
-                    none(),
-                    Some(RETRY_UNAVAILABLE),
-                )
-            }
-            Error::DeadlineExceeded(m) => {
-                tracing::warn!(error = %m, "answering DEADLINE_EXCEEDED");
-                // Often another transaction holding the event's key (an SQL API caller's
-                // open transaction: commit order makes the enqueue wait for it).
-                status(
-                    Code::DeadlineExceeded,
-                    "the database cancelled the query after its statement timeout; nothing \
+                Some(RETRY_UNAVAILABLE),
+            )
+        }
+        Error::DeadlineExceeded(m) => {
+            tracing::warn!(error = %m, "answering DEADLINE_EXCEEDED");
+            // Often another transaction holding the event's key (an SQL API caller's
+            // open transaction: commit order makes the enqueue wait for it).
+            status(
+                Code::DeadlineExceeded,
+                "the database cancelled the query after its statement timeout; nothing \
                      was changed and the request may be retried (a transaction that holds \
                      the key, such as an open SQL API transaction, delays it until it ends)",
-                    reason::STATEMENT_TIMEOUT,
-                    none(),
-                    Some(RETRY_UNAVAILABLE),
-                )
-            }
-            Error::Unauthenticated => status(
-                Code::Unauthenticated,
-                "missing or invalid token",
-                reason::UNAUTHENTICATED,
+                reason::STATEMENT_TIMEOUT,
+                none(),
+                Some(RETRY_UNAVAILABLE),
+            )
+        }
+        Error::Unauthenticated => status(
+            Code::Unauthenticated,
+            "missing or invalid token",
+            reason::UNAUTHENTICATED,
+            none(),
+            None,
+        ),
+        Error::PermissionDenied {
+            message,
+            required_scope,
+        } => status(
+            Code::PermissionDenied,
+            message,
+            reason::PERMISSION_DENIED,
+            required_scope
+                .map(|s| HashMap::from([("required_scope".to_string(), s.to_string())]))
+                .unwrap_or_default(),
+            None,
+        ),
+        Error::Internal(m) => {
+            tracing::error!(error = %m, "internal error");
+            status(
+                Code::Internal,
+                "internal error",
+                reason::INTERNAL,
                 none(),
                 None,
-            ),
-            Error::PermissionDenied {
-                message,
-                required_scope,
-            } => status(
-                Code::PermissionDenied,
-                message,
-                reason::PERMISSION_DENIED,
-                required_scope
-                    .map(|s| HashMap::from([("required_scope".to_string(), s.to_string())]))
-                    .unwrap_or_default(),
-                None,
-            ),
-            Error::Internal(m) => {
-                tracing::error!(error = %m, "internal error");
-                status(
-                    Code::Internal,
-                    "internal error",
-                    reason::INTERNAL,
-                    none(),
-                    None,
-                )
-            }
+            )
         }
     }
 }
