@@ -326,26 +326,9 @@ pub(super) async fn page_post(
         return unauthorized(&headers, &format!("/{path}"));
     };
     let nav = c.nav(&access);
-    if !same_origin(&headers) {
-        return (StatusCode::FORBIDDEN, "cross-origin request refused").into_response();
-    }
     let fields: Params = form.iter().cloned().collect();
-    if let Some(want) = &access.csrf
-        && fields.get("csrf") != Some(want)
-    {
-        return (
-            StatusCode::FORBIDDEN,
-            pages::error(Some(&nav), "the form expired; reload the page"),
-        )
-            .into_response();
-    }
-    if !access.can_write {
-        let why = if c.inner.read_only {
-            "this console is read-only"
-        } else {
-            "this token may only read (admin_read): actions need the admin scope"
-        };
-        return (StatusCode::FORBIDDEN, pages::error(Some(&nav), why)).into_response();
+    if let Some(refusal) = refuse_post(&c, &headers, &access, &nav, &fields) {
+        return refusal;
     }
     let Some((target, Page::Events)) = route(&c, &path) else {
         return (
@@ -354,99 +337,32 @@ pub(super) async fn page_post(
         )
             .into_response();
     };
-    let ids: Vec<EventId> = form
-        .iter()
-        .filter(|(k, _)| k == "id")
-        .filter_map(|(_, v)| v.parse().ok())
-        .collect();
     let confirm = param(&fields, "confirm") == Some("yes");
     let action = param(&fields, "action").unwrap_or("");
-    let filter = EventsFilter::parse(&fields);
-    // The confirmation form's id: the same form sent twice acts once.
-    let request_id = param(&fields, "request_id")
-        .filter(|_| confirm)
-        .unwrap_or("")
-        .to_string();
-    let context = ActionContext {
-        dry_run: !confirm,
-        principal: access.name.clone(),
-        ..ActionContext::by(access.actor())
+    let input = ActionInput {
+        ids: form
+            .iter()
+            .filter(|(k, _)| k == "id")
+            .filter_map(|(_, v)| v.parse().ok())
+            .collect(),
+        confirm,
+        // The confirmation form's id: the same form sent twice acts once.
+        request_id: param(&fields, "request_id")
+            .filter(|_| confirm)
+            .unwrap_or("")
+            .to_string(),
+        context: ActionContext {
+            dry_run: !confirm,
+            principal: access.name.clone(),
+            ..ActionContext::by(access.actor())
+        },
+        fields: &fields,
+        target: &target,
     };
     let r = match action {
-        "requeue" | "requeue-filter" => {
-            let req = if action == "requeue" {
-                if ids.is_empty() {
-                    return error_page(Some(&nav), &Error::invalid("id", "select events first"));
-                }
-                // The gRPC request's own validation (id count, request id), not a copy.
-                let pb_req = crate::pb::RequeueFailedRequest {
-                    ids: ids.clone(),
-                    dry_run: !confirm,
-                    request_id: request_id.clone(),
-                    ..Default::default()
-                };
-                match crate::api::admin::requests::requeue_request(
-                    target.box_kind(),
-                    pb_req,
-                    context,
-                ) {
-                    Ok(r) => r,
-                    Err(e) => return error_page(Some(&nav), &e),
-                }
-            } else {
-                match filter.filter(&target) {
-                    Ok(f) => RequeueRequest {
-                        selection: Selection::Filter(f),
-                        limit: DEFAULT_REQUEUE,
-                        context: ActionContext {
-                            request_id: (!request_id.is_empty()).then(|| request_id.clone()),
-                            ..context
-                        },
-                    },
-                    Err(e) => return error_page(Some(&nav), &e),
-                }
-            };
-            c.inner
-                .admin
-                .requeue(target.box_kind(), &req)
-                .await
-                .map(|out| pages::ActionResult {
-                    verb: "requeue",
-                    dry_run: !confirm,
-                    count: out.count,
-                    ids: out.sample_ids,
-                    audit_id: out.audit_id,
-                })
-        }
-        "cancel" => {
-            if ids.is_empty() {
-                return error_page(Some(&nav), &Error::invalid("id", "select events first"));
-            }
-            let reason = param(&fields, "reason").unwrap_or("cancelled in the console");
-            // The gRPC request's own validation (id count, reason length, request id).
-            let pb_req = crate::pb::CancelEventsRequest {
-                ids: ids.clone(),
-                reason: reason.to_string(),
-                dry_run: !confirm,
-                request_id: request_id.clone(),
-                ..Default::default()
-            };
-            let req = match crate::api::admin::requests::cancel_request(pb_req, context) {
-                Ok(r) => r,
-                Err(e) => return error_page(Some(&nav), &e),
-            };
-            c.inner
-                .admin
-                .cancel(target.box_kind(), &req)
-                .await
-                .map(|out| pages::ActionResult {
-                    verb: "cancel",
-                    dry_run: !confirm,
-                    count: out.ids.len() as i64,
-                    ids: out.ids,
-                    audit_id: out.audit_id,
-                })
-        }
+        "requeue" => requeue_action(&c, input, false).await,
+        "requeue-filter" => requeue_action(&c, input, true).await,
+        "cancel" => cancel_action(&c, input).await,
         _ => Err(Error::invalid(
             "action",
             "requeue, requeue-filter or cancel",
@@ -464,4 +380,113 @@ pub(super) async fn page_post(
         }
         Err(e) => error_page(Some(&nav), &e),
     }
+}
+
+/// Why a post may not act, as the page that says so: another origin, an expired form, or
+/// a caller that may only read.
+fn refuse_post(
+    c: &Console,
+    headers: &HeaderMap,
+    access: &Access,
+    nav: &pages::Nav,
+    fields: &Params,
+) -> Option<Response> {
+    if !same_origin(headers) {
+        return Some((StatusCode::FORBIDDEN, "cross-origin request refused").into_response());
+    }
+    if let Some(want) = &access.csrf
+        && fields.get("csrf") != Some(want)
+    {
+        return Some(
+            (
+                StatusCode::FORBIDDEN,
+                pages::error(Some(nav), "the form expired; reload the page"),
+            )
+                .into_response(),
+        );
+    }
+    if !access.can_write {
+        let why = if c.inner.read_only {
+            "this console is read-only"
+        } else {
+            "this token may only read (admin_read): actions need the admin scope"
+        };
+        return Some((StatusCode::FORBIDDEN, pages::error(Some(nav), why)).into_response());
+    }
+    None
+}
+
+/// What a console action acts on and how.
+struct ActionInput<'a> {
+    ids: Vec<EventId>,
+    confirm: bool,
+    request_id: String,
+    context: ActionContext,
+    fields: &'a Params,
+    target: &'a Target,
+}
+
+/// A requeue of the selected events, or (`by_filter`) of the events the page's filter
+/// selects.
+async fn requeue_action(
+    c: &Console,
+    a: ActionInput<'_>,
+    by_filter: bool,
+) -> Result<pages::ActionResult, Error> {
+    let req = if !by_filter {
+        if a.ids.is_empty() {
+            return Err(Error::invalid("id", "select events first"));
+        }
+        // The gRPC request's own validation (id count, request id), not a copy.
+        let pb_req = crate::pb::RequeueFailedRequest {
+            ids: a.ids.clone(),
+            dry_run: !a.confirm,
+            request_id: a.request_id.clone(),
+            ..Default::default()
+        };
+        crate::api::admin::requests::requeue_request(a.target.box_kind(), pb_req, a.context)?
+    } else {
+        let filter = EventsFilter::parse(a.fields).filter(a.target)?;
+        RequeueRequest {
+            selection: Selection::Filter(filter),
+            limit: DEFAULT_REQUEUE,
+            context: ActionContext {
+                request_id: (!a.request_id.is_empty()).then(|| a.request_id.clone()),
+                ..a.context
+            },
+        }
+    };
+    let out = c.inner.admin.requeue(a.target.box_kind(), &req).await?;
+    Ok(pages::ActionResult {
+        verb: "requeue",
+        dry_run: !a.confirm,
+        count: out.count,
+        ids: out.sample_ids,
+        audit_id: out.audit_id,
+    })
+}
+
+/// A cancel of the selected events, with the form's reason.
+async fn cancel_action(c: &Console, a: ActionInput<'_>) -> Result<pages::ActionResult, Error> {
+    if a.ids.is_empty() {
+        return Err(Error::invalid("id", "select events first"));
+    }
+    let reason = param(a.fields, "reason").unwrap_or("cancelled in the console");
+    // The gRPC request's own validation (id count, reason length, request id).
+    let pb_req = crate::pb::CancelEventsRequest {
+        ids: a.ids.clone(),
+        reason: reason.to_string(),
+        dry_run: !a.confirm,
+        request_id: a.request_id.clone(),
+        ..Default::default()
+    };
+    let req = crate::api::admin::requests::cancel_request(pb_req, a.context)?;
+    let out = c.inner.admin.cancel(a.target.box_kind(), &req).await?;
+    Ok(pages::ActionResult {
+        verb: "cancel",
+        dry_run: !a.confirm,
+        count: out.ids.len() as i64,
+        ids: out.ids,
+        audit_id: out.audit_id,
+    })
 }
