@@ -93,77 +93,8 @@ fn structured_event(r: &Record) -> Option<StructuredEvent> {
 pub fn inbound(m: &Record, max_attempts: u32, limits: &Limits) -> InboundMessage {
     let event = structured_event(m);
     let mut problems = Vec::new();
-    let mut headers = BTreeMap::new();
-    let (mut count, mut bytes, mut kept_bytes, mut cut) = (0usize, 0usize, 0usize, 0usize);
-    for x in &m.headers {
-        let (k, v) = (text(&x.name), text(x.value.as_deref().unwrap_or_default()));
-        count += 1;
-        bytes += k.len() + v.len();
-        if headers.len() < limits.max_headers
-            && kept_bytes + k.len() + v.len() <= limits.max_header_bytes
-        {
-            kept_bytes += k.len() + v.len();
-            headers.insert(k, v);
-        } else {
-            cut += 1;
-        }
-    }
-    let raw_bytes: usize = m
-        .headers
-        .iter()
-        .map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len))
-        .sum();
-    // A record's own headers by these names are kept in the exact list, never taken for
-    // mailroom's.
-    headers.remove(headers::RECORD_HEADERS);
-    headers.remove(headers::RECORD_KEY);
-    let within = count <= limits.max_headers && bytes <= limits.max_header_bytes;
-    let mut shown = false;
-    for (k, v) in event.iter().flat_map(|e| &e.attributes).filter(|_| within) {
-        if !headers.contains_key(k)
-            && headers.len() < limits.max_headers
-            && kept_bytes + k.len() + v.len() <= limits.max_header_bytes
-        {
-            kept_bytes += k.len() + v.len();
-            headers.insert(k.clone(), v.clone());
-            shown = true;
-        }
-    }
-    // With attributes in the map, the map is no longer the record's headers: keep those.
-    if (shown || !headers::map_is_exact(&m.headers)) && raw_bytes <= limits.max_header_bytes {
-        headers.insert(
-            headers::RECORD_HEADERS.to_string(),
-            headers::encode(&m.headers),
-        );
-    }
-    if count > limits.max_headers || bytes > limits.max_header_bytes {
-        problems.push(format!(
-            "{count} headers of {bytes} bytes: the limits are {} headers and {} bytes \
-             ({cut} not stored)",
-            limits.max_headers, limits.max_header_bytes
-        ));
-    }
-    if let Some(k) = m
-        .key
-        .as_deref()
-        .filter(|k| !k.is_empty() && !headers::is_exact_text(k) && k.len() <= limits.max_key_bytes)
-    {
-        headers.insert(headers::RECORD_KEY.to_string(), headers::encode_key(k));
-    }
-    let key = m.key.as_deref().filter(|k| !k.is_empty()).map(|k| {
-        // Measured as stored: each invalid UTF-8 byte becomes a 3-byte U+FFFD.
-        let t = text(k);
-        if t.len() > limits.max_key_bytes {
-            problems.push(format!(
-                "key is {} bytes: the limit is {} (stored as its SHA-256)",
-                t.len(),
-                limits.max_key_bytes
-            ));
-            format!("sha256:{}", identity::sha256_hex(&[k]))
-        } else {
-            t
-        }
-    });
+    let headers = inbound_headers(m, event.as_ref(), limits, &mut problems);
+    let key = inbound_key(m, limits, &mut problems);
     let payload = m.payload.as_deref().unwrap_or_default();
     if payload.len() > limits.max_payload_bytes {
         problems.push(format!(
@@ -197,6 +128,97 @@ pub fn inbound(m: &Record, max_attempts: u32, limits: &Limits) -> InboundMessage
         failure: (!problems.is_empty())
             .then(|| format!("over the inbox limits: {}", problems.join("; "))),
     }
+}
+
+/// The headers stored with a record: its own (as text) within the limits, a structured
+/// CloudEvent's attributes when they fit, and the exact bytes (record headers, binary
+/// key) when the text map cannot stand for them.
+fn inbound_headers(
+    m: &Record,
+    event: Option<&StructuredEvent>,
+    limits: &Limits,
+    problems: &mut Vec<String>,
+) -> BTreeMap<String, String> {
+    let mut headers = BTreeMap::new();
+    let (mut count, mut bytes, mut kept_bytes, mut cut) = (0usize, 0usize, 0usize, 0usize);
+    for x in &m.headers {
+        let (k, v) = (text(&x.name), text(x.value.as_deref().unwrap_or_default()));
+        count += 1;
+        bytes += k.len() + v.len();
+        if headers.len() < limits.max_headers
+            && kept_bytes + k.len() + v.len() <= limits.max_header_bytes
+        {
+            kept_bytes += k.len() + v.len();
+            headers.insert(k, v);
+        } else {
+            cut += 1;
+        }
+    }
+    let raw_bytes: usize = m
+        .headers
+        .iter()
+        .map(|h| h.name.len() + h.value.as_ref().map_or(0, Vec::len))
+        .sum();
+    // A record's own headers by these names are kept in the exact list, never taken for
+    // mailroom's.
+    headers.remove(headers::RECORD_HEADERS);
+    headers.remove(headers::RECORD_KEY);
+    let within = count <= limits.max_headers && bytes <= limits.max_header_bytes;
+    let mut shown = false;
+    for (k, v) in event
+        .into_iter()
+        .flat_map(|e| &e.attributes)
+        .filter(|_| within)
+    {
+        if !headers.contains_key(k)
+            && headers.len() < limits.max_headers
+            && kept_bytes + k.len() + v.len() <= limits.max_header_bytes
+        {
+            kept_bytes += k.len() + v.len();
+            headers.insert(k.clone(), v.clone());
+            shown = true;
+        }
+    }
+    // With attributes in the map, the map is no longer the record's headers: keep those.
+    if (shown || !headers::map_is_exact(&m.headers)) && raw_bytes <= limits.max_header_bytes {
+        headers.insert(
+            headers::RECORD_HEADERS.to_string(),
+            headers::encode(&m.headers),
+        );
+    }
+    if count > limits.max_headers || bytes > limits.max_header_bytes {
+        problems.push(format!(
+            "{count} headers of {bytes} bytes: the limits are {} headers and {} bytes \
+             ({cut} not stored)",
+            limits.max_headers, limits.max_header_bytes
+        ));
+    }
+    if let Some(k) = m
+        .key
+        .as_deref()
+        .filter(|k| !k.is_empty() && !headers::is_exact_text(k) && k.len() <= limits.max_key_bytes)
+    {
+        headers.insert(headers::RECORD_KEY.to_string(), headers::encode_key(k));
+    }
+    headers
+}
+
+/// The record's key as stored: its text, or its SHA-256 when over the limit.
+fn inbound_key(m: &Record, limits: &Limits, problems: &mut Vec<String>) -> Option<String> {
+    m.key.as_deref().filter(|k| !k.is_empty()).map(|k| {
+        // Measured as stored: each invalid UTF-8 byte becomes a 3-byte U+FFFD.
+        let t = text(k);
+        if t.len() > limits.max_key_bytes {
+            problems.push(format!(
+                "key is {} bytes: the limit is {} (stored as its SHA-256)",
+                t.len(),
+                limits.max_key_bytes
+            ));
+            format!("sha256:{}", identity::sha256_hex(&[k]))
+        } else {
+            t
+        }
+    })
 }
 
 /// The consumer's librdkafka settings: manual offset commits, from the earliest offset.
