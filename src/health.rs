@@ -121,42 +121,12 @@ impl Health {
         // What each service was last set to (set_all at start-up made them SERVING).
         let mut shown: HashMap<String, bool> =
             SERVICES.iter().map(|s| (s.to_string(), true)).collect();
-        // The lag comes from the store's stats query (a few index lookups per key with a
-        // backlog plus status counts): checked at most every LAG_CHECK, not every tick.
-        const LAG_CHECK: Duration = Duration::from_secs(5);
-        let mut lag_ok = true;
-        let mut lag_checked: Option<std::time::Instant> = None;
-        // Why the lag could not be measured, while it cannot: logged once per change.
-        let mut lag_unknown: Option<String> = None;
+        let mut lag = LagCheck::default();
         loop {
-            if let Some(max) = max_lag
-                && lag_checked.is_none_or(|t| t.elapsed() >= LAG_CHECK)
-            {
-                lag_checked = Some(std::time::Instant::now());
-                // Fails safe: a lag that cannot be measured is not a lag within bounds.
-                let failure =
-                    match tokio::time::timeout(LAG_CHECK, store.stats(BoxKind::Outbox, None)).await
-                    {
-                        Ok(Ok(stats)) => {
-                            lag_ok = stats.oldest_pending_age.is_none_or(|age| age <= max);
-                            None
-                        }
-                        Ok(Err(e)) => Some(format!("the stats query failed: {e}")),
-                        Err(_) => Some(format!(
-                            "the stats query did not answer within {} s",
-                            LAG_CHECK.as_secs()
-                        )),
-                    };
-                if let Some(why) = &failure {
-                    lag_ok = false;
-                    if lag_unknown.is_none() {
-                        tracing::warn!(reason = %why, "readiness: the backlog's age cannot be measured; NOT_SERVING until it can");
-                    }
-                } else if lag_unknown.is_some() {
-                    tracing::info!("readiness: the backlog's age can be measured again");
-                }
-                lag_unknown = failure;
+            if let Some(max) = max_lag {
+                lag.update(&*store, max).await;
             }
+            let lag_ok = lag.ok;
             let db_ok = matches!(
                 tokio::time::timeout(interval.max(Duration::from_millis(500)), store.ping()).await,
                 Ok(Ok(()))
@@ -202,5 +172,61 @@ impl Health {
                 _ = tokio::time::sleep(interval) => {}
             }
         }
+    }
+}
+
+/// The lag comes from the store's stats query (a few index lookups per key with a
+/// backlog plus status counts): checked at most every `LAG_CHECK`, not every tick.
+const LAG_CHECK: Duration = Duration::from_secs(5);
+
+/// Readiness's view of the backlog's age.
+struct LagCheck {
+    /// Whether the oldest pending event is within bounds (false while it cannot be
+    /// measured: fails safe).
+    ok: bool,
+    checked: Option<std::time::Instant>,
+    /// Why the lag could not be measured, while it cannot: logged once per change.
+    unknown: Option<String>,
+}
+
+impl Default for LagCheck {
+    fn default() -> Self {
+        LagCheck {
+            ok: true,
+            checked: None,
+            unknown: None,
+        }
+    }
+}
+
+impl LagCheck {
+    /// Measures again when `LAG_CHECK` has passed since the last measurement.
+    async fn update(&mut self, store: &dyn Store, max: Duration) {
+        if self.checked.is_some_and(|t| t.elapsed() < LAG_CHECK) {
+            return;
+        }
+        self.checked = Some(std::time::Instant::now());
+        // Fails safe: a lag that cannot be measured is not a lag within bounds.
+        let failure =
+            match tokio::time::timeout(LAG_CHECK, store.stats(BoxKind::Outbox, None)).await {
+                Ok(Ok(stats)) => {
+                    self.ok = stats.oldest_pending_age.is_none_or(|age| age <= max);
+                    None
+                }
+                Ok(Err(e)) => Some(format!("the stats query failed: {e}")),
+                Err(_) => Some(format!(
+                    "the stats query did not answer within {} s",
+                    LAG_CHECK.as_secs()
+                )),
+            };
+        if let Some(why) = &failure {
+            self.ok = false;
+            if self.unknown.is_none() {
+                tracing::warn!(reason = %why, "readiness: the backlog's age cannot be measured; NOT_SERVING until it can");
+            }
+        } else if self.unknown.is_some() {
+            tracing::info!("readiness: the backlog's age can be measured again");
+        }
+        self.unknown = failure;
     }
 }
