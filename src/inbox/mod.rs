@@ -150,44 +150,12 @@ pub fn start(
             shutdown.clone(),
             move || relay.clone().run(token.clone()),
         )));
-        if let (
-            SinkConfig::Kafka {
-                brokers,
-                properties,
-                ..
-            },
-            false,
-        ) = (&config.source, sub.topics.is_empty())
-        {
-            let cc = consumer::consumer_config(brokers, &sub.group, properties);
-            let (store, sub2, limits, faults, token) = (
-                store.clone(),
-                sub.clone(),
-                config.limits,
-                config.faults.clone(),
-                shutdown.clone(),
-            );
-            tasks.push(tokio::spawn(supervisor::supervise(
-                sub.name.clone(),
-                supervisor::Task::Consumer,
-                health,
-                shutdown.clone(),
-                move || {
-                    consumer::run(
-                        store.clone(),
-                        sub2.clone(),
-                        cc.clone(),
-                        limits,
-                        faults.clone(),
-                        waker.clone(),
-                        stats.clone(),
-                        token.clone(),
-                    )
-                },
-            )));
-        } else if !sub.topics.is_empty() {
-            tracing::warn!(subscription = %sub.name, "topics configured but no MAILROOM_KAFKA_BROKERS: Receive only");
-        }
+        let parts = ConsumerParts {
+            health,
+            waker,
+            stats,
+        };
+        tasks.extend(spawn_consumer(&store, config, sub, parts, &shutdown));
     }
     Ok((
         InboxHandles {
@@ -200,4 +168,67 @@ pub fn start(
         },
         tasks,
     ))
+}
+
+/// What a subscription's consumer shares with its dispatcher.
+struct ConsumerParts {
+    health: Arc<supervisor::TaskHealth>,
+    waker: Arc<tokio::sync::Notify>,
+    stats: Arc<consumer::IntakeStats>,
+}
+
+/// Starts a subscription's Kafka consumer, supervised, when it has topics and brokers
+/// are configured (with topics and no brokers it is `Receive` only, and says so).
+fn spawn_consumer(
+    store: &Arc<dyn Store>,
+    config: &InboxConfig,
+    sub: &SubscriptionConfig,
+    parts: ConsumerParts,
+    shutdown: &CancellationToken,
+) -> Option<JoinHandle<()>> {
+    let SinkConfig::Kafka {
+        brokers,
+        properties,
+        ..
+    } = &config.source
+    else {
+        if !sub.topics.is_empty() {
+            tracing::warn!(subscription = %sub.name, "topics configured but no MAILROOM_KAFKA_BROKERS: Receive only");
+        }
+        return None;
+    };
+    if sub.topics.is_empty() {
+        return None;
+    }
+    let cc = consumer::consumer_config(brokers, &sub.group, properties);
+    let ConsumerParts {
+        health,
+        waker,
+        stats,
+    } = parts;
+    let (store, sub2, limits, faults, token) = (
+        store.clone(),
+        sub.clone(),
+        config.limits,
+        config.faults.clone(),
+        shutdown.clone(),
+    );
+    Some(tokio::spawn(supervisor::supervise(
+        sub.name.clone(),
+        supervisor::Task::Consumer,
+        health,
+        shutdown.clone(),
+        move || {
+            consumer::run(
+                store.clone(),
+                sub2.clone(),
+                cc.clone(),
+                limits,
+                faults.clone(),
+                waker.clone(),
+                stats.clone(),
+                token.clone(),
+            )
+        },
+    )))
 }
