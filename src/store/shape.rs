@@ -271,23 +271,10 @@ impl Shape {
     /// marks, casts and clocks above. `listed` are the columns of a listed event
     /// (`Shared::Events`).
     pub fn shared(&self, stmt: Shared, listed: &str) -> String {
-        let (events, keys, rows) = (self.events, self.keys, self.rows);
+        let (events, rows) = (self.events, self.rows);
         let (t, i8) = (self.text, self.int8);
         let p = |n| self.p(n);
-        let sub = self.sub("subscription");
         let filter = self.sub_filter("subscription", &p(1));
-        let group_sub = self.group_sub();
-        let completed = if self.cursor {
-            format!(
-                "SELECT ''{t}, topic, 'completed', sum(n){i8} FROM outbox_completed_counts
-                 WHERE {filter} GROUP BY topic HAVING sum(n) <> 0"
-            )
-        } else {
-            format!(
-                "SELECT {sub}, topic, 'completed', count(*) FROM {events}
-                 WHERE status = 'completed' AND {filter} GROUP BY {group_sub}topic"
-            )
-        };
         match stmt {
             Shared::AuditOfRequest => format!(
                 "SELECT id, count, selection{t} AS selection FROM admin_audit
@@ -336,7 +323,31 @@ impl Shape {
             // computed status has no index); other statuses through the view. The
             // conditions on the parameter alone are one-time filters: only one branch
             // reads rows.
-            Shared::Events => format!(
+            Shared::Events => self.events_listing(listed),
+            Shared::Audit => format!(
+                "SELECT id, at, actor, action, box, selection{t} AS selection, count,
+                        principal, request_id
+                 FROM admin_audit WHERE ({0}{i8} IS NULL OR id < {0}) ORDER BY id DESC LIMIT {1}",
+                p(1),
+                p(2)
+            ),
+            // Pending from the per-key counts (keyed) and the unkeyed index, failed
+            // through its partial index; completed from the counters of migration 0016
+            // where the box has cursors (PostgreSQL's outbox), else by one scan.
+            Shared::StatsCounts => self.stats_counts(),
+            Shared::StatsUnkeyed => format!(
+                "SELECT min(created_at) AS oldest FROM {events}
+                 WHERE status = 'pending' AND event_key IS NULL AND {filter}"
+            ),
+        }
+    }
+
+    /// Listed events, newest first (`Shared::Events`).
+    fn events_listing(&self, listed: &str) -> String {
+        let (events, rows) = (self.events, self.rows);
+        let (t, i8) = (self.text, self.int8);
+        let p = |n| self.p(n);
+        format!(
                 "SELECT * FROM (
                     SELECT * FROM (
                         SELECT {listed} FROM {events}
@@ -354,19 +365,19 @@ impl Shape {
                 b = p(2),
                 f = self.filter(3),
                 l = p(10)
-            ),
-            Shared::Audit => format!(
-                "SELECT id, at, actor, action, box, selection{t} AS selection, count,
-                        principal, request_id
-                 FROM admin_audit WHERE ({0}{i8} IS NULL OR id < {0}) ORDER BY id DESC LIMIT {1}",
-                p(1),
-                p(2)
-            ),
-            // Pending from the per-key counts (keyed) and the unkeyed index, failed
-            // through its partial index; completed from the counters of migration 0016
-            // where the box has cursors (PostgreSQL's outbox), else by one scan.
-            Shared::StatsCounts => format!(
-                "SELECT {sub} AS subscription, topic, 'pending' AS status, sum(pending){i8} AS n
+        )
+    }
+
+    /// The counts of `Shared::StatsCounts`.
+    fn stats_counts(&self) -> String {
+        let (events, keys) = (self.events, self.keys);
+        let i8 = self.int8;
+        let sub = self.sub("subscription");
+        let filter = self.sub_filter("subscription", &self.p(1));
+        let group_sub = self.group_sub();
+        let completed = self.completed_counts();
+        format!(
+            "SELECT {sub} AS subscription, topic, 'pending' AS status, sum(pending){i8} AS n
                  FROM {keys} WHERE pending > 0 AND {filter} GROUP BY {group_sub}topic
                  UNION ALL
                  SELECT {sub}, topic, 'pending', count(*) FROM {events}
@@ -378,11 +389,26 @@ impl Shape {
                  GROUP BY {group_sub}topic
                  UNION ALL
                  {completed}"
-            ),
-            Shared::StatsUnkeyed => format!(
-                "SELECT min(created_at) AS oldest FROM {events}
-                 WHERE status = 'pending' AND event_key IS NULL AND {filter}"
-            ),
+        )
+    }
+
+    /// Completed events per topic: from the counters of migration 0016 where the box
+    /// has cursors, else by one scan.
+    fn completed_counts(&self) -> String {
+        let (events, t, i8) = (self.events, self.text, self.int8);
+        let sub = self.sub("subscription");
+        let filter = self.sub_filter("subscription", &self.p(1));
+        let group_sub = self.group_sub();
+        if self.cursor {
+            format!(
+                "SELECT ''{t}, topic, 'completed', sum(n){i8} FROM outbox_completed_counts
+                 WHERE {filter} GROUP BY topic HAVING sum(n) <> 0"
+            )
+        } else {
+            format!(
+                "SELECT {sub}, topic, 'completed', count(*) FROM {events}
+                 WHERE status = 'completed' AND {filter} GROUP BY {group_sub}topic"
+            )
         }
     }
 }

@@ -27,112 +27,112 @@ impl Sql {
     /// `scoped`: the tables carry a `subscription` column (the inbox), and every claim
     /// and settle statement takes the subscription as its last parameter.
     pub(super) fn new(events: &str, keys: &str, scoped: bool) -> Self {
-        let c = &crate::store::rows::event_columns("payload", "headers::text");
-        // Extra predicates for scoped tables; `$S` is replaced by the parameter number.
-        let scope = |frag: &str, n: u8| {
-            if scoped {
-                frag.replace("$S", &format!("${n}"))
-            } else {
-                String::new()
-            }
+        let t = Tables {
+            events,
+            keys,
+            scoped,
         };
-        let lease_scope = scope(" AND subscription = $S", 6);
-        let lease_join = scope(" AND k.subscription = $S", 6);
-        let window_scope = |alias: &str| scope(&format!(" AND {alias}.subscription = $S"), 6);
-        let (e_scope, d_scope, b_scope) = (window_scope("e"), window_scope("d"), window_scope("b"));
-        let unkeyed_scope = scope(" AND u.subscription = $S", 5);
-        // A never-tried event scheduled for later: not in line (docs/relay.md). Later than
-        // the windows' clock (`w_now`), read once after the statement's snapshot: an
-        // event enqueued "now" by a statement that started after this claim's
-        // transaction but committed before the read must not look delayed (it would be
-        // skipped while later events of its key went out).
-        let delayed = |a: &str| {
-            format!(
-                "{a}.attempts = 0 AND {a}.last_error IS NULL AND {a}.scheduled_at > (SELECT t FROM w_now)"
-            )
-        };
-        let (e_delayed, d_delayed, b_delayed) = (delayed("e"), delayed("d"), delayed("b"));
-        // Bytes an event weighs in a claim's budget.
-        let size = |a: &str| {
-            format!("octet_length({a}.payload)::int8 + pg_column_size({a}.headers)::int8")
-        };
-        let (e_size, u_size) = (size("e"), size("u"));
-        let lock_scope = scope(" AND k.subscription = $S", 4);
-        let settle_scope = scope(" AND k.subscription = e.subscription", 0);
-        let release_scope = scope(" AND k.subscription = $S", 7);
-        let release_probe = scope(" AND r.subscription = $S", 7);
-        let release_exists = scope(" AND e.subscription = k.subscription", 0);
-        let renew_scope = scope(" AND k.subscription = $S", 5);
-        let renew_unkeyed_scope = scope(" AND subscription = $S", 4);
+        Sql {
+            lease_keys: t.lease_keys().into(),
+            windows: t.windows().into(),
+            claim_unkeyed: t.claim_unkeyed().into(),
+            lock_keys: t.lock_keys().into(),
+            settle_events: t.settle_events().into(),
+            // Each key row found by a primary-key probe (the materialized `u`, which the
+            // planner cannot turn around) and updated by its row id: the settle locked
+            // these rows earlier in its transaction (`lock_keys`), so the id the probe
+            // reads is the current version. (Joined on the key, the planner, which
+            // estimates one row for a lease token, looped over the array once per key
+            // row, as `lock_keys` did.)
+            release_keys: t.release(false).into(),
+            renew_keys: t.renew_keys().into(),
+            renew_unkeyed: t.renew_unkeyed().into(),
+            get_event: t.get_event().into(),
+            check_runs: (!scoped).then(|| t.check_runs().into()),
+            // The outbox's release also moves the cursors `check_runs` allowed ($7: the
+            // new cursor, $8: the events it covers, NULL and 0 elsewhere) and logs each
+            // advance with its time in `outbox_publishes`: one write per key row.
+            release_advance: (!scoped).then(|| t.release(true).into()),
+            fold: (!scoped).then(|| FOLD.into()),
+        }
+    }
+}
+
+/// A box's tables, from which each statement is written.
+struct Tables<'a> {
+    events: &'a str,
+    keys: &'a str,
+    scoped: bool,
+}
+
+/// A never-tried event scheduled for later: not in line (docs/relay.md). Later than the
+/// windows' clock (`w_now`), read once after the statement's snapshot: an event
+/// enqueued "now" by a statement that started after this claim's transaction but
+/// committed before the read must not look delayed (it would be skipped while later
+/// events of its key went out).
+fn delayed(a: &str) -> String {
+    format!(
+        "{a}.attempts = 0 AND {a}.last_error IS NULL AND {a}.scheduled_at > (SELECT t FROM w_now)"
+    )
+}
+
+/// Bytes an event weighs in a claim's budget.
+fn size(a: &str) -> String {
+    format!("octet_length({a}.payload)::int8 + pg_column_size({a}.headers)::int8")
+}
+
+/// SQL-API events (stored `counted = false`, with no key row written): the key rows are
+/// created or woken first, in the byte order every key-locking statement uses, then the
+/// events are marked counted, which the update trigger counts. Two relays folding at
+/// once: the second waits for the first's row locks and then finds the events counted.
+/// (The outbox's only: the inbox has no SQL API.)
+const FOLD: &str = "WITH f AS MATERIALIZED (
+                    SELECT id, topic, event_key, scheduled_at FROM outbox_events
+                    WHERE NOT counted ORDER BY id LIMIT $1),
+                 keys AS (
+                    INSERT INTO outbox_keys AS k (topic, event_key, ready_at, pending)
+                    SELECT topic, event_key, min(scheduled_at), 0 FROM f
+                    GROUP BY topic, event_key
+                    ORDER BY topic COLLATE \"C\", event_key COLLATE \"C\"
+                    ON CONFLICT (topic, event_key)
+                    DO UPDATE SET ready_at = LEAST(k.ready_at, EXCLUDED.ready_at)
+                    RETURNING 1)
+                 UPDATE outbox_events e SET counted = true
+                 FROM f WHERE e.id = f.id AND NOT e.counted
+                   AND (SELECT count(*) FROM keys) >= 0";
+
+impl Tables<'_> {
+    /// The extra predicate `frag` on scoped tables (nothing otherwise), with `$S`
+    /// replaced by the parameter number `n`.
+    fn scope(&self, frag: &str, n: u8) -> String {
+        if self.scoped {
+            frag.replace("$S", &format!("${n}"))
+        } else {
+            String::new()
+        }
+    }
+
+    /// Ready keys in ready order, as many as the cycle's events fill ($5), each counted
+    /// at its depth (`pending`, at least 1, at most a run, $4), and no more than $1: deep
+    /// lines come a few keys at a time with long runs, since every leased key costs its
+    /// writes whatever it carries. The count is taken over the candidates without
+    /// locking; the lease then skips the locked ones. It returns the claim's time too,
+    /// which saves a round trip per cycle.
+    fn lease_keys(&self) -> String {
+        let keys = self.keys;
+        let lease_scope = self.scope(" AND subscription = $S", 6);
+        let lease_join = self.scope(" AND k.subscription = $S", 6);
         // Whether no SQL-API writer holds the key's order lock (migration 0015): tried in
         // shared mode and, when got, held until the claim's transaction ends, so no
         // writer can draw an id below what the window then reads. The inbox has no SQL
         // writers.
-        let free = if scoped {
+        let free = if self.scoped {
             "true"
         } else {
             "pg_try_advisory_xact_lock_shared(mailroom_order_lock(k.topic, k.event_key))"
         };
-        // The key release (see `release_keys` below), with the cursor advance when
-        // `advance`.
-        let release = |advance: bool| -> Arc<str> {
-            let (cursor_cols, cursor_arrays, cursor_set) = if advance {
-                (
-                    ", through, n, counted",
-                    ", $7::int8[], $8::int8[], $9::int8[]",
-                    // Only counted events were in `pending` (migration 0015).
-                    ", published_through = COALESCE(u.through, k.published_through),
-                       pending = k.pending - COALESCE(u.counted, 0)",
-                )
-            } else {
-                ("", "", "")
-            };
-            let update = format!(
-                "UPDATE {keys} k SET lease_token = NULL, lease_until = NULL{cursor_set},
-                    ready_at = LEAST(
-                        -- An enqueue during the lease pulled ready_at below lease_until:
-                        -- its wake-up must survive the release.
-                        CASE WHEN k.ready_at < k.lease_until THEN k.ready_at END,
-                        COALESCE(u.at, 'infinity'),
-                        COALESCE(now() + u.after_ms * interval '1 millisecond', 'infinity'),
-                        -- Something new in line: a pending event above what the claim
-                        -- read and above the cursor. (The rows at or below the cursor are
-                        -- published; counting them kept a drained key ready, re-leased
-                        -- every cycle until retention deleted them.)
-                        CASE WHEN u.seen IS NOT NULL AND EXISTS (
-                                SELECT 1 FROM {events} e WHERE e.status = 'pending'
-                                  AND e.topic = k.topic AND e.event_key = k.event_key{release_exists}
-                                  AND e.id > GREATEST(u.seen, k.published_through))
-                             THEN now() ELSE 'infinity' END)
-                 FROM u WHERE k.ctid = u.row_id AND k.lease_token = $6{release_scope}"
-            );
-            let u = format!(
-                "u AS MATERIALIZED (
-                    SELECT u.*, r.ctid AS row_id
-                    FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[]{cursor_arrays})
-                         AS u(topic, event_key, at, after_ms, seen{cursor_cols})
-                    JOIN {keys} r ON r.topic = u.topic AND r.event_key = u.event_key{release_probe})"
-            );
-            if advance {
-                format!(
-                    "WITH {u}, rel AS ({update} RETURNING k.topic, k.event_key, u.through, u.n)
-                     INSERT INTO outbox_publishes (topic, event_key, through, at, events)
-                     SELECT topic, event_key, through, now(), n FROM rel WHERE through IS NOT NULL"
-                )
-                .into()
-            } else {
-                format!("WITH {u} {update}").into()
-            }
-        };
-        Sql {
-            // Ready keys in ready order, as many as the cycle's events fill ($5), each
-            // counted at its depth (`pending`, at least 1, at most a run, $4), and no
-            // more than $1: deep lines come a few keys at a time with long runs, since
-            // every leased key costs its writes whatever it carries. The count is taken
-            // over the candidates without locking; the lease then skips the locked ones.
-            // It returns the claim's time too, which saves a round trip per cycle.
-            lease_keys: format!(
-                "WITH picked AS (
+        format!(
+            "WITH picked AS (
                     SELECT topic, event_key FROM {keys}
                     WHERE ready_at <= now() AND (lease_until IS NULL OR lease_until <= now()){lease_scope}
                     ORDER BY ready_at
@@ -149,24 +149,30 @@ impl Sql {
                         ready_at = now() + $3 * interval '1 millisecond'
                  FROM picked WHERE k.topic = picked.topic AND k.event_key = picked.event_key{lease_join}
                  RETURNING k.topic, k.event_key, k.published_through, now(), {free} AS free"
-            )
-            .into(),
-            // The front of each leased key's line: up to $3 in-line events in id order,
-            // skipping never-tried delayed ones; and, over the pending events before the
-            // $3-th in-line one (all of them when there are fewer), the earliest delayed
-            // schedule and the highest id. Each part walks the line and stops after $3
-            // in-line rows plus the delayed ones in between, whatever the depth of the
-            // key. (`OFFSET 0` keeps the marks one evaluation per key.) The line starts
-            // above the key's cursor ($4): what is at or below it is published (migration
-            // 0011). The byte budget ($5) is shared in claim order, as `fit_in_budget`
-            // does (at least one event): every in-line row comes back, `taken` or not,
-            // but only taken rows carry their payload and headers, so one statement
-            // reads the lines and their events (a second read by id cost a round trip
-            // and 1,000 index probes a cycle). The sort under the running sum holds
-            // large payloads as TOAST pointers, and the `CASE` leaves those of rows past
-            // the budget unread.
-            windows: format!(
-                "WITH w_now AS MATERIALIZED (SELECT clock_timestamp() AS t)
+        )
+    }
+
+    /// The front of each leased key's line: up to $3 in-line events in id order, skipping
+    /// never-tried delayed ones; and, over the pending events before the $3-th in-line
+    /// one (all of them when there are fewer), the earliest delayed schedule and the
+    /// highest id. Each part walks the line and stops after $3 in-line rows plus the
+    /// delayed ones in between, whatever the depth of the key. (`OFFSET 0` keeps the
+    /// marks one evaluation per key.) The line starts above the key's cursor ($4): what
+    /// is at or below it is published (migration 0011). The byte budget ($5) is shared in
+    /// claim order, as `fit_in_budget` does (at least one event): every in-line row comes
+    /// back, `taken` or not, but only taken rows carry their payload and headers, so one
+    /// statement reads the lines and their events (a second read by id cost a round trip
+    /// and 1,000 index probes a cycle). The sort under the running sum holds large
+    /// payloads as TOAST pointers, and the `CASE` leaves those of rows past the budget
+    /// unread.
+    fn windows(&self) -> String {
+        let events = self.events;
+        let window_scope = |alias: &str| self.scope(&format!(" AND {alias}.subscription = $S"), 6);
+        let (e_scope, d_scope, b_scope) = (window_scope("e"), window_scope("d"), window_scope("b"));
+        let (e_delayed, d_delayed, b_delayed) = (delayed("e"), delayed("d"), delayed("b"));
+        let e_size = size("e");
+        format!(
+            "WITH w_now AS MATERIALIZED (SELECT clock_timestamp() AS t)
                  SELECT (SELECT t FROM w_now) AS now, w.o, w.delayed_at, w.line_end, w.id, w.taken,
                         w.topic, w.event_key, CASE WHEN w.taken THEN w.payload END AS payload,
                         CASE WHEN w.taken THEN w.headers::text END AS headers, w.event_type,
@@ -202,11 +208,17 @@ impl Sql {
                         AND e.event_key = k.event_key AND e.id > k.through AND NOT ({e_delayed})
                       ORDER BY e.id LIMIT $3) l ON true) v) w
                  ORDER BY w.o, w.id"
-            )
-            .into(),
-            // Due unkeyed events in schedule order, at most $1 and $4 bytes (at least one).
-            claim_unkeyed: format!(
-                "UPDATE {events} SET claim_token = $2,
+        )
+    }
+
+    /// Due unkeyed events in schedule order, at most $1 and $4 bytes (at least one).
+    fn claim_unkeyed(&self) -> String {
+        let events = self.events;
+        let c = &crate::store::rows::event_columns("payload", "headers::text");
+        let unkeyed_scope = self.scope(" AND u.subscription = $S", 5);
+        let u_size = size("u");
+        format!(
+            "UPDATE {events} SET claim_token = $2,
                         claimed_until = now() + $3 * interval '1 millisecond'
                  WHERE id IN (
                     SELECT s.id FROM (
@@ -220,24 +232,32 @@ impl Sql {
                               ORDER BY u.scheduled_at, u.id LIMIT $1 FOR UPDATE SKIP LOCKED) u) s
                     WHERE s.n = 1 OR s.total <= $4)
                  RETURNING {c}"
-            )
-            .into(),
-            // Driven by the array, one primary-key probe per key, locking in the array's
-            // order (the caller sorts it). A join let the planner, which estimates one
-            // row for a lease token, loop over the array once per key row (docs/
-            // benchmarks.md, "Performance v2, step 2").
-            lock_keys: format!(
-                "SELECT l.topic, l.event_key
+        )
+    }
+
+    /// Driven by the array, one primary-key probe per key, locking in the array's order
+    /// (the caller sorts it). A join let the planner, which estimates one row for a
+    /// lease token, loop over the array once per key row (docs/benchmarks.md,
+    /// "Performance v2, step 2").
+    fn lock_keys(&self) -> String {
+        let keys = self.keys;
+        let lock_scope = self.scope(" AND k.subscription = $S", 4);
+        format!(
+            "SELECT l.topic, l.event_key
                  FROM unnest($1::text[], $2::text[]) AS u(topic, event_key)
                  CROSS JOIN LATERAL (
                     SELECT k.topic, k.event_key FROM {keys} k
                     WHERE k.topic = u.topic AND k.event_key = u.event_key
                       AND k.lease_token = $3{lock_scope}
                     FOR UPDATE) l"
-            )
-            .into(),
-            settle_events: format!(
-                "UPDATE {events} e SET
+        )
+    }
+
+    fn settle_events(&self) -> String {
+        let (events, keys) = (self.events, self.keys);
+        let settle_scope = self.scope(" AND k.subscription = e.subscription", 0);
+        format!(
+            "UPDATE {events} e SET
                     status = CASE u.kind WHEN 'completed' THEN 'completed'
                                          WHEN 'failed' THEN 'failed' ELSE 'pending' END,
                     attempts = COALESCE(u.attempts, e.attempts),
@@ -256,19 +276,70 @@ impl Sql {
                             SELECT 1 FROM {keys} k WHERE k.topic = e.topic
                               AND k.event_key = e.event_key AND k.lease_token = $7
                               AND e.id > k.published_through{settle_scope})))"
+        )
+    }
+
+    /// The key release, with the cursor advance when `advance`.
+    fn release(&self, advance: bool) -> String {
+        let (events, keys) = (self.events, self.keys);
+        let release_scope = self.scope(" AND k.subscription = $S", 7);
+        let release_probe = self.scope(" AND r.subscription = $S", 7);
+        let release_exists = self.scope(" AND e.subscription = k.subscription", 0);
+        let (cursor_cols, cursor_arrays, cursor_set) = if advance {
+            (
+                ", through, n, counted",
+                ", $7::int8[], $8::int8[], $9::int8[]",
+                // Only counted events were in `pending` (migration 0015).
+                ", published_through = COALESCE(u.through, k.published_through),
+                       pending = k.pending - COALESCE(u.counted, 0)",
             )
-            .into(),
-            // Each key row found by a primary-key probe (the materialized `u`, which the
-            // planner cannot turn around) and updated by its row id: the settle locked
-            // these rows earlier in its transaction (`lock_keys`), so the id the probe
-            // reads is the current version. (Joined on the key, the planner, which
-            // estimates one row for a lease token, looped over the array once per key
-            // row, as `lock_keys` did.)
-            release_keys: release(false),
-            // Locks in the same collation-independent order as every key-locking
-            // statement; keeps an enqueue's wake-up (ready_at pulled below the lease).
-            renew_keys: format!(
-                "WITH held AS (
+        } else {
+            ("", "", "")
+        };
+        let update = format!(
+            "UPDATE {keys} k SET lease_token = NULL, lease_until = NULL{cursor_set},
+                    ready_at = LEAST(
+                        -- An enqueue during the lease pulled ready_at below lease_until:
+                        -- its wake-up must survive the release.
+                        CASE WHEN k.ready_at < k.lease_until THEN k.ready_at END,
+                        COALESCE(u.at, 'infinity'),
+                        COALESCE(now() + u.after_ms * interval '1 millisecond', 'infinity'),
+                        -- Something new in line: a pending event above what the claim
+                        -- read and above the cursor. (The rows at or below the cursor are
+                        -- published; counting them kept a drained key ready, re-leased
+                        -- every cycle until retention deleted them.)
+                        CASE WHEN u.seen IS NOT NULL AND EXISTS (
+                                SELECT 1 FROM {events} e WHERE e.status = 'pending'
+                                  AND e.topic = k.topic AND e.event_key = k.event_key{release_exists}
+                                  AND e.id > GREATEST(u.seen, k.published_through))
+                             THEN now() ELSE 'infinity' END)
+                 FROM u WHERE k.ctid = u.row_id AND k.lease_token = $6{release_scope}"
+        );
+        let u = format!(
+            "u AS MATERIALIZED (
+                    SELECT u.*, r.ctid AS row_id
+                    FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[]{cursor_arrays})
+                         AS u(topic, event_key, at, after_ms, seen{cursor_cols})
+                    JOIN {keys} r ON r.topic = u.topic AND r.event_key = u.event_key{release_probe})"
+        );
+        if advance {
+            format!(
+                "WITH {u}, rel AS ({update} RETURNING k.topic, k.event_key, u.through, u.n)
+                     INSERT INTO outbox_publishes (topic, event_key, through, at, events)
+                     SELECT topic, event_key, through, now(), n FROM rel WHERE through IS NOT NULL"
+            )
+        } else {
+            format!("WITH {u} {update}")
+        }
+    }
+
+    /// Locks in the same collation-independent order as every key-locking statement;
+    /// keeps an enqueue's wake-up (ready_at pulled below the lease).
+    fn renew_keys(&self) -> String {
+        let keys = self.keys;
+        let renew_scope = self.scope(" AND k.subscription = $S", 5);
+        format!(
+            "WITH held AS (
                     SELECT k.topic, k.event_key FROM {keys} k
                     JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
                       ON k.topic = u.topic AND k.event_key = u.event_key
@@ -280,33 +351,43 @@ impl Sql {
                                         ELSE k.ready_at END
                  FROM held WHERE k.topic = held.topic AND k.event_key = held.event_key
                    AND k.lease_token = $4{renew_scope}"
-            )
-            .into(),
-            renew_unkeyed: format!(
-                "UPDATE {events} SET claimed_until = now() + $3 * interval '1 millisecond'
+        )
+    }
+
+    fn renew_unkeyed(&self) -> String {
+        let events = self.events;
+        let renew_unkeyed_scope = self.scope(" AND subscription = $S", 4);
+        format!(
+            "UPDATE {events} SET claimed_until = now() + $3 * interval '1 millisecond'
                  WHERE id = ANY($1) AND claim_token = $2 AND status = 'pending'{renew_unkeyed_scope}"
-            )
-            .into(),
-            // The outbox reads statuses through the view that applies the cursor.
-            get_event: format!(
-                "SELECT {c} FROM {} WHERE id = $1",
-                if scoped {
-                    events.to_string()
-                } else {
-                    format!("{events}_view")
-                }
-            )
-            .into(),
-            // Which keys' cursors may move over their completed events ($1), one row per
-            // key still leased by $2: only when those events are exactly the pending
-            // rows between the cursor and the highest of them. A delayed event the window
-            // skipped, a row requeued meanwhile or an event left unpublished keeps the
-            // cursor where it is; those completions are written row by row instead. Read
-            // after the settle has locked the keys, so the answer holds until it commits.
-            // The release then moves the cursors (`release_advance`).
-            check_runs: (!scoped).then(|| {
-                format!(
-                    "SELECT g.topic, g.event_key, g.through, g.n, g.counted, g.ids,
+        )
+    }
+
+    /// The outbox reads statuses through the view that applies the cursor.
+    fn get_event(&self) -> String {
+        let c = &crate::store::rows::event_columns("payload", "headers::text");
+        let events = self.events;
+        format!(
+            "SELECT {c} FROM {} WHERE id = $1",
+            if self.scoped {
+                events.to_string()
+            } else {
+                format!("{events}_view")
+            }
+        )
+    }
+
+    /// Which keys' cursors may move over their completed events ($1), one row per key
+    /// still leased by $2: only when those events are exactly the pending rows between
+    /// the cursor and the highest of them. A delayed event the window skipped, a row
+    /// requeued meanwhile or an event left unpublished keeps the cursor where it is;
+    /// those completions are written row by row instead. Read after the settle has
+    /// locked the keys, so the answer holds until it commits. The release then moves the
+    /// cursors (`release_advance`).
+    fn check_runs(&self) -> String {
+        let (events, keys) = (self.events, self.keys);
+        format!(
+            "SELECT g.topic, g.event_key, g.through, g.n, g.counted, g.ids,
                             (g.first > k.published_through AND g.n = (
                                 SELECT count(*) FROM {events} e
                                 WHERE e.status = 'pending' AND e.topic = g.topic
@@ -322,35 +403,6 @@ impl Sql {
                         SELECT k.published_through FROM {keys} k
                         WHERE k.topic = g.topic AND k.event_key = g.event_key
                           AND k.lease_token = $2) k"
-                )
-                .into()
-            }),
-            // The outbox's release also moves the cursors `check_runs` allowed ($7: the
-            // new cursor, $8: the events it covers, NULL and 0 elsewhere) and logs each
-            // advance with its time in `outbox_publishes`: one write per key row.
-            release_advance: (!scoped).then(|| release(true)),
-            // SQL-API events (stored `counted = false`, with no key row written): the key
-            // rows are created or woken first, in the byte order every key-locking
-            // statement uses, then the events are marked counted, which the update
-            // trigger counts. Two relays folding at once: the second waits for the
-            // first's row locks and then finds the events counted.
-            fold: (!scoped).then(|| {
-                "WITH f AS MATERIALIZED (
-                    SELECT id, topic, event_key, scheduled_at FROM outbox_events
-                    WHERE NOT counted ORDER BY id LIMIT $1),
-                 keys AS (
-                    INSERT INTO outbox_keys AS k (topic, event_key, ready_at, pending)
-                    SELECT topic, event_key, min(scheduled_at), 0 FROM f
-                    GROUP BY topic, event_key
-                    ORDER BY topic COLLATE \"C\", event_key COLLATE \"C\"
-                    ON CONFLICT (topic, event_key)
-                    DO UPDATE SET ready_at = LEAST(k.ready_at, EXCLUDED.ready_at)
-                    RETURNING 1)
-                 UPDATE outbox_events e SET counted = true
-                 FROM f WHERE e.id = f.id AND NOT e.counted
-                   AND (SELECT count(*) FROM keys) >= 0"
-                    .into()
-            }),
-        }
+        )
     }
 }

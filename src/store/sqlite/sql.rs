@@ -30,37 +30,19 @@ pub(super) struct Sql {
 impl Sql {
     /// `scoped`: the tables carry a `subscription` column (the inbox).
     pub(super) fn new(events: &str, keys: &str, scoped: bool) -> Self {
-        let scope = |frag: &str| {
-            if scoped {
-                format!(" AND {frag}")
-            } else {
-                String::new()
-            }
+        let t = Tables {
+            events,
+            keys,
+            scoped,
         };
         let cols = &*EVENT_COLUMNS;
-        let lease_scope = scope("subscription = ?5");
-        let window_scope = scope("subscription = ?4");
-        let line = format!("status = 'pending' AND topic = ?1 AND event_key = ?2{window_scope}");
+        let line = format!(
+            "status = 'pending' AND topic = ?1 AND event_key = ?2{}",
+            t.scope("subscription = ?4")
+        );
         let delayed = "attempts = 0 AND last_error IS NULL AND scheduled_at > ?3";
-        let settle_scope = scope(&format!("k.subscription = {events}.subscription"));
-        let release_scope = scope("subscription = ?7");
-        let release_exists = scope("e.subscription = ?7");
-        let key_scope = scope("subscription = ?5");
-        let event_scope = scope("subscription = ?4");
         Sql {
-            // One pass: the transaction holds the database, so there are no locked
-            // candidates to skip (PostgreSQL's `lease_keys` skips them).
-            lease_keys: format!(
-                "UPDATE {keys} SET lease_token = ?1, lease_until = ?2, ready_at = ?2
-                 WHERE rowid IN (
-                    SELECT rowid FROM (
-                        SELECT rowid, sum(w) OVER (ORDER BY ready_at ROWS UNBOUNDED PRECEDING) - w AS before
-                        FROM (SELECT rowid, ready_at, min(max(pending, 1), ?6) AS w FROM {keys}
-                              WHERE ready_at <= ?3 AND (lease_until IS NULL OR lease_until <= ?3){lease_scope}
-                              ORDER BY ready_at LIMIT ?4))
-                    WHERE before < ?7)
-                 RETURNING topic, event_key"
-            ),
+            lease_keys: t.lease_keys(),
             heads: format!(
                 "SELECT id, length(payload) + length(headers) AS size FROM {events}
                  WHERE {line} AND NOT ({delayed}) ORDER BY id LIMIT ?5"
@@ -74,8 +56,65 @@ impl Sql {
                 "SELECT {cols} FROM {events}
                  WHERE {line} AND NOT ({delayed}) AND id >= ?5 AND id <= ?6 ORDER BY id"
             ),
-            claim_unkeyed: format!(
-                "UPDATE {events} SET claim_token = ?1, claimed_until = ?2
+            claim_unkeyed: t.claim_unkeyed(),
+            settle_event: t.settle_event(),
+            release_key: t.release_key(),
+            renew_key: format!(
+                "UPDATE {keys} SET lease_until = ?4,
+                    ready_at = CASE WHEN ready_at >= lease_until THEN ?4 ELSE ready_at END
+                 WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3{}",
+                t.scope("subscription = ?5")
+            ),
+            renew_event: format!(
+                "UPDATE {events} SET claimed_until = ?3
+                 WHERE id = ?1 AND claim_token = ?2 AND status = 'pending'{}",
+                t.scope("subscription = ?4")
+            ),
+        }
+    }
+}
+
+/// A box's tables, from which each statement is written.
+struct Tables<'a> {
+    events: &'a str,
+    keys: &'a str,
+    scoped: bool,
+}
+
+impl Tables<'_> {
+    /// ` AND frag` on scoped tables, nothing otherwise.
+    fn scope(&self, frag: &str) -> String {
+        if self.scoped {
+            format!(" AND {frag}")
+        } else {
+            String::new()
+        }
+    }
+
+    /// One pass: the transaction holds the database, so there are no locked candidates
+    /// to skip (PostgreSQL's `lease_keys` skips them).
+    fn lease_keys(&self) -> String {
+        let keys = self.keys;
+        let lease_scope = self.scope("subscription = ?5");
+        format!(
+            "UPDATE {keys} SET lease_token = ?1, lease_until = ?2, ready_at = ?2
+                 WHERE rowid IN (
+                    SELECT rowid FROM (
+                        SELECT rowid, sum(w) OVER (ORDER BY ready_at ROWS UNBOUNDED PRECEDING) - w AS before
+                        FROM (SELECT rowid, ready_at, min(max(pending, 1), ?6) AS w FROM {keys}
+                              WHERE ready_at <= ?3 AND (lease_until IS NULL OR lease_until <= ?3){lease_scope}
+                              ORDER BY ready_at LIMIT ?4))
+                    WHERE before < ?7)
+                 RETURNING topic, event_key"
+        )
+    }
+
+    fn claim_unkeyed(&self) -> String {
+        let events = self.events;
+        let cols = &*EVENT_COLUMNS;
+        let lease_scope = self.scope("subscription = ?5");
+        format!(
+            "UPDATE {events} SET claim_token = ?1, claimed_until = ?2
                  WHERE id IN (
                     SELECT id FROM (
                         SELECT id,
@@ -88,9 +127,14 @@ impl Sql {
                               ORDER BY scheduled_at, id LIMIT ?4))
                     WHERE n = 1 OR total <= ?6)
                  RETURNING {cols}"
-            ),
-            settle_event: format!(
-                "UPDATE {events} SET status = ?2, attempts = COALESCE(?3, attempts),
+        )
+    }
+
+    fn settle_event(&self) -> String {
+        let (events, keys) = (self.events, self.keys);
+        let settle_scope = self.scope(&format!("k.subscription = {events}.subscription"));
+        format!(
+            "UPDATE {events} SET status = ?2, attempts = COALESCE(?3, attempts),
                     scheduled_at = COALESCE(?4, scheduled_at), last_error = COALESCE(?5, last_error),
                     published_at = CASE WHEN ?2 = 'completed' THEN ?6 ELSE published_at END,
                     updated_at = CASE WHEN ?7 THEN updated_at ELSE ?6 END,
@@ -100,9 +144,15 @@ impl Sql {
                         OR (event_key IS NOT NULL AND EXISTS (
                             SELECT 1 FROM {keys} k WHERE k.topic = {events}.topic
                               AND k.event_key = {events}.event_key AND k.lease_token = ?8{settle_scope})))"
-            ),
-            release_key: format!(
-                "UPDATE {keys} SET lease_token = NULL, lease_until = NULL,
+        )
+    }
+
+    fn release_key(&self) -> String {
+        let (events, keys) = (self.events, self.keys);
+        let release_scope = self.scope("subscription = ?7");
+        let release_exists = self.scope("e.subscription = ?7");
+        format!(
+            "UPDATE {keys} SET lease_token = NULL, lease_until = NULL,
                     ready_at = MIN(?4,
                         -- An enqueue during the lease pulled ready_at below lease_until.
                         CASE WHEN ready_at < lease_until THEN ready_at ELSE ?4 END,
@@ -110,16 +160,6 @@ impl Sql {
                         SELECT 1 FROM {events} e WHERE e.status = 'pending' AND e.topic = ?1
                           AND e.event_key = ?2{release_exists} AND e.id > ?5) THEN ?6 ELSE ?4 END)
                  WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3{release_scope}"
-            ),
-            renew_key: format!(
-                "UPDATE {keys} SET lease_until = ?4,
-                    ready_at = CASE WHEN ready_at >= lease_until THEN ?4 ELSE ready_at END
-                 WHERE topic = ?1 AND event_key = ?2 AND lease_token = ?3{key_scope}"
-            ),
-            renew_event: format!(
-                "UPDATE {events} SET claimed_until = ?3
-                 WHERE id = ?1 AND claim_token = ?2 AND status = 'pending'{event_scope}"
-            ),
-        }
+        )
     }
 }
