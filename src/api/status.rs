@@ -269,9 +269,9 @@ mod tests {
         (i.reason.clone(), i.domain.clone())
     }
 
-    #[test]
-    fn every_error_has_a_reason_and_retryable_ones_a_delay() {
-        let cases: Vec<(Error, Code, &str, Option<Duration>)> = vec![
+    /// Each error with its code, reason and retry delay.
+    fn cases() -> Vec<(Error, Code, &'static str, Option<Duration>)> {
+        vec![
             (
                 Error::InvalidArgument(vec![Violation::new("event.topic", "bad")]),
                 Code::InvalidArgument,
@@ -339,13 +339,21 @@ mod tests {
                 reason::INTERNAL,
                 None,
             ),
-        ];
-        for (e, code, want, retry) in cases {
+        ]
+    }
+
+    #[test]
+    fn every_error_has_a_reason_and_retryable_ones_a_delay() {
+        for (e, code, want, retry) in cases() {
             let s = Status::from(e);
             assert_eq!(s.code(), code);
             assert_eq!(info(&s), (want.to_string(), DOMAIN.to_string()));
             assert_eq!(crate::pb::time::retry_delay(&s), retry, "{code:?}");
         }
+    }
+
+    #[test]
+    fn details_name_the_field_the_scope_and_the_key() {
         let s = Status::from(Error::invalid("f", "d"));
         assert_eq!(
             s.get_details_bad_request().unwrap().field_violations.len(),

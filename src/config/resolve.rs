@@ -25,13 +25,7 @@ impl Config {
     /// Applies defaults and validates.
     pub fn resolve(mut s: Settings) -> Result<Config, ConfigError> {
         secrets_from_files(&mut s)?;
-        let listen_s = s.listen.as_deref().unwrap_or("127.0.0.1:50051");
-        let listen: SocketAddr = listen_s.parse().map_err(|_| {
-            bad(
-                "listen (MAILROOM_LISTEN)",
-                format!("{listen_s:?} is not host:port with an IP host"),
-            )
-        })?;
+        let listen = listen(&s)?;
         let database_url = database_url(&s)?;
         let is_pg = database_url.starts_with("postgres");
         let (sink, message_timeout) = sink(&s);
@@ -89,24 +83,12 @@ impl Config {
             console_listen,
             console_read_only: s.console_read_only.unwrap_or(false),
             console_secure_cookie: s.console_secure_cookie.unwrap_or(false),
-            console_allowed_hosts: s
-                .console_allowed_hosts
-                .clone()
-                .unwrap_or_default()
-                .into_iter()
-                .map(|h| h.trim().to_ascii_lowercase())
-                .filter(|h| !h.is_empty())
-                .collect(),
+            console_allowed_hosts: console_allowed_hosts(&s),
             metrics_stats_interval: Duration::from_millis(
                 s.metrics_stats_interval_ms.unwrap_or(15_000).max(100),
             ),
             tls,
-            overload: OverloadConfig {
-                max_concurrent_rpcs: s.max_concurrent_rpcs.unwrap_or(1024),
-                rpc_timeout: Some(Duration::from_millis(s.rpc_timeout_ms.unwrap_or(30_000)))
-                    .filter(|d| !d.is_zero()),
-                max_request_bytes: request_bytes_in_flight(&s, max_batch_bytes)?,
-            },
+            overload: overload(&s, max_batch_bytes)?,
             database_acquire_timeout: Duration::from_millis(
                 s.database_acquire_timeout_ms.unwrap_or(3000).max(10),
             ),
@@ -116,6 +98,38 @@ impl Config {
             database_url: crate::secret::Secret(database_url),
         })
     }
+}
+
+/// The gRPC address: `host:port` with an IP host.
+fn listen(s: &Settings) -> Result<SocketAddr, ConfigError> {
+    let listen = s.listen.as_deref().unwrap_or("127.0.0.1:50051");
+    listen.parse().map_err(|_| {
+        bad(
+            "listen (MAILROOM_LISTEN)",
+            format!("{listen:?} is not host:port with an IP host"),
+        )
+    })
+}
+
+/// The Host names the console answers besides loopback, lower-cased.
+fn console_allowed_hosts(s: &Settings) -> Vec<String> {
+    s.console_allowed_hosts
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|h| h.trim().to_ascii_lowercase())
+        .filter(|h| !h.is_empty())
+        .collect()
+}
+
+/// The gRPC server's admission limits.
+fn overload(s: &Settings, max_batch_bytes: usize) -> Result<OverloadConfig, ConfigError> {
+    Ok(OverloadConfig {
+        max_concurrent_rpcs: s.max_concurrent_rpcs.unwrap_or(1024),
+        rpc_timeout: Some(Duration::from_millis(s.rpc_timeout_ms.unwrap_or(30_000)))
+            .filter(|d| !d.is_zero()),
+        max_request_bytes: request_bytes_in_flight(s, max_batch_bytes)?,
+    })
 }
 
 /// An optional `host:port` with an IP host; blank is unset.
@@ -592,98 +606,27 @@ fn subscription(
     s: SubscriptionSettings,
     outbox: RetryPolicy,
 ) -> Result<SubscriptionConfig, ConfigError> {
-    const SETTING: &str = "subscriptions";
-    let name_ok = !s.name.is_empty()
-        && s.name.len() <= 100
-        && s.name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-    if !name_ok {
-        return Err(bad(
-            SETTING,
-            format!(
-                "name {:?} must be 1-100 characters of [a-zA-Z0-9._-]",
-                s.name
-            ),
-        ));
-    }
+    check_subscription_name(&s.name)?;
     for t in &s.topics {
         crate::domain::check_topic(t)
-            .map_err(|why| bad(SETTING, format!("{}: topic {t:?} {why}", s.name)))?;
+            .map_err(|why| bad(SUBSCRIPTIONS, format!("{}: topic {t:?} {why}", s.name)))?;
     }
-    if !(s.handler.starts_with("http://") || s.handler.starts_with("https://"))
-        || s.handler.parse::<tonic::codegen::http::Uri>().is_err()
-    {
-        return Err(bad(
-            SETTING,
-            format!("{}: handler {:?} is not an http(s) URL", s.name, s.handler),
-        ));
-    }
-    let retry = RetryPolicy {
-        base: s.retry_base_ms.map_or(outbox.base, Duration::from_millis),
-        cap: s.retry_cap_ms.map_or(outbox.cap, Duration::from_millis),
-        max_attempts: s.max_attempts.unwrap_or(outbox.max_attempts),
-    };
-    if retry.max_attempts == 0 || retry.max_attempts > 100 || retry.cap < retry.base {
-        return Err(bad(
-            SETTING,
-            format!(
-                "{}: max_attempts must be 1..=100 and retry_cap_ms >= retry_base_ms",
-                s.name
-            ),
-        ));
-    }
+    check_handler(&s)?;
+    let retry = subscription_retry(&s, outbox)?;
     let concurrency = s.concurrency.unwrap_or(8);
     if concurrency == 0 || concurrency > 1024 {
         return Err(bad(
-            SETTING,
+            SUBSCRIPTIONS,
             format!("{}: concurrency must be 1..=1024", s.name),
         ));
     }
     if s.handler_cert.is_some() != s.handler_key.is_some() {
         return Err(bad(
-            SETTING,
+            SUBSCRIPTIONS,
             format!("{}: set handler_cert and handler_key together", s.name),
         ));
     }
-    let handler_token = match (s.handler_token, &s.handler_token_file) {
-        (Some(_), Some(_)) => {
-            return Err(bad(
-                SETTING,
-                format!(
-                    "{}: set handler_token or handler_token_file, not both",
-                    s.name
-                ),
-            ));
-        }
-        (Some(t), None) => Some(t),
-        (None, Some(p)) => Some(
-            std::fs::read_to_string(p)
-                .map_err(|e| {
-                    bad(
-                        SETTING,
-                        format!("{}: cannot read {}: {}", s.name, p.display(), e.kind()),
-                    )
-                })?
-                .lines()
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_string(),
-        ),
-        (None, None) => None,
-    };
-    if let Some(t) = &handler_token
-        && (t.is_empty() || !t.bytes().all(|b| (0x21..0x7f).contains(&b)))
-    {
-        return Err(bad(
-            SETTING,
-            format!(
-                "{}: the handler token must be printable ASCII without spaces",
-                s.name
-            ),
-        ));
-    }
+    let handler_token = handler_token(&s)?;
     Ok(SubscriptionConfig {
         handler_tls: ClientTls {
             ca: s.handler_ca,
@@ -700,4 +643,101 @@ fn subscription(
         concurrency,
         retry,
     })
+}
+
+/// The setting subscription errors name.
+const SUBSCRIPTIONS: &str = "subscriptions";
+
+fn check_subscription_name(name: &str) -> Result<(), ConfigError> {
+    let name_ok = !name.is_empty()
+        && name.len() <= 100
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if name_ok {
+        Ok(())
+    } else {
+        Err(bad(
+            SUBSCRIPTIONS,
+            format!("name {name:?} must be 1-100 characters of [a-zA-Z0-9._-]"),
+        ))
+    }
+}
+
+/// The handler's URL: http(s).
+fn check_handler(s: &SubscriptionSettings) -> Result<(), ConfigError> {
+    if !(s.handler.starts_with("http://") || s.handler.starts_with("https://"))
+        || s.handler.parse::<tonic::codegen::http::Uri>().is_err()
+    {
+        return Err(bad(
+            SUBSCRIPTIONS,
+            format!("{}: handler {:?} is not an http(s) URL", s.name, s.handler),
+        ));
+    }
+    Ok(())
+}
+
+/// The subscription's retry policy: the outbox's, with its own overrides.
+fn subscription_retry(
+    s: &SubscriptionSettings,
+    outbox: RetryPolicy,
+) -> Result<RetryPolicy, ConfigError> {
+    let retry = RetryPolicy {
+        base: s.retry_base_ms.map_or(outbox.base, Duration::from_millis),
+        cap: s.retry_cap_ms.map_or(outbox.cap, Duration::from_millis),
+        max_attempts: s.max_attempts.unwrap_or(outbox.max_attempts),
+    };
+    if retry.max_attempts == 0 || retry.max_attempts > 100 || retry.cap < retry.base {
+        return Err(bad(
+            SUBSCRIPTIONS,
+            format!(
+                "{}: max_attempts must be 1..=100 and retry_cap_ms >= retry_base_ms",
+                s.name
+            ),
+        ));
+    }
+    Ok(retry)
+}
+
+/// The token sent to the handler: inline or the first line of a file, printable ASCII.
+fn handler_token(s: &SubscriptionSettings) -> Result<Option<String>, ConfigError> {
+    let handler_token = match (&s.handler_token, &s.handler_token_file) {
+        (Some(_), Some(_)) => {
+            return Err(bad(
+                SUBSCRIPTIONS,
+                format!(
+                    "{}: set handler_token or handler_token_file, not both",
+                    s.name
+                ),
+            ));
+        }
+        (Some(t), None) => Some(t.clone()),
+        (None, Some(p)) => Some(
+            std::fs::read_to_string(p)
+                .map_err(|e| {
+                    bad(
+                        SUBSCRIPTIONS,
+                        format!("{}: cannot read {}: {}", s.name, p.display(), e.kind()),
+                    )
+                })?
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_string(),
+        ),
+        (None, None) => None,
+    };
+    if let Some(t) = &handler_token
+        && (t.is_empty() || !t.bytes().all(|b| (0x21..0x7f).contains(&b)))
+    {
+        return Err(bad(
+            SUBSCRIPTIONS,
+            format!(
+                "{}: the handler token must be printable ASCII without spaces",
+                s.name
+            ),
+        ));
+    }
+    Ok(handler_token)
 }

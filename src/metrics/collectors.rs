@@ -20,69 +20,67 @@ pub(super) struct RelayCollector {
     pub(super) relays: Vec<Arc<RelayStats>>,
 }
 
+/// One of the relays' counters.
+type RelayCounter = fn(&RelayStats) -> &AtomicU64;
+
+/// The relays' plain counters: name, help, field.
+const RELAY_COUNTERS: [(&str, &str, RelayCounter); 8] = [
+    (
+        "mailroom_outbox_published",
+        "Events the relays published (acknowledged by the destination).",
+        |r| &r.delivered,
+    ),
+    (
+        "mailroom_outbox_failed",
+        "Events that used up their attempts (or were rejected) and became failed.",
+        |r| &r.failed,
+    ),
+    ("mailroom_relay_cycles", "Relay cycles (claims) run.", |r| {
+        &r.cycles
+    }),
+    (
+        "mailroom_relay_stale_updates",
+        "Settle updates dropped because another relay had taken the key or event over.",
+        |r| &r.stale,
+    ),
+    (
+        "mailroom_relay_delivered_after_failure",
+        "Events the destination acknowledged after an earlier event of their key failed \
+         in the same run (possible reordering; each is flagged in its last_error). \
+         Expected to stay 0.",
+        |r| &r.delivered_after_failure,
+    ),
+    (
+        "mailroom_relay_held_back_lines",
+        "Lines (a key's run, or an unkeyed event) not sent because their topic looked \
+         down and was not due for a probe.",
+        |r| &r.held_back,
+    ),
+    (
+        "mailroom_relay_lease_renewals",
+        "Lease renewals of lines whose delivery outlasted a third of the lease.",
+        |r| &r.renewals,
+    ),
+    (
+        "mailroom_relay_leases_lost",
+        "Keys or events whose lease another relay took while their delivery was in flight.",
+        |r| &r.renewals_lost,
+    ),
+];
+
 impl Collector for RelayCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let sum = |f: fn(&RelayStats) -> &AtomicU64| -> u64 {
+        let sum = |f: RelayCounter| -> u64 {
             self.relays
                 .iter()
                 .map(|r| f(r).load(Ordering::Relaxed))
                 .sum()
         };
-        let counter = |e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64| {
-            e.encode_descriptor(name, help, None, MetricType::Counter)?
-                .encode_counter::<NoLabelSet, _, u64>(&v, None)
-        };
-        counter(
-            &mut encoder,
-            "mailroom_outbox_published",
-            "Events the relays published (acknowledged by the destination).",
-            sum(|r| &r.delivered),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_outbox_failed",
-            "Events that used up their attempts (or were rejected) and became failed.",
-            sum(|r| &r.failed),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_cycles",
-            "Relay cycles (claims) run.",
-            sum(|r| &r.cycles),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_stale_updates",
-            "Settle updates dropped because another relay had taken the key or event over.",
-            sum(|r| &r.stale),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_delivered_after_failure",
-            "Events the destination acknowledged after an earlier event of their key failed \
-             in the same run (possible reordering; each is flagged in its last_error). \
-             Expected to stay 0.",
-            sum(|r| &r.delivered_after_failure),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_held_back_lines",
-            "Lines (a key's run, or an unkeyed event) not sent because their topic looked \
-             down and was not due for a probe.",
-            sum(|r| &r.held_back),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_lease_renewals",
-            "Lease renewals of lines whose delivery outlasted a third of the lease.",
-            sum(|r| &r.renewals),
-        )?;
-        counter(
-            &mut encoder,
-            "mailroom_relay_leases_lost",
-            "Keys or events whose lease another relay took while their delivery was in flight.",
-            sum(|r| &r.renewals_lost),
-        )?;
+        for (name, help, field) in RELAY_COUNTERS {
+            encoder
+                .encode_descriptor(name, help, None, MetricType::Counter)?
+                .encode_counter::<NoLabelSet, _, u64>(&sum(field), None)?;
+        }
         {
             let mut e = encoder.encode_descriptor(
                 "mailroom_outbox_retried",
@@ -139,104 +137,126 @@ type IntakeCounter = fn(&IntakeStats) -> &AtomicU64;
 
 impl Collector for InboxCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut subs: Vec<&String> = self.inbox.dispatch_stats.keys().collect();
         subs.sort();
-        let intake: [(&str, &str, IntakeCounter); 4] = [
-            (
-                "mailroom_inbox_received",
-                "Records the inbox consumers read from Kafka.",
-                |i| &i.received,
-            ),
-            (
-                "mailroom_inbox_intake_failed",
-                "Records stored as failed at intake: over the inbox limits, or refused by the database and stored stripped.",
-                |i| &i.failed,
-            ),
-            (
-                "mailroom_inbox_intake_unstorable",
-                "Records the database refused in every form: skipped and logged with their topic, partition and offset.",
-                |i| &i.unstorable,
-            ),
-            (
-                "mailroom_inbox_duplicates",
-                "Records dropped as duplicates (already in the inbox).",
-                |i| &i.duplicates,
-            ),
-        ];
-        for (name, help, field) in intake {
+        self.encode_intake(&mut encoder, &subs)?;
+        self.encode_tasks(&mut encoder, &subs)?;
+        self.encode_dispatch(&mut encoder, &subs)
+    }
+}
+
+/// Reads a counter.
+fn load(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+/// The consumers' counters: name, help, field.
+const INTAKE_COUNTERS: [(&str, &str, IntakeCounter); 4] = [
+    (
+        "mailroom_inbox_received",
+        "Records the inbox consumers read from Kafka.",
+        |i| &i.received,
+    ),
+    (
+        "mailroom_inbox_intake_failed",
+        "Records stored as failed at intake: over the inbox limits, or refused by the database and stored stripped.",
+        |i| &i.failed,
+    ),
+    (
+        "mailroom_inbox_intake_unstorable",
+        "Records the database refused in every form: skipped and logged with their topic, partition and offset.",
+        |i| &i.unstorable,
+    ),
+    (
+        "mailroom_inbox_duplicates",
+        "Records dropped as duplicates (already in the inbox).",
+        |i| &i.duplicates,
+    ),
+];
+
+/// A metric's label values for one subscription.
+fn sub_label(s: &str) -> [(&'static str, &str); 1] {
+    [("subscription", s)]
+}
+
+impl InboxCollector {
+    /// The consumers' counters per subscription.
+    fn encode_intake(&self, encoder: &mut DescriptorEncoder<'_>, subs: &[&String]) -> Fmt {
+        for (name, help, field) in INTAKE_COUNTERS {
             let mut e = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for s in &subs {
+            for s in subs {
                 if let Some(i) = self.inbox.intake_stats.get(*s) {
-                    e.encode_family(&[("subscription", s.as_str())])?
+                    e.encode_family(&sub_label(s))?
                         .encode_counter::<NoLabelSet, _, u64>(&load(field(i)), None)?;
                 }
             }
         }
-        {
-            let mut e = encoder.encode_descriptor(
-                "mailroom_inbox_task_restarts",
-                "Subscription tasks (consumer, dispatcher) started again after a panic.",
-                None,
-                MetricType::Counter,
-            )?;
-            for s in &subs {
-                if let Some(h) = self.inbox.task_health.get(*s) {
-                    for task in [Task::Consumer, Task::Dispatcher] {
-                        e.encode_family(&[("subscription", s.as_str()), ("task", task.as_str())])?
-                            .encode_counter::<NoLabelSet, _, u64>(&load(h.restarts(task)), None)?;
-                    }
+        Ok(())
+    }
+
+    /// The supervisor's restarts and crash loops per subscription.
+    fn encode_tasks(&self, encoder: &mut DescriptorEncoder<'_>, subs: &[&String]) -> Fmt {
+        let mut e = encoder.encode_descriptor(
+            "mailroom_inbox_task_restarts",
+            "Subscription tasks (consumer, dispatcher) started again after a panic.",
+            None,
+            MetricType::Counter,
+        )?;
+        for s in subs {
+            if let Some(h) = self.inbox.task_health.get(*s) {
+                for task in [Task::Consumer, Task::Dispatcher] {
+                    e.encode_family(&[("subscription", s.as_str()), ("task", task.as_str())])?
+                        .encode_counter::<NoLabelSet, _, u64>(&load(h.restarts(task)), None)?;
                 }
             }
         }
-        {
-            let mut e = encoder.encode_descriptor(
-                "mailroom_inbox_subscription_crash_looping",
-                "1 while a subscription's tasks keep dying (its readiness is NOT_SERVING).",
-                None,
-                MetricType::Gauge,
-            )?;
-            for s in &subs {
-                if let Some(h) = self.inbox.task_health.get(*s) {
-                    e.encode_family(&[("subscription", s.as_str())])?
-                        .encode_gauge(&i64::from(h.crash_looping()))?;
-                }
+        let mut e = encoder.encode_descriptor(
+            "mailroom_inbox_subscription_crash_looping",
+            "1 while a subscription's tasks keep dying (its readiness is NOT_SERVING).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for s in subs {
+            if let Some(h) = self.inbox.task_health.get(*s) {
+                e.encode_family(&sub_label(s))?
+                    .encode_gauge(&i64::from(h.crash_looping()))?;
             }
         }
-        {
-            let mut e = encoder.encode_descriptor(
-                "mailroom_inbox_handled",
-                "Handler outcomes: completed, retried (counted or deferred), failed \
-                 (rejected or out of attempts), transient (handler unreachable).",
-                None,
-                MetricType::Counter,
-            )?;
-            for s in &subs {
-                let r = &self.inbox.dispatch_stats[*s];
-                for (outcome, v) in [
-                    ("completed", load(&r.delivered)),
-                    ("retried", load(&r.retried)),
-                    ("failed", load(&r.failed)),
-                    ("transient", load(&r.transient_events)),
-                ] {
-                    e.encode_family(&[("subscription", s.as_str()), ("outcome", outcome)])?
-                        .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
-                }
+        Ok(())
+    }
+
+    /// The dispatchers' outcomes, refusals and call durations per subscription.
+    fn encode_dispatch(&self, encoder: &mut DescriptorEncoder<'_>, subs: &[&String]) -> Fmt {
+        let mut e = encoder.encode_descriptor(
+            "mailroom_inbox_handled",
+            "Handler outcomes: completed, retried (counted or deferred), failed \
+             (rejected or out of attempts), transient (handler unreachable).",
+            None,
+            MetricType::Counter,
+        )?;
+        for s in subs {
+            let r = &self.inbox.dispatch_stats[*s];
+            for (outcome, v) in [
+                ("completed", load(&r.delivered)),
+                ("retried", load(&r.retried)),
+                ("failed", load(&r.failed)),
+                ("transient", load(&r.transient_events)),
+            ] {
+                e.encode_family(&[("subscription", s.as_str()), ("outcome", outcome)])?
+                    .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
             }
         }
-        {
-            let mut e = encoder.encode_descriptor(
-                "mailroom_inbox_handler_auth_refused",
-                "Handle calls the handler refused with UNAUTHENTICATED or PERMISSION_DENIED \
-                 (no attempt spent).",
-                None,
-                MetricType::Counter,
-            )?;
-            for s in &subs {
-                if let Some(c) = self.inbox.handler_auth_refused.get(*s) {
-                    e.encode_family(&[("subscription", s.as_str())])?
-                        .encode_counter::<NoLabelSet, _, u64>(&load(c), None)?;
-                }
+        let mut e = encoder.encode_descriptor(
+            "mailroom_inbox_handler_auth_refused",
+            "Handle calls the handler refused with UNAUTHENTICATED or PERMISSION_DENIED \
+             (no attempt spent).",
+            None,
+            MetricType::Counter,
+        )?;
+        for s in subs {
+            if let Some(c) = self.inbox.handler_auth_refused.get(*s) {
+                e.encode_family(&sub_label(s))?
+                    .encode_counter::<NoLabelSet, _, u64>(&load(c), None)?;
             }
         }
         let mut e = encoder.encode_descriptor(
@@ -245,15 +265,17 @@ impl Collector for InboxCollector {
             None,
             MetricType::Histogram,
         )?;
-        for s in &subs {
+        for s in subs {
             if let Some(l) = self.inbox.handler_latency.get(*s) {
-                l.histogram()
-                    .encode(e.encode_family(&[("subscription", s.as_str())])?)?;
+                l.histogram().encode(e.encode_family(&sub_label(s))?)?;
             }
         }
         Ok(())
     }
 }
+
+/// What encoding returns.
+type Fmt = Result<(), std::fmt::Error>;
 
 /// Encodes the distinct histograms among `hs` as one metric: the shared one as is, or,
 /// when relays were built without sharing (tests), one series per histogram under a

@@ -1,13 +1,34 @@
 //! A checker for text expositions, used by the tests on real scrapes: every histogram
 //! cumulative once, its `+Inf` bucket equal to its `_count`.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 /// Checks every histogram of a text exposition: per series (labels other than `le`),
 /// bucket counts never decrease with `le`, a `+Inf` bucket exists and equals `_count`.
 /// Returns the number of series checked, or the problems found.
 pub fn check_histograms(text: &str) -> Result<usize, Vec<String>> {
-    use std::collections::BTreeMap;
+    let mut problems = Vec::new();
+    let series = histogram_series(text, &mut problems);
+    for ((name, labels), (buckets, count)) in &series {
+        check_series(
+            &format!("{name}{{{labels}}}"),
+            buckets,
+            *count,
+            &mut problems,
+        );
+    }
+    if problems.is_empty() {
+        Ok(series.len())
+    } else {
+        Err(problems)
+    }
+}
+
+/// A histogram series' buckets (`le`, cumulative count) and its `_count`.
+type Series = (Vec<(f64, f64)>, Option<f64>);
+
+/// The names the exposition declares as histograms.
+fn histogram_names(text: &str) -> HashSet<String> {
     let mut histograms = HashSet::new();
     for l in text.lines() {
         let mut w = l.split_whitespace();
@@ -17,32 +38,31 @@ pub fn check_histograms(text: &str) -> Result<usize, Vec<String>> {
             histograms.insert(name.to_string());
         }
     }
-    // (name, other labels) -> (buckets by le, count)
-    type Series = (Vec<(f64, f64)>, Option<f64>);
+    histograms
+}
+
+/// The histograms' samples by (name, labels other than `le`); unparsable samples go to
+/// `problems`.
+fn histogram_series(text: &str, problems: &mut Vec<String>) -> BTreeMap<(String, String), Series> {
+    let histograms = histogram_names(text);
     let mut series: BTreeMap<(String, String), Series> = BTreeMap::new();
-    let mut problems = Vec::new();
     for l in text
         .lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
     {
-        let (head, value) = match l.rsplit_once(' ') {
-            Some(x) => x,
-            None => continue,
+        let Some((head, value)) = l.rsplit_once(' ') else {
+            continue;
         };
-        let value: f64 = match value.parse() {
-            Ok(v) => v,
-            Err(_) => {
-                problems.push(format!("unparsable sample: {l}"));
-                continue;
-            }
+        let Ok(value) = value.parse::<f64>() else {
+            problems.push(format!("unparsable sample: {l}"));
+            continue;
         };
         let (name, labels) = match head.split_once('{') {
             Some((n, rest)) => (n, rest.trim_end_matches('}')),
             None => (head, ""),
         };
-        let (base, suffix) = match name.rsplit_once('_') {
-            Some(x) => x,
-            None => continue,
+        let Some((base, suffix)) = name.rsplit_once('_') else {
+            continue;
         };
         if !histograms.contains(base) {
             continue;
@@ -75,24 +95,22 @@ pub fn check_histograms(text: &str) -> Result<usize, Vec<String>> {
             _ => {}
         }
     }
-    for ((name, labels), (mut buckets, count)) in series.iter().map(|(k, v)| (k, v.clone())) {
-        let id = format!("{name}{{{labels}}}");
-        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-        if buckets.windows(2).any(|w| w[1].1 < w[0].1) {
-            problems.push(format!("{id}: bucket counts decrease: {buckets:?}"));
-        }
-        match (buckets.last(), count) {
-            (Some((b, inf)), Some(c)) if b.is_infinite() => {
-                if *inf != c {
-                    problems.push(format!("{id}: +Inf bucket {inf} != _count {c}"));
-                }
-            }
-            _ => problems.push(format!("{id}: no +Inf bucket or no _count")),
-        }
+    series
+}
+
+/// One series: cumulative buckets, and a `+Inf` bucket equal to `_count`.
+fn check_series(id: &str, buckets: &[(f64, f64)], count: Option<f64>, problems: &mut Vec<String>) {
+    let mut buckets = buckets.to_vec();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    if buckets.windows(2).any(|w| w[1].1 < w[0].1) {
+        problems.push(format!("{id}: bucket counts decrease: {buckets:?}"));
     }
-    if problems.is_empty() {
-        Ok(series.len())
-    } else {
-        Err(problems)
+    match (buckets.last(), count) {
+        (Some((b, inf)), Some(c)) if b.is_infinite() => {
+            if *inf != c {
+                problems.push(format!("{id}: +Inf bucket {inf} != _count {c}"));
+            }
+        }
+        _ => problems.push(format!("{id}: no +Inf bucket or no _count")),
     }
 }

@@ -83,6 +83,78 @@ struct Inner {
     keys_pruned: Counter,
 }
 
+impl Inner {
+    /// Registers the metrics this process updates itself.
+    fn register_own(&mut self) {
+        let r = &mut self.registry;
+        r.register(
+            "mailroom_outbox_enqueued",
+            "Events stored by Enqueue/EnqueueBatch, by topic (duplicates not included).",
+            self.enqueued.clone(),
+        );
+        r.register(
+            "mailroom_outbox_duplicates",
+            "Enqueued events answered as duplicates of a stored event (idempotency key), by topic.",
+            self.duplicates.clone(),
+        );
+        r.register(
+            "mailroom_outbox_requeued",
+            "Failed events put back in line by operators.",
+            self.requeued.clone(),
+        );
+        r.register(
+            "mailroom_outbox_cancelled",
+            "Pending events cancelled (made failed) by operators.",
+            self.cancelled.clone(),
+        );
+        r.register(
+            "mailroom_grpc_requests",
+            "gRPC requests answered, by method and status code.",
+            self.rpcs.clone(),
+        );
+        r.register(
+            "mailroom_grpc_request_seconds",
+            "gRPC request latency in the server, by method.",
+            self.rpc_seconds.clone(),
+        );
+        r.register(
+            "mailroom_outbox_pending",
+            "Pending events by topic (refreshed every metrics_stats_interval).",
+            self.pending.clone(),
+        );
+        r.register(
+            "mailroom_outbox_failed_events",
+            "Failed events kept in the outbox by topic (refreshed every metrics_stats_interval).",
+            self.failed.clone(),
+        );
+        r.register(
+            "mailroom_outbox_blocked_keys",
+            "Keys whose head event waits out a retry backoff.",
+            self.blocked_keys.clone(),
+        );
+        r.register(
+            "mailroom_outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending event (0 when none).",
+            self.oldest_pending_age.clone(),
+        );
+        r.register(
+            "mailroom_stats_errors",
+            "Failed refreshes of the backlog gauges.",
+            self.stats_errors.clone(),
+        );
+        r.register(
+            "mailroom_retention_deleted",
+            "Events deleted by retention, by status.",
+            self.retention_deleted.clone(),
+        );
+        r.register(
+            "mailroom_retention_keys_pruned",
+            "Idle key rows deleted by retention.",
+            self.keys_pruned.clone(),
+        );
+    }
+}
+
 impl Metrics {
     /// Metrics over the given relays' stats (and the inbox's, when it has subscriptions).
     pub fn new(relays: Vec<Arc<RelayStats>>) -> Metrics {
@@ -91,108 +163,31 @@ impl Metrics {
 
     /// Metrics over the relays' stats and the inbox's handles.
     pub fn with_inbox(relays: Vec<Arc<RelayStats>>, inbox: InboxHandles) -> Metrics {
-        let mut registry = Registry::default();
-        let enqueued = Family::<TopicLabel, Counter>::default();
-        let duplicates = Family::<TopicLabel, Counter>::default();
-        let requeued = Counter::default();
-        let cancelled = Counter::default();
-        let rpcs = Family::<RpcLabel, Counter>::default();
-        let rpc_seconds =
-            Family::<MethodLabel, Histogram>::new_with_constructor(rpc_histogram as fn() -> _);
-        let pending = Family::<TopicLabel, Gauge>::default();
-        let failed = Family::<TopicLabel, Gauge>::default();
-        let blocked_keys = Gauge::default();
-        let oldest_pending_age = Gauge::<f64, AtomicU64>::default();
-        let stats_errors = Counter::default();
-        let retention_deleted = Family::<StatusLabel, Counter>::default();
-        let keys_pruned = Counter::default();
-        registry.register(
-            "mailroom_outbox_enqueued",
-            "Events stored by Enqueue/EnqueueBatch, by topic (duplicates not included).",
-            enqueued.clone(),
-        );
-        registry.register(
-            "mailroom_outbox_duplicates",
-            "Enqueued events answered as duplicates of a stored event (idempotency key), by topic.",
-            duplicates.clone(),
-        );
-        registry.register(
-            "mailroom_outbox_requeued",
-            "Failed events put back in line by operators.",
-            requeued.clone(),
-        );
-        registry.register(
-            "mailroom_outbox_cancelled",
-            "Pending events cancelled (made failed) by operators.",
-            cancelled.clone(),
-        );
-        registry.register(
-            "mailroom_grpc_requests",
-            "gRPC requests answered, by method and status code.",
-            rpcs.clone(),
-        );
-        registry.register(
-            "mailroom_grpc_request_seconds",
-            "gRPC request latency in the server, by method.",
-            rpc_seconds.clone(),
-        );
-        registry.register(
-            "mailroom_outbox_pending",
-            "Pending events by topic (refreshed every metrics_stats_interval).",
-            pending.clone(),
-        );
-        registry.register(
-            "mailroom_outbox_failed_events",
-            "Failed events kept in the outbox by topic (refreshed every metrics_stats_interval).",
-            failed.clone(),
-        );
-        registry.register(
-            "mailroom_outbox_blocked_keys",
-            "Keys whose head event waits out a retry backoff.",
-            blocked_keys.clone(),
-        );
-        registry.register(
-            "mailroom_outbox_oldest_pending_age_seconds",
-            "Age of the oldest pending event (0 when none).",
-            oldest_pending_age.clone(),
-        );
-        registry.register(
-            "mailroom_stats_errors",
-            "Failed refreshes of the backlog gauges.",
-            stats_errors.clone(),
-        );
-        registry.register(
-            "mailroom_retention_deleted",
-            "Events deleted by retention, by status.",
-            retention_deleted.clone(),
-        );
-        registry.register(
-            "mailroom_retention_keys_pruned",
-            "Idle key rows deleted by retention.",
-            keys_pruned.clone(),
-        );
+        let mut inner = Inner {
+            registry: Registry::default(),
+            topics: Mutex::new(HashSet::new()),
+            enqueued: Family::default(),
+            duplicates: Family::default(),
+            requeued: Counter::default(),
+            cancelled: Counter::default(),
+            rpcs: Family::default(),
+            rpc_seconds: Family::new_with_constructor(rpc_histogram as fn() -> _),
+            pending: Family::default(),
+            failed: Family::default(),
+            blocked_keys: Gauge::default(),
+            oldest_pending_age: Gauge::default(),
+            stats_errors: Counter::default(),
+            retention_deleted: Family::default(),
+            keys_pruned: Counter::default(),
+        };
+        inner.register_own();
+        let registry = &mut inner.registry;
         registry.register_collector(Box::new(RelayCollector { relays }));
         if !inbox.dispatch_stats.is_empty() {
             registry.register_collector(Box::new(InboxCollector { inbox }));
         }
         Metrics {
-            inner: Arc::new(Inner {
-                registry,
-                topics: Mutex::new(HashSet::new()),
-                enqueued,
-                duplicates,
-                requeued,
-                cancelled,
-                rpcs,
-                rpc_seconds,
-                pending,
-                failed,
-                blocked_keys,
-                oldest_pending_age,
-                stats_errors,
-                retention_deleted,
-                keys_pruned,
-            }),
+            inner: Arc::new(inner),
         }
     }
 

@@ -24,88 +24,119 @@ pub enum ErrorClass {
 /// must not burn every event's attempts. Unknown codes count, so nothing loops forever
 /// at no cost (docs/relay.md keeps this table in prose).
 pub fn classify(code: C) -> ErrorClass {
-    match code {
-        // No broker, no connection, no answer in time, local queue full, leadership moving.
-        C::AllBrokersDown
-        | C::BrokerTransportFailure
-        | C::Resolve
-        | C::MessageTimedOut
-        | C::RequestTimedOut
-        | C::OperationTimedOut
-        | C::TimedOutQueue
-        | C::QueueFull
-        | C::NetworkException
-        | C::LeaderNotAvailable
-        | C::NotLeaderForPartition
-        | C::BrokerNotAvailable
-        | C::ReplicaNotAvailable
-        | C::NotEnoughReplicas
-        | C::NotEnoughReplicasAfterAppend
-        | C::KafkaStorageError
-        | C::ThrottlingQuotaExceeded
-        | C::FencedLeaderEpoch
-        | C::UnknownLeaderEpoch
-        | C::PreferredLeaderNotAvailable
-        | C::EligibleLeadersNotAvailable
-        | C::CoordinatorLoadInProgress
-        | C::CoordinatorNotAvailable
-        | C::NotCoordinator
-        | C::NotController
-        | C::Retry
-        | C::Interrupted
-        | C::PurgeQueue
-        | C::PurgeInflight
-        | C::BrokerDestroy
-        | C::DestroyBroker
-        | C::WaitCache
-        | C::RebootstrapRequired
-        | C::NodeUpdate
-        | C::UnknownBroker
-        | C::CriticalSystemResource
-        // The cluster lost or has not yet got the topic's metadata (a broker that lost
-        // its state, a topic being created): about the cluster, not the record.
-        | C::UnknownTopicOrPartition
-        | C::UnknownTopic
-        | C::UnknownPartition
-        | C::UnknownTopicId
-        // Credentials, authorization and TLS: an operator's fix, shared by every record.
-        | C::Authentication
-        | C::SSL
-        | C::SaslAuthenticationFailed
-        | C::UnsupportedSASLMechanism
-        | C::IllegalSASLState
-        | C::UnacceptableCredential
-        | C::PrincipalDeserializationFailure
-        | C::SecurityDisabled
-        | C::TopicAuthorizationFailed
-        | C::ClusterAuthorizationFailed
-        | C::TransactionalIdAuthorizationFailed
-        | C::DelegationTokenAuthorizationFailed
-        | C::DelegationTokenExpired
-        // The client and the cluster disagree on what they support or how they are set
-        // up (an upgrade, a listener change, a compression type the cluster refuses).
-        | C::UnsupportedVersion
-        | C::UnsupportedFeature
-        | C::UnsupportedForMessageFormat
-        | C::UnsupportedCompressionType
-        | C::InvalidRequiredAcks
-        | C::ListenerNotFound
-        | C::NotConfigured
-        | C::InvalidConfig => ErrorClass::Transient,
-        // The producer's identity or sequence is lost: only a new producer recovers.
-        C::Fatal
-        | C::Fenced
-        | C::ProducerFenced
-        | C::InvalidProducerEpoch
-        | C::UnknownProducerId
-        | C::OutOfOrderSequenceNumber
-        | C::InvalidProducerIdMapping
-        | C::GaplessGuarantee
-        | C::InvalidTransactionalState => ErrorClass::ProducerBroken,
+    if producer_lost(code) {
+        ErrorClass::ProducerBroken
+    } else if outage(code) || metadata_missing(code) || credentials(code) || setup(code) {
+        ErrorClass::Transient
+    } else {
         // Everything else (too large, invalid record, bad timestamp, policy violation,
         // invalid topic name, serialization, ...) is the record's fault.
-        _ => ErrorClass::Counted,
+        ErrorClass::Counted
     }
+}
+
+/// No broker, no connection, no answer in time, local queue full, leadership moving.
+fn outage(code: C) -> bool {
+    matches!(
+        code,
+        C::AllBrokersDown
+            | C::BrokerTransportFailure
+            | C::Resolve
+            | C::MessageTimedOut
+            | C::RequestTimedOut
+            | C::OperationTimedOut
+            | C::TimedOutQueue
+            | C::QueueFull
+            | C::NetworkException
+            | C::LeaderNotAvailable
+            | C::NotLeaderForPartition
+            | C::BrokerNotAvailable
+            | C::ReplicaNotAvailable
+            | C::NotEnoughReplicas
+            | C::NotEnoughReplicasAfterAppend
+            | C::KafkaStorageError
+            | C::ThrottlingQuotaExceeded
+            | C::FencedLeaderEpoch
+            | C::UnknownLeaderEpoch
+            | C::PreferredLeaderNotAvailable
+            | C::EligibleLeadersNotAvailable
+            | C::CoordinatorLoadInProgress
+            | C::CoordinatorNotAvailable
+            | C::NotCoordinator
+            | C::NotController
+            | C::Retry
+            | C::Interrupted
+            | C::PurgeQueue
+            | C::PurgeInflight
+            | C::BrokerDestroy
+            | C::DestroyBroker
+            | C::WaitCache
+            | C::RebootstrapRequired
+            | C::NodeUpdate
+            | C::UnknownBroker
+            | C::CriticalSystemResource
+    )
+}
+
+/// The cluster lost or has not yet got the topic's metadata (a broker that lost its
+/// state, a topic being created): about the cluster, not the record.
+fn metadata_missing(code: C) -> bool {
+    matches!(
+        code,
+        C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition | C::UnknownTopicId
+    )
+}
+
+/// Credentials, authorization and TLS: an operator's fix, shared by every record.
+fn credentials(code: C) -> bool {
+    matches!(
+        code,
+        C::Authentication
+            | C::SSL
+            | C::SaslAuthenticationFailed
+            | C::UnsupportedSASLMechanism
+            | C::IllegalSASLState
+            | C::UnacceptableCredential
+            | C::PrincipalDeserializationFailure
+            | C::SecurityDisabled
+            | C::TopicAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+            | C::TransactionalIdAuthorizationFailed
+            | C::DelegationTokenAuthorizationFailed
+            | C::DelegationTokenExpired
+    )
+}
+
+/// The client and the cluster disagree on what they support or how they are set up (an
+/// upgrade, a listener change, a compression type the cluster refuses).
+fn setup(code: C) -> bool {
+    matches!(
+        code,
+        C::UnsupportedVersion
+            | C::UnsupportedFeature
+            | C::UnsupportedForMessageFormat
+            | C::UnsupportedCompressionType
+            | C::InvalidRequiredAcks
+            | C::ListenerNotFound
+            | C::NotConfigured
+            | C::InvalidConfig
+    )
+}
+
+/// The producer's identity or sequence is lost: only a new producer recovers.
+fn producer_lost(code: C) -> bool {
+    matches!(
+        code,
+        C::Fatal
+            | C::Fenced
+            | C::ProducerFenced
+            | C::InvalidProducerEpoch
+            | C::UnknownProducerId
+            | C::OutOfOrderSequenceNumber
+            | C::InvalidProducerIdMapping
+            | C::GaplessGuarantee
+            | C::InvalidTransactionalState
+    )
 }
 
 pub(super) fn class_of(e: &KafkaError) -> ErrorClass {

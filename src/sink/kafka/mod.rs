@@ -201,6 +201,52 @@ impl KafkaSink {
         }
     }
 
+    /// The current producer, replaced first when librdkafka reports it fatally broken
+    /// (a fatal error is that producer's state, not an outage).
+    fn healthy_producer(&self) -> Arc<FutureProducer> {
+        let producer = self.current();
+        match producer.client().fatal_error() {
+            Some((_, why)) => {
+                self.replace(&producer, &format!("fatal producer error: {why}"));
+                release(producer);
+                self.current()
+            }
+            None => producer,
+        }
+    }
+
+    /// A topic's first records wait (a second at most) for its partitions and leaders,
+    /// and for its record size limit.
+    async fn learn_topics(&self, lines: &[Vec<&StoredEvent>], producer: &Arc<FutureProducer>) {
+        let topics = lines
+            .iter()
+            .filter_map(|l| l.first())
+            .map(|e| e.topic.as_str());
+        self.partitions
+            .learn(topics, producer, Duration::from_secs(1))
+            .await;
+        if let Some(limits) = &self.topic_limits {
+            limits.learn(lines.iter().flatten().copied()).await;
+        }
+    }
+
+    /// After a cycle: a broken producer is replaced, and so is one whose deliveries
+    /// failed transiently `STUCK_DELIVERIES` cycles in a row; a delivery resets that count.
+    fn judge(&self, producer: &Arc<FutureProducer>, health: CycleHealth) {
+        if let Some(why) = health.broken {
+            self.replace(producer, &why);
+        } else if health.delivered {
+            self.stuck.store(0, Ordering::Relaxed);
+        } else if health.transient
+            && self.stuck.fetch_add(1, Ordering::Relaxed) + 1 >= STUCK_DELIVERIES
+        {
+            self.replace(
+                producer,
+                "deliveries failed transiently several times in a row",
+            );
+        }
+    }
+
     fn current(&self) -> Arc<FutureProducer> {
         self.producer.read().expect("producer lock").clone()
     }
@@ -371,6 +417,35 @@ fn purged_for_a_refusal(err: &KafkaError, producer: &Weak<FutureProducer>) -> bo
         .is_some_and(|p| matches!(p.client().fatal_error(), Some((C::GaplessGuarantee, _))))
 }
 
+/// What a cycle's lines on the main producer said about it.
+#[derive(Default)]
+struct CycleHealth {
+    delivered: bool,
+    transient: bool,
+    broken: Option<String>,
+}
+
+impl CycleHealth {
+    fn note(
+        &mut self,
+        sink: &KafkaSink,
+        e: &StoredEvent,
+        producer: &Arc<FutureProducer>,
+        notes: LineNotes,
+    ) {
+        self.delivered |= notes.delivered || notes.refused;
+        if notes.transient {
+            // A line held back for a leaderless partition says nothing about the
+            // producer: it must not count towards replacing it.
+            self.transient |= !sink.leaderless(e, producer);
+            sink.partitions.refresh(&e.topic, producer);
+        }
+        if notes.broken.is_some() {
+            self.broken = notes.broken;
+        }
+    }
+}
+
 /// Lets go of a producer; the last holder of a replaced one drops it off the runtime
 /// (dropping flushes for up to 500 ms).
 fn release(producer: Arc<FutureProducer>) {
@@ -469,24 +544,8 @@ impl Sink for KafkaSink {
     }
 
     async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: LineDone<'_>) {
-        let mut producer = self.current();
-        if let Some((_, why)) = producer.client().fatal_error() {
-            // A fatal error is this producer's state, not an outage: go on with a new one.
-            self.replace(&producer, &format!("fatal producer error: {why}"));
-            release(std::mem::replace(&mut producer, self.current()));
-        }
-        // A topic's first records wait (a second at most) for its partitions and leaders,
-        // and for its record size limit.
-        let topics = lines
-            .iter()
-            .filter_map(|l| l.first())
-            .map(|e| e.topic.as_str());
-        self.partitions
-            .learn(topics, &producer, Duration::from_secs(1))
-            .await;
-        if let Some(limits) = &self.topic_limits {
-            limits.learn(lines.iter().flatten().copied()).await;
-        }
+        let producer = self.healthy_producer();
+        self.learn_topics(lines, &producer).await;
         let deadline = tokio::time::Instant::now() + self.deadline;
         let narrowed: Vec<bool> = lines
             .iter()
@@ -521,7 +580,7 @@ impl Sink for KafkaSink {
                 (i, d, notes)
             });
         }
-        let (mut delivered, mut transient, mut broken) = (false, false, None);
+        let mut health = CycleHealth::default();
         while let Some((i, d, notes)) = running.next().await {
             let Some(e) = lines[i].first() else {
                 done(i, d);
@@ -535,31 +594,12 @@ impl Sink for KafkaSink {
                 if let Some(why) = notes.broken {
                     self.narrowed.replace(&why);
                 }
-                done(i, d);
-                continue;
-            }
-            delivered |= notes.delivered || notes.refused;
-            if notes.transient {
-                // A line held back for a leaderless partition says nothing about the
-                // producer: it must not count towards replacing it.
-                transient |= !self.leaderless(e, &producer);
-                self.partitions.refresh(&e.topic, &producer);
-            }
-            if notes.broken.is_some() {
-                broken = notes.broken;
+            } else {
+                health.note(self, e, &producer, notes);
             }
             done(i, d);
         }
-        if let Some(why) = broken {
-            self.replace(&producer, &why);
-        } else if delivered {
-            self.stuck.store(0, Ordering::Relaxed);
-        } else if transient && self.stuck.fetch_add(1, Ordering::Relaxed) + 1 >= STUCK_DELIVERIES {
-            self.replace(
-                &producer,
-                "deliveries failed transiently several times in a row",
-            );
-        }
+        self.judge(&producer, health);
         release(producer);
     }
 
