@@ -97,9 +97,11 @@ impl Error {
 impl From<StoreError> for Error {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::Unavailable(m) | StoreError::Retryable(m) => Error::Unavailable(m),
-            StoreError::TimedOut(m) => Error::DeadlineExceeded(m),
-            StoreError::Other(m) | StoreError::Refused(m) => Error::Internal(m),
+            StoreError::Unavailable(m) | StoreError::Retryable(m) => {
+                Error::Unavailable(m.to_string())
+            }
+            StoreError::TimedOut(m) => Error::DeadlineExceeded(m.to_string()),
+            StoreError::Other(m) | StoreError::Refused(m) => Error::Internal(m.to_string()),
             StoreError::Missing { .. } => Error::NotFound(e.to_string()),
             StoreError::WrongState { .. } | StoreError::ChangedMeanwhile => {
                 Error::FailedPrecondition(e.to_string())

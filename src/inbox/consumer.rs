@@ -263,7 +263,7 @@ pub async fn store_batch(
         Err(StoreError::Refused(error)) => {
             tracing::warn!(
                 subscription,
-                error,
+                %error,
                 "looking up place-only ids refused; skipped"
             );
             vec![None; messages.len()]
@@ -310,7 +310,7 @@ async fn store_split(
             Err(StoreError::Refused(error)) if hi - lo > 1 => {
                 tracing::debug!(
                     subscription,
-                    error,
+                    %error,
                     lo,
                     hi,
                     "inbox insert refused; splitting the batch"
@@ -325,7 +325,7 @@ async fn store_split(
                     subscription,
                     &messages[lo],
                     &places[lo],
-                    &error,
+                    &error.to_string(),
                     stats,
                 )
                 .await?;
@@ -387,7 +387,7 @@ async fn quarantine(
                 count(stats, std::slice::from_ref(&q), &a);
                 return Ok(());
             }
-            Err(StoreError::Refused(e)) => last = e,
+            Err(StoreError::Refused(e)) => last = e.to_string(),
             Err(e) => return Err(e),
         }
     }

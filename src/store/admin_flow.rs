@@ -191,7 +191,7 @@ async fn insert_audit<E: AdminSql>(e: &E, tx: &mut E::Tx, a: &NewAudit<'_>) -> S
     ];
     let rows = rows_in(e, tx, a.box_kind, query(Stmt::InsertAudit, params)).await?;
     rows.first()
-        .ok_or_else(|| StoreError::Other("audit insert returned no id".into()))?
+        .ok_or_else(|| StoreError::other("audit insert returned no id"))?
         .int("id")
 }
 
@@ -350,7 +350,7 @@ async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResul
 fn pending_page<R: Cols>(q: &PendingQuery, rows: &[R]) -> StoreResult<PendingPage> {
     let first = rows
         .first()
-        .ok_or_else(|| StoreError::Other("totals row missing".into()))?;
+        .ok_or_else(|| StoreError::other("totals row missing"))?;
     let mut page = PendingPage {
         keys: Vec::with_capacity(rows.len()),
         next: None,
@@ -439,7 +439,7 @@ fn stats_of<R: Cols>(rows: &StatsRows<R>) -> StoreResult<Stats> {
 fn one<R>(rows: Vec<R>, what: &str) -> StoreResult<R> {
     rows.into_iter()
         .next()
-        .ok_or_else(|| StoreError::Other(format!("{what} row missing")))
+        .ok_or_else(|| StoreError::other(format!("{what} row missing")))
 }
 
 #[async_trait::async_trait]

@@ -9,21 +9,21 @@ use crate::domain::{EventId, Status};
 pub enum StoreError {
     /// The database cannot be reached or refused the connection: retry later.
     #[error("database unavailable: {0}")]
-    Unavailable(String),
+    Unavailable(#[source] Cause),
     /// PostgreSQL aborted the transaction as a deadlock victim (`40P01`) or a
     /// serialization failure (`40001`): nothing of it was applied, and the same call may
     /// simply run again.
     #[error("database unavailable: {0}")]
-    Retryable(String),
+    Retryable(#[source] Cause),
     /// The database refused the statement because of the data (PostgreSQL classes 22
     /// data exception, 23 integrity constraint, 54 program limit such as an index row
     /// too large; SQLite TOOBIG, CONSTRAINT, MISMATCH, RANGE): retrying cannot help.
     #[error("database refused the data: {0}")]
-    Refused(String),
+    Refused(#[source] Cause),
     /// PostgreSQL cancelled the statement after the `statement_timeout` of its query
     /// class (`57014`): the statement, and its transaction, changed nothing.
     #[error("database statement timed out: {0}")]
-    TimedOut(String),
+    TimedOut(#[source] Cause),
     /// Explicit ids that name no event; nothing was changed. The message names at most
     /// a few of them (`some_of`).
     #[error("no event with id {}; nothing was changed", some_of(ids))]
@@ -48,11 +48,61 @@ pub enum StoreError {
     ChangedMeanwhile,
     /// Anything else the database or a row decode reported.
     #[error("database error: {0}")]
-    Other(String),
+    Other(#[source] Cause),
 }
 
 /// A store call's result.
 pub type StoreResult<T> = Result<T, StoreError>;
+
+impl StoreError {
+    /// An error of the store's own (no driver error behind it).
+    pub(crate) fn other(message: impl Into<String>) -> StoreError {
+        StoreError::Other(Cause {
+            message: message.into(),
+            driver: None,
+        })
+    }
+}
+
+/// What the database or the driver reported: its message, and the driver's error when
+/// there is one, kept for code that needs it typed (`driver`). It stands for the
+/// driver's error in the chain: its `source` is the driver error's own source, so a
+/// printer that walks the chain does not repeat the driver's message twice. (The
+/// store's messages include the cause's text, as sqlx's own errors do, because logs
+/// and status messages print `Display` only.)
+#[derive(Debug)]
+pub struct Cause {
+    message: String,
+    driver: Option<sqlx::Error>,
+}
+
+impl Cause {
+    /// The driver's error, if the cause is one.
+    pub fn driver(&self) -> Option<&sqlx::Error> {
+        self.driver.as_ref()
+    }
+}
+
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Cause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.driver.as_ref().and_then(std::error::Error::source)
+    }
+}
+
+impl From<sqlx::Error> for Cause {
+    fn from(e: sqlx::Error) -> Self {
+        Cause {
+            message: e.to_string(),
+            driver: Some(e),
+        }
+    }
+}
 
 /// A value an error message may name: an id, or an id with its state.
 pub(crate) trait Named {
@@ -97,14 +147,14 @@ impl From<sqlx::Error> for StoreError {
             // A connection closed mid-handshake: with TLS built in, sqlx asks for TLS
             // first (`sslmode=prefer`) and reads EOF as "unexpected response from
             // SSLRequest". The database is unreachable, not the request wrong.
-            | sqlx::Error::Protocol(_) => StoreError::Unavailable(e.to_string()),
+            | sqlx::Error::Protocol(_) => StoreError::Unavailable(Cause::from(e)),
             sqlx::Error::Database(db) => {
                 // Class 08 (connection), 57P (operator intervention: shutdown), 53 (resources),
                 // SQLite BUSY, LOCKED, BUSY_SNAPSHOT: all say "try again later", not "bad
                 // request". 40001/40P01 (serialization, deadlock): run the call again.
                 let code = db.code().map(|c| c.to_string()).unwrap_or_default();
                 if code == "40001" || code == "40P01" {
-                    StoreError::Retryable(e.to_string())
+                    StoreError::Retryable(Cause::from(e))
                 } else if code.starts_with("08")
                     || code.starts_with("57P")
                     || code.starts_with("53")
@@ -112,16 +162,16 @@ impl From<sqlx::Error> for StoreError {
                     || code == "6"
                     || code == "517"
                 {
-                    StoreError::Unavailable(e.to_string())
+                    StoreError::Unavailable(Cause::from(e))
                 } else if code == "57014" {
-                    StoreError::TimedOut(e.to_string())
+                    StoreError::TimedOut(Cause::from(e))
                 } else if refusal(&code) {
-                    StoreError::Refused(e.to_string())
+                    StoreError::Refused(Cause::from(e))
                 } else {
-                    StoreError::Other(e.to_string())
+                    StoreError::Other(Cause::from(e))
                 }
             }
-            _ => StoreError::Other(e.to_string()),
+            _ => StoreError::Other(Cause::from(e)),
         }
     }
 }
@@ -134,4 +184,41 @@ fn refusal(code: &str) -> bool {
     }
     // SQLite: extended result codes (at most four digits); the primary code is the low byte.
     matches!(code.parse::<u32>().map(|c| c & 0xff), Ok(18 | 19 | 20 | 25))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn a_driver_error_is_kept_typed_behind_the_same_message() {
+        let e = StoreError::from(sqlx::Error::PoolTimedOut);
+        assert_eq!(
+            e.to_string(),
+            format!("database unavailable: {}", sqlx::Error::PoolTimedOut)
+        );
+        let cause = e.source().expect("a source");
+        assert_eq!(cause.to_string(), sqlx::Error::PoolTimedOut.to_string());
+        let StoreError::Unavailable(cause) = &e else {
+            panic!("{e:?}")
+        };
+        assert!(matches!(cause.driver(), Some(sqlx::Error::PoolTimedOut)));
+        // The driver's own message is not repeated below the cause.
+        assert!(cause.source().is_none());
+        let io = StoreError::from(sqlx::Error::Io(std::io::Error::other("reset")));
+        let mut chain = Vec::new();
+        let mut next = io.source();
+        while let Some(e) = next {
+            chain.push(e.to_string());
+            next = e.source();
+        }
+        assert_eq!(chain.last().map(String::as_str), Some("reset"), "{chain:?}");
+        let own = StoreError::other("totals row missing");
+        assert_eq!(own.to_string(), "database error: totals row missing");
+        let StoreError::Other(cause) = &own else {
+            panic!("{own:?}")
+        };
+        assert!(cause.driver().is_none());
+    }
 }

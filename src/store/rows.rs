@@ -25,7 +25,7 @@ pub(crate) trait Cols {
     fn status(&self, col: &str) -> StoreResult<Status> {
         let status = self.text(col)?;
         Status::parse(&status)
-            .ok_or_else(|| StoreError::Other(format!("unknown status {status:?}")))
+            .ok_or_else(|| StoreError::other(format!("unknown status {status:?}")))
     }
 }
 
@@ -49,7 +49,7 @@ pub(crate) fn decode_event(row: &impl Cols) -> StoreResult<StoredEvent> {
         key: row.opt_text("event_key")?,
         payload: row.bytes("payload")?,
         headers: serde_json::from_str(&headers)
-            .map_err(|e| StoreError::Other(format!("stored headers are not a JSON map: {e}")))?,
+            .map_err(|e| StoreError::other(format!("stored headers are not a JSON map: {e}")))?,
         event_type: row.opt_text("event_type")?,
         idempotency_key: row.opt_text("idempotency_key")?,
         status: row.status("status")?,

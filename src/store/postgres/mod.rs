@@ -88,7 +88,7 @@ impl Default for PoolShape {
 pub async fn pool(url: &str, shape: PoolShape) -> StoreResult<PgPool> {
     let mut opts: PgConnectOptions = url
         .parse()
-        .map_err(|e: sqlx::Error| StoreError::Other(format!("bad database url: {e}")))?;
+        .map_err(|e: sqlx::Error| StoreError::other(format!("bad database url: {e}")))?;
     if let Some(t) = shape.statement_timeout {
         opts = opts.options([("statement_timeout", t.as_millis().to_string())]);
     }
@@ -296,7 +296,7 @@ impl Store for PgStore {
         schema::tolerant(sqlx::migrate!("migrations/postgres"))
             .run(&self.pool)
             .await
-            .map_err(|e| StoreError::Other(format!("migration failed: {e}")))
+            .map_err(|e| StoreError::other(format!("migration failed: {e}")))
     }
 
     fn known_schema(&self) -> i64 {

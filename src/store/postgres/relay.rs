@@ -275,7 +275,7 @@ fn fill_windows(
     };
     for r in rows {
         let i = usize::try_from(r.try_get::<i64, _>("o")? - 1)
-            .map_err(|_| StoreError::Other("bad ordinality".into()))?;
+            .map_err(|_| StoreError::other("bad ordinality"))?;
         let w = &mut keyed[i];
         w.line_end = r.try_get("line_end")?;
         w.delayed_at = r.try_get("delayed_at")?;

@@ -76,7 +76,7 @@ impl Cols for SqliteRow {
     }
     fn count(&self, col: &str) -> StoreResult<u32> {
         let n: i64 = self.try_get(col)?;
-        u32::try_from(n).map_err(|_| StoreError::Other(format!("{col} = {n} is not a count")))
+        u32::try_from(n).map_err(|_| StoreError::other(format!("{col} = {n} is not a count")))
     }
     fn flag(&self, col: &str) -> StoreResult<bool> {
         Ok(self.try_get(col)?)
@@ -96,7 +96,7 @@ impl SqliteStore {
     /// Opens (creating if missing) the database file in WAL mode with full fsync.
     pub async fn connect(url: &str) -> StoreResult<Self> {
         let opts = SqliteConnectOptions::from_str(url)
-            .map_err(|e| StoreError::Other(format!("bad database url: {e}")))?
+            .map_err(|e| StoreError::other(format!("bad database url: {e}")))?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             // FULL: a commit is on disk before Enqueue answers.
@@ -138,7 +138,7 @@ impl Store for SqliteStore {
         schema::tolerant(sqlx::migrate!("migrations/sqlite"))
             .run(&self.pool)
             .await
-            .map_err(|e| StoreError::Other(format!("migration failed: {e}")))
+            .map_err(|e| StoreError::other(format!("migration failed: {e}")))
     }
 
     fn known_schema(&self) -> i64 {
@@ -181,7 +181,7 @@ impl Store for SqliteStore {
     }
 
     async fn held_ids(&self, subscription: &str, ids: &[String]) -> StoreResult<Vec<HeldId>> {
-        let list = serde_json::to_string(ids).map_err(|e| StoreError::Other(e.to_string()))?;
+        let list = serde_json::to_string(ids).map_err(|e| StoreError::other(e.to_string()))?;
         let rows = sqlx::query(
             "SELECT message_id, id, created_at FROM inbox_events
              WHERE subscription = ?1 AND message_id IN (SELECT value FROM json_each(?2))",

@@ -11,7 +11,7 @@ use crate::store::{StoreError, StoreResult};
 
 fn cutoff_micros(older_than: Duration) -> StoreResult<i64> {
     let d = chrono::Duration::from_std(older_than)
-        .map_err(|e| StoreError::Other(format!("retention period out of range: {e}")))?;
+        .map_err(|e| StoreError::other(format!("retention period out of range: {e}")))?;
     Ok((Utc::now() - d).timestamp_micros())
 }
 

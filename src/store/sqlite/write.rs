@@ -81,8 +81,8 @@ impl SqliteStore {
                 }
                 (None, Some(k)) => missing.push((e.topic.clone(), k.clone())),
                 (None, None) => {
-                    return Err(StoreError::Other(
-                        "insert without idempotency key returned no id".into(),
+                    return Err(StoreError::other(
+                        "insert without idempotency key returned no id",
                     ));
                 }
             }
