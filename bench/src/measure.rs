@@ -229,7 +229,10 @@ pub(crate) fn targets_v2(rows: &[Row]) -> String {
     };
     let throughput = |n: &str, base: &str, min: f64| {
         ratio(n, base).map(|(r, x)| {
-            let ordered = !n.contains("1-key") || r.notes.iter().any(|n| n.starts_with("order ok"));
+            let ordered = !n.contains("1-key")
+                || r.notes
+                    .iter()
+                    .any(|n| n.starts_with("broker read-back complete"));
             let order = if !n.contains("1-key") {
                 ""
             } else if ordered {
@@ -382,7 +385,10 @@ pub(crate) fn targets(rows: &[Row]) -> String {
     );
     line("Relay, a single key ≥ 5,000 events/s, order kept", {
         find("relay-1-key").map(|r| {
-            let ordered = r.notes.iter().any(|n| n.starts_with("order ok"));
+            let ordered = r
+                .notes
+                .iter()
+                .any(|n| n.starts_with("broker read-back complete"));
             (
                 format!(
                     "{:.0} events/s, {}",
@@ -401,7 +407,10 @@ pub(crate) fn targets(rows: &[Row]) -> String {
         "Relay, a single key 100,000 deep ≥ 5,000 events/s, order kept",
         {
             find("relay-1-key-deep").map(|r| {
-                let ordered = r.notes.iter().any(|n| n.starts_with("order ok"));
+                let ordered = r
+                    .notes
+                    .iter()
+                    .any(|n| n.starts_with("broker read-back complete"));
                 (
                     format!(
                         "{:.0} events/s, {}",

@@ -103,14 +103,19 @@ impl Bench {
             ));
         }
         app.stop().await?;
-        if keys == 1 {
-            notes.push(self.verify_order(&topic, events).await);
-        }
+        // What a user sees: the records read back from the broker, their count and the
+        // span and gaps of their CreateTime (set when mailroom handed each to the
+        // producer). The row's rate is the broker's, not the in-process counters'.
+        let seen = self.read_back(&topic, events, keys == 1).await;
+        notes.push(seen.note());
         self.dbs.drop_db(&db).await;
+        if !seen.complete() {
+            anyhow::bail!("{name}: {}", seen.note());
+        }
         Ok(Row {
             name: name.into(),
-            events: done,
-            secs: elapsed.as_secs_f64(),
+            events: seen.records as u64,
+            secs: seen.span_ms as f64 / 1000.0,
             latency: None,
             peak_rss_mb: peak,
             cpu,
@@ -124,27 +129,45 @@ impl Bench {
         })
     }
 
-    /// Reads a single-key topic back and checks each event arrived once, in id order.
-    pub(crate) async fn verify_order(&self, topic: &str, expected: usize) -> String {
+    /// Reads a drained topic back (every partition): how many distinct events arrived,
+    /// whether ids increase within the topic when `ordered` (one key), and the records'
+    /// CreateTime span and gaps.
+    pub(crate) async fn read_back(&self, topic: &str, expected: usize, ordered: bool) -> DrainSeen {
         let reader = match TopicReader::start(&self.brokers, topic) {
             Ok(r) => r,
-            Err(e) => return format!("order not verified: {e:#}"),
+            Err(e) => {
+                return DrainSeen {
+                    error: Some(format!("{e:#}")),
+                    ..DrainSeen::default()
+                };
+            }
         };
         let recs = reader
             .collect(expected, Duration::from_secs(120), |_| true)
             .await;
         let ids: Vec<i64> = recs.iter().map(|r| r.id).collect();
-        let increasing = ids.windows(2).all(|w| w[0] < w[1]);
-        if ids.len() == expected && increasing {
-            format!(
-                "order ok ({} records read back, ids strictly increasing)",
-                ids.len()
-            )
-        } else {
-            format!(
-                "ORDER CHECK FAILED: {} of {expected} records, increasing: {increasing}",
-                ids.len()
-            )
+        let distinct = ids.iter().collect::<std::collections::HashSet<_>>().len();
+        let mut times: Vec<i64> = recs
+            .iter()
+            .filter_map(|r| match r.timestamp {
+                Some(("CreateTime", ms)) => Some(ms),
+                _ => None,
+            })
+            .collect();
+        times.sort_unstable();
+        let gaps: Vec<i64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+        DrainSeen {
+            expected,
+            records: recs.len(),
+            distinct,
+            in_order: !ordered || ids.windows(2).all(|w| w[0] < w[1]),
+            span_ms: times
+                .last()
+                .zip(times.first())
+                .map_or(0, |(l, f)| (l - f).max(1)),
+            max_gap_ms: gaps.iter().copied().max().unwrap_or(0),
+            gaps_over_20ms: gaps.iter().filter(|g| **g > 20).count(),
+            error: None,
         }
     }
 
@@ -438,5 +461,49 @@ impl Bench {
         app.stop().await?;
         self.dbs.drop_db(&db).await;
         Ok(row)
+    }
+}
+
+/// A drain as the broker saw it.
+#[derive(Debug, Default)]
+pub(crate) struct DrainSeen {
+    expected: usize,
+    records: usize,
+    distinct: usize,
+    in_order: bool,
+    /// From the first record's CreateTime to the last's.
+    pub(crate) span_ms: i64,
+    /// The longest pause between consecutive CreateTimes while records remained.
+    pub(crate) max_gap_ms: i64,
+    gaps_over_20ms: usize,
+    error: Option<String>,
+}
+
+impl DrainSeen {
+    fn complete(&self) -> bool {
+        self.error.is_none() && self.distinct == self.expected && self.in_order
+    }
+
+    fn note(&self) -> String {
+        if let Some(e) = &self.error {
+            return format!("READ-BACK FAILED: {e}");
+        }
+        let status = if self.complete() {
+            "complete"
+        } else {
+            "INCOMPLETE OR OUT OF ORDER"
+        };
+        format!(
+            "broker read-back {status}: {} records ({} distinct of {}), ids in order: {}; \
+             CreateTime span {} ms = {:.0}/s; longest gap {} ms, {} gaps over 20 ms",
+            self.records,
+            self.distinct,
+            self.expected,
+            self.in_order,
+            self.span_ms,
+            self.distinct as f64 * 1000.0 / self.span_ms.max(1) as f64,
+            self.max_gap_ms,
+            self.gaps_over_20ms
+        )
     }
 }

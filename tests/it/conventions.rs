@@ -226,3 +226,97 @@ fn admin_help_shows_only_the_client_options() {
     let help = String::from_utf8_lossy(&out.stdout);
     assert!(help.contains("--database-url") && help.contains("admin"));
 }
+
+/// Every test the documentation cites exists: a backticked name whose last segment is a
+/// snake_case name of three or more words counts as a citation when it goes through a
+/// `tests` module, starts with a module of this suite (`faults::…`), or follows the
+/// word "test" ("test `x`", "tested by `x`"). Each must be a `fn` in `tests/`, `src/` or
+/// `bench/`.
+#[test]
+fn every_test_the_docs_cite_exists() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut fns = std::collections::HashSet::new();
+    let mut suite_modules = std::collections::HashSet::new();
+    for dir in ["tests", "src", "bench/src"] {
+        for file in rust_files(&root.join(dir)) {
+            let text = std::fs::read_to_string(&file).expect("read a source file");
+            for word in text.split("fn ").skip(1) {
+                let name: String = word
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                fns.insert(name);
+            }
+        }
+    }
+    for file in rust_files(&root.join("tests/it")) {
+        if let Some(stem) = file.file_stem().and_then(|s| s.to_str()) {
+            suite_modules.insert(stem.to_string());
+        }
+    }
+    let mut docs: Vec<std::path::PathBuf> = vec![root.join("README.md")];
+    for dir in ["docs", "deploy"] {
+        for entry in std::fs::read_dir(root.join(dir)).expect("read docs") {
+            let path = entry.expect("a docs entry").path();
+            if path.extension().is_some_and(|e| e == "md") {
+                docs.push(path);
+            }
+        }
+    }
+    let mut cited = 0;
+    let mut missing = Vec::new();
+    for doc in &docs {
+        let text = std::fs::read_to_string(doc).expect("read a doc");
+        for (n, line) in text.lines().enumerate() {
+            for (i, token) in line.split('`').enumerate().filter(|(i, _)| i % 2 == 1) {
+                let last = token.rsplit("::").next().unwrap_or(token);
+                let words: Vec<&str> = last.split('_').collect();
+                let snake = words.len() >= 3
+                    && words.iter().all(|w| {
+                        !w.is_empty()
+                            && w.chars()
+                                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+                    });
+                if !snake {
+                    continue;
+                }
+                let before = line.split('`').take(i).collect::<Vec<_>>().join("`");
+                let before = before.trim_end();
+                let first = token.split("::").next().unwrap_or("");
+                let is_citation = token.contains("tests::")
+                    || (token.contains("::") && suite_modules.contains(first))
+                    || ["test", "tests", "test:", "tested by"]
+                        .iter()
+                        .any(|w| before.ends_with(w));
+                if is_citation {
+                    cited += 1;
+                    if !fns.contains(last) {
+                        missing.push(format!("{}:{}: {token}", doc.display(), n + 1));
+                    }
+                }
+            }
+        }
+    }
+    assert!(cited >= 10, "the check found only {cited} citations");
+    assert!(
+        missing.is_empty(),
+        "the docs cite tests that do not exist: {missing:#?}"
+    );
+}
+
+/// The `.rs` files below `dir`.
+fn rust_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).expect("read a source dir") {
+            let path = entry.expect("a dir entry").path();
+            if path.is_dir() {
+                todo.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
