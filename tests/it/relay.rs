@@ -707,6 +707,83 @@ async fn drained_keys_go_idle_and_are_not_leased_again() {
     s.app.stop().await.unwrap();
 }
 
+/// SQL-API events are folded into their keys 1,000 per claim, while a claim reads every
+/// pending event of a key whether folded or not: a relay that publishes faster than it
+/// folds has published what later folds count. Those folds must not wake the drained
+/// key (it was leased again, empty, once per fold, ahead of keys with work), and folding
+/// must still count every event.
+#[tokio::test]
+async fn folding_published_sql_events_does_not_wake_their_drained_key() {
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let s = Service::start(quiet_config(&url)).await;
+    let pg = PgStore::connect(&url, 1).await.unwrap();
+    // 5,000 events on one key, in SQL-API calls of 1,000 (stored unfolded).
+    for b in 0..5 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM mailroom.enqueue_batch(
+                 array_fill('sqlfold'::text, ARRAY[1000]), array_fill('k'::text, ARRAY[1000]),
+                 (SELECT array_agg(convert_to(g::text, 'UTF8') ORDER BY g)
+                  FROM generate_series($1 * 1000 + 1, $1 * 1000 + 1000) g))",
+        )
+        .bind(b)
+        .fetch_one(pg.pool())
+        .await
+        .unwrap();
+        assert_eq!(n, 1000);
+    }
+    // One claim reads the whole line: batch and run of 5,000.
+    let mut relay = Relay::new(
+        s.app.store.clone(),
+        kafka(&broker.addr(), &[]),
+        Queue::Outbox,
+        RelayConfig {
+            batch_size: 5000,
+            max_run: 5000,
+            ..relay_config(Duration::ZERO)
+        },
+    );
+    let first = relay.cycle().await.unwrap();
+    assert_eq!(first.delivered, 5000, "{first:?}");
+    let unfolded: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE NOT counted")
+        .fetch_one(pg.pool())
+        .await
+        .unwrap();
+    assert_eq!(unfolded, 4000, "the first claim folds 1,000");
+    // The next four claims fold the rest.
+    let mut leased = Vec::new();
+    for _ in 0..5 {
+        leased.push(relay.cycle().await.unwrap().keys);
+    }
+    let (unfolded, pending, ready): (i64, i64, bool) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM outbox_events WHERE NOT counted),
+                k.pending, k.ready_at <> 'infinity'
+         FROM outbox_keys k WHERE k.topic = 'sqlfold'",
+    )
+    .fetch_one(pg.pool())
+    .await
+    .unwrap();
+    assert_eq!(unfolded, 0, "every event folded");
+    // The first claim after the drain may look at the key once: its window ended full,
+    // so it was released ready. Folding the rest never wakes it again.
+    assert_eq!(
+        leased[1..],
+        [0, 0, 0, 0],
+        "keys leased per claim after the drain: {leased:?}"
+    );
+    assert_eq!(
+        (pending, ready),
+        (0, false),
+        "the key's count and whether it is ready"
+    );
+    assert_eq!(s.outbox_count(Some(Status::Pending)).await, 0);
+    assert_eq!(
+        consume(&broker.addr(), "sqlfold", 5000, Duration::from_secs(30)).len(),
+        5000
+    );
+    s.app.stop().await.unwrap();
+}
+
 /// Item 8: a payload of exactly `max_payload_bytes` (1,015,820 bytes by default, so that
 /// it fits stock Kafka: issue 23, item 5) is published: the producer's
 /// `message.max.bytes` is raised to fit it (librdkafka's default, 1,000,000 bytes,

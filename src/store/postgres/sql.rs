@@ -83,16 +83,32 @@ fn size(a: &str) -> String {
 
 /// SQL-API events (stored `counted = false`, with no key row written): the key rows are
 /// created or woken first, in the byte order every key-locking statement uses, then the
-/// events are marked counted, which the update trigger counts. Two relays folding at
-/// once: the second waits for the first's row locks and then finds the events counted.
-/// (The outbox's only: the inbox has no SQL API.)
+/// events are marked counted, which the update trigger counts. (The outbox's only: the
+/// inbox has no SQL API.)
+///
+/// One relay folds at a time (advisory lock (7110, 1), tried, never waited for): a second relay's
+/// fold would read the same rows, wait for the first's row locks and then find them
+/// counted, so its claim only waited. A key is woken only when a folded event is above
+/// its cursor (read without a lock: a cursor that moves on meanwhile only makes the wake
+/// unneeded; one lowered by a requeue is woken by the requeue): the relays read events
+/// whether counted or not, so by the time a deep backlog is folded most of it is
+/// published, and waking those keys (with their events' old schedules, ahead of every
+/// key with work in the ready order) made the relays lease empty lines while the rest
+/// waited.
 const FOLD: &str = "WITH f AS MATERIALIZED (
                     SELECT id, topic, event_key, scheduled_at FROM outbox_events
-                    WHERE NOT counted ORDER BY id LIMIT $1),
+                    WHERE NOT counted AND pg_try_advisory_xact_lock(7110, 1)
+                    ORDER BY id LIMIT $1),
+                 g AS MATERIALIZED (
+                    SELECT g.topic, g.event_key,
+                           CASE WHEN c.published_through IS NULL OR g.top > c.published_through
+                                THEN g.at ELSE 'infinity' END AS at
+                    FROM (SELECT topic, event_key, min(scheduled_at) AS at, max(id) AS top
+                          FROM f GROUP BY topic, event_key) g
+                    LEFT JOIN outbox_keys c ON c.topic = g.topic AND c.event_key = g.event_key),
                  keys AS (
                     INSERT INTO outbox_keys AS k (topic, event_key, ready_at, pending)
-                    SELECT topic, event_key, min(scheduled_at), 0 FROM f
-                    GROUP BY topic, event_key
+                    SELECT topic, event_key, at, 0 FROM g
                     ORDER BY topic COLLATE \"C\", event_key COLLATE \"C\"
                     ON CONFLICT (topic, event_key)
                     DO UPDATE SET ready_at = LEAST(k.ready_at, EXCLUDED.ready_at)
