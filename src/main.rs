@@ -102,7 +102,7 @@ async fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("mailroom admin: {e:#}");
-                    ExitCode::FAILURE
+                    ExitCode::from(mailroom::cli::exit_code(&e))
                 }
             };
         }

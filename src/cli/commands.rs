@@ -27,10 +27,26 @@ impl Client {
     }
 }
 
-/// The status as the command's error. A transport failure (refused, TLS handshake)
-/// travels as the status's source chain: each cause is named once.
+/// A failed RPC: its gRPC code (for the exit status) and the message printed.
+#[derive(Debug)]
+pub struct RpcFailure {
+    code: tonic::Code,
+    message: String,
+}
+
+impl std::fmt::Display for RpcFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for RpcFailure {}
+
+/// The status as the command's error, its code named as gRPC names it
+/// (`INVALID_ARGUMENT`). A transport failure (refused, TLS handshake) travels as the
+/// status's source chain: each cause is named once.
 fn rpc_error(s: tonic::Status) -> anyhow::Error {
-    let mut message = format!("{:?}: {}", s.code(), s.message());
+    let mut message = format!("{}: {}", crate::metrics::code_name(s.code()), s.message());
     let mut source = std::error::Error::source(&s);
     while let Some(e) = source {
         let cause = e.to_string();
@@ -40,7 +56,36 @@ fn rpc_error(s: tonic::Status) -> anyhow::Error {
         }
         source = e.source();
     }
-    anyhow::anyhow!(message)
+    anyhow::Error::new(RpcFailure {
+        code: s.code(),
+        message,
+    })
+}
+
+/// The exit status of a failed command (docs/admin.md, "Exit status"): 3 not found, 4
+/// refused (token or scope), 5 unreachable or unavailable, 6 a request the server
+/// rejected (invalid, wrong state, conflict), 1 anything else. Usage errors exit with 2
+/// (clap's).
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    use tonic::Code;
+    if let Some(f) = e.chain().find_map(|c| c.downcast_ref::<RpcFailure>()) {
+        return match f.code {
+            Code::NotFound => 3,
+            Code::Unauthenticated | Code::PermissionDenied => 4,
+            Code::Unavailable | Code::DeadlineExceeded => 5,
+            Code::InvalidArgument
+            | Code::FailedPrecondition
+            | Code::AlreadyExists
+            | Code::OutOfRange => 6,
+            _ => 1,
+        };
+    }
+    if e.chain()
+        .any(|c| c.downcast_ref::<tonic::transport::Error>().is_some())
+    {
+        return 5;
+    }
+    1
 }
 
 /// An RPC's answer, or its status as the command's error.
@@ -65,14 +110,14 @@ async fn connect(args: &AdminArgs) -> anyhow::Result<Client> {
     let tls = crate::tls::ClientTls {
         ca: args.ca.clone(),
         cert: args.cert.clone(),
-        key: args.key.clone(),
+        key: args.client_key.clone().or_else(|| args.key.clone()),
     };
     if args.server.starts_with("https://") {
         endpoint = endpoint
             .tls_config(tls.tonic()?)
             .context("TLS configuration")?;
     } else if tls != crate::tls::ClientTls::default() {
-        anyhow::bail!("--ca/--cert/--key need an https:// --server");
+        anyhow::bail!("--ca/--cert/--client-key need an https:// --server");
     }
     let channel = endpoint
         .connect()

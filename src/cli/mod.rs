@@ -10,32 +10,42 @@ use clap::{Args, Subcommand, ValueEnum};
 mod commands;
 mod render;
 
-pub use commands::execute;
+pub use commands::{RpcFailure, execute, exit_code};
 pub use render::{age, truncate};
 
 use crate::pb;
 use crate::pb::time::to_timestamp;
 
-/// `mailroom admin`'s own options, parsed apart from the server's.
+/// `mailroom admin`'s own options, parsed apart from the server's. The connection and
+/// output options are global, as kubectl's and gh's are: they go before or after the
+/// command (`mailroom admin stats --json`).
 #[derive(Debug, Args)]
 pub struct AdminArgs {
     /// Address of the running mailroom.
-    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    #[arg(long, default_value = "http://127.0.0.1:50051", global = true)]
     pub server: String,
     /// Admin bearer token, if the server requires one.
-    #[arg(long, env = "MAILROOM_ADMIN_TOKEN", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "MAILROOM_ADMIN_TOKEN",
+        hide_env_values = true,
+        global = true
+    )]
     pub token: Option<String>,
     /// CA certificates (PEM) that verify an `https://` server [default: webpki roots].
-    #[arg(long, env = "MAILROOM_ADMIN_TLS_CA")]
+    #[arg(long, env = "MAILROOM_ADMIN_TLS_CA", global = true)]
     pub ca: Option<std::path::PathBuf>,
-    /// Client certificate (PEM) for a server that requires mTLS; needs --key.
-    #[arg(long, env = "MAILROOM_ADMIN_TLS_CERT")]
+    /// Client certificate (PEM) for a server that requires mTLS; needs --client-key.
+    #[arg(long, env = "MAILROOM_ADMIN_TLS_CERT", global = true)]
     pub cert: Option<std::path::PathBuf>,
     /// Private key (PEM) of --cert.
-    #[arg(long, env = "MAILROOM_ADMIN_TLS_KEY")]
+    #[arg(long = "client-key", env = "MAILROOM_ADMIN_TLS_KEY", global = true)]
+    pub client_key: Option<std::path::PathBuf>,
+    /// --client-key, before the command only (`failed --key` filters by event key).
+    #[arg(long, hide = true)]
     pub key: Option<std::path::PathBuf>,
     /// Print JSON instead of tables.
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub json: bool,
     /// Operate on the inbox (same as --box inbox).
     #[arg(long, global = true)]

@@ -1032,7 +1032,25 @@ async fn the_cli_end_to_end() {
         // Without the token: refused, non-zero exit.
         let (ok, _, err) = admin_cli(addr, None, &["stats"]).await;
         assert!(!ok);
-        assert!(err.contains("Unauthenticated"), "{err}");
+        assert!(err.contains("mailroom admin: UNAUTHENTICATED: "), "{err}");
+        // Exit statuses say what failed (docs/admin.md), with the connection options
+        // after the command (they are global).
+        let (code, err) = admin_cli_code(addr, None, &["stats", "--json"]).await;
+        assert_eq!(code, Some(4), "refused: {err}");
+        let (code, err) = admin_cli_code(addr, Some("tok"), &["get", "999999999"]).await;
+        assert_eq!(code, Some(3), "not found: {err}");
+        assert!(err.contains("NOT_FOUND: "), "{err}");
+        let (code, err) = admin_cli_code(addr, Some("tok"), &["pending", "--page-token", "not-a-token"]).await;
+        assert_eq!(code, Some(6), "rejected: {err}");
+        assert!(err.contains("INVALID_ARGUMENT: "), "{err}");
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let (code, err) = admin_cli_code(closed, Some("tok"), &["stats"]).await;
+        assert_eq!(code, Some(5), "unreachable: {err}");
+        let (code, err) = admin_cli_code(addr, Some("tok"), &["stats", "--no-such-flag"]).await;
+        assert_eq!(code, Some(2), "usage: {err}");
 
         // pending
         let out = cli_ok(addr, &["pending"]).await;
@@ -1077,7 +1095,7 @@ async fn the_cli_end_to_end() {
         assert_eq!(j["id"], k1b);
         assert_eq!(j["payload_size"], 1);
         let (ok, _, err) = admin_cli(addr, Some("tok"), &["get", "99999"]).await;
-        assert!(!ok && err.contains("NotFound"), "{err}");
+        assert!(!ok && err.contains("NOT_FOUND: "), "{err}");
 
         // requeue: dry run unless --yes
         let out = cli_ok(addr, &["requeue", "--topic", "orders"]).await;

@@ -560,7 +560,7 @@ async fn admin_read_tokens_read_but_cannot_act() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("PermissionDenied") && stderr.contains("may only read (admin_read)"),
+        stderr.contains("PERMISSION_DENIED: ") && stderr.contains("may only read (admin_read)"),
         "{stderr}"
     );
 

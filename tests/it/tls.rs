@@ -219,10 +219,25 @@ async fn admin_cli_speaks_tls_and_mtls() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(!out.stdout.is_empty());
-    // Without --cert/--key: the handshake is refused.
+    // The connection options are global: after the command too, as kubectl's are.
+    let mut command_first = args.clone();
+    let command = command_first.pop().expect("the README names a command");
+    command_first.insert(0, command);
+    command_first.push("--json".into());
+    let out = run(&command_first).await;
+    assert!(
+        out.status.success(),
+        "{:?}\n{}",
+        command_first,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stats: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("--json after the command");
+    assert!(stats.is_object(), "{stats}");
+    // Without --cert/--client-key: the handshake is refused.
     let no_cert: Vec<String> = args
         .iter()
-        .filter(|a| !a.contains("client.") && *a != "--cert" && *a != "--key")
+        .filter(|a| !a.contains("client.") && *a != "--cert" && *a != "--client-key")
         .cloned()
         .collect();
     let out = run(&no_cert).await;
@@ -231,7 +246,7 @@ async fn admin_cli_speaks_tls_and_mtls() {
     // certificate in; the client sees the connection closed), not by an RPC status.
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("transport error") && !stderr.contains("Unauthenticated"),
+        stderr.contains("transport error") && !stderr.contains("UNAUTHENTICATED"),
         "refused at the transport: {stderr}"
     );
     s.app.stop().await.unwrap();

@@ -26,6 +26,26 @@ pub async fn admin_cli(
     )
 }
 
+/// Runs `mailroom admin` and returns its exit code and stderr.
+pub async fn admin_cli_code(
+    addr: std::net::SocketAddr,
+    token: Option<&str>,
+    args: &[&str],
+) -> (Option<i32>, String) {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_mailroom"));
+    cmd.arg("admin").args(args).arg("--server");
+    cmd.arg(format!("http://{addr}"));
+    if let Some(t) = token {
+        cmd.arg("--token").arg(t);
+    }
+    let out = cmd
+        .env_remove("MAILROOM_ADMIN_TOKEN")
+        .output()
+        .await
+        .expect("run mailroom admin");
+    (out.status.code(), String::from_utf8(out.stderr).unwrap())
+}
+
 /// [`admin_cli`] that must succeed; returns its stdout.
 pub async fn admin_cli_ok(
     addr: std::net::SocketAddr,

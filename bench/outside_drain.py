@@ -1,0 +1,88 @@
+"""Drain measured from outside (issue 27): the release binary with default settings, a
+backlog stored first with the relays off (FILL=grpc: EnqueueBatch of 1,000; FILL=sql: the
+SQL API's mailroom.enqueue_batch), then the service restarted with defaults; an independent
+kafka-python consumer reads the topic back and reports the records' count, the span of their
+CreateTime (set when mailroom handed each record to the producer) and the gaps between them.
+
+usage: python3 bench/outside_drain.py BROKERS EVENTS KEYS TAG
+  env: FILL=grpc|sql (grpc), READ_AFTER=seconds to wait before reading (0: read while it
+       drains; the reader then competes for the CPU), SCRAPE=1 (save /metrics), MAILROOM_BIN,
+       PG (postgresql://postgres@127.0.0.1:5432), LOGS (/tmp)
+Needs: cargo build --release --bin mailroom; pip install -r scripts/requirements-test.txt;
+PostgreSQL and a broker (tansu: see docs/benchmarks.md). Exits non-zero when a record is missing.
+"""
+import os, sys, time, subprocess, uuid
+import psycopg
+from kafka import KafkaConsumer, TopicPartition
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BIN = os.environ.get("MAILROOM_BIN", os.path.join(ROOT, "target/release/mailroom"))
+BROKERS, N, KEYS, TAG = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+LOGS = os.environ.get("LOGS", "/tmp")
+PG = os.environ.get("PG", "postgresql://postgres@127.0.0.1:5432")
+db = f"probe_{uuid.uuid4().hex[:8]}"
+with psycopg.connect(PG + "/postgres", autocommit=True) as c:
+    c.execute(f"CREATE DATABASE {db}")
+url = PG.replace("postgresql://", "postgres://") + "/" + db
+topic = f"probe_{TAG}_{uuid.uuid4().hex[:6]}"
+env = dict(os.environ, MAILROOM_DATABASE_URL=url, MAILROOM_KAFKA_BROKERS=BROKERS, MAILROOM_LISTEN="127.0.0.1:50071")
+def start(extra, log):
+    return subprocess.Popen([BIN], env=dict(env, **extra), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+p = start({"MAILROOM_RELAYS": "0"}, f"{LOGS}/{TAG}-fill.log")
+for _ in range(100):
+    try:
+        with psycopg.connect(url) as c:
+            c.execute("SELECT 1 FROM outbox_events LIMIT 1"); break
+    except Exception:
+        time.sleep(0.2)
+time.sleep(1)
+if os.environ.get("FILL", "grpc") == "sql":
+  with psycopg.connect(url, autocommit=True) as c:
+    for lo in range(0, N, 1000):
+        n = min(1000, N - lo)
+        c.execute("SELECT count(*) FROM mailroom.enqueue_batch(%s, %s, %s)",
+                  ([topic] * n, [f"key-{(lo + i) % KEYS}" for i in range(n)], [b"x" * 256] * n))
+else:
+    import importlib, grpc
+    sys.path.insert(0, os.path.join(ROOT, "tests/python"))
+    import outbox_client
+    outbox_client.generate(os.path.join(ROOT, "proto"))
+    pb = importlib.import_module("mailroom.v1.outbox_pb2")
+    rpc = importlib.import_module("mailroom.v1.outbox_pb2_grpc")
+    stub = rpc.OutboxServiceStub(grpc.insecure_channel("127.0.0.1:50071"))
+    for lo in range(0, N, 1000):
+        n = min(1000, N - lo)
+        stub.EnqueueBatch(pb.EnqueueBatchRequest(events=[pb.Event(topic=topic, key=f"key-{(lo + i) % KEYS}", payload=b"x" * 256, type="bench.event") for i in range(n)]))
+p.terminate(); p.wait()
+if os.environ.get("FILL_ONLY"):
+    print(db, topic); sys.exit(0)
+t0 = time.time()
+p = start({"MAILROOM_METRICS_LISTEN": "127.0.0.1:9391"} if os.environ.get("SCRAPE") else {}, f"{LOGS}/{TAG}-run.log")
+if os.environ.get("READ_AFTER"):
+    time.sleep(float(os.environ["READ_AFTER"]))
+cons = KafkaConsumer(bootstrap_servers=BROKERS, enable_auto_commit=False, fetch_max_wait_ms=5)
+parts = None
+while not parts:
+    parts = cons.partitions_for_topic(topic); time.sleep(0.05) if not parts else None
+tps = [TopicPartition(topic, x) for x in parts]
+cons.assign(tps); cons.seek_to_beginning(*tps)
+ts = []
+deadline = time.time() + 300
+while len(ts) < N and time.time() < deadline:
+    for tp, recs in cons.poll(timeout_ms=200, max_records=10000).items():
+        ts.extend(r.timestamp for r in recs)
+if os.environ.get("SCRAPE"):
+    import urllib.request
+    m = urllib.request.urlopen("http://127.0.0.1:9391/metrics").read().decode()
+    open(f"{LOGS}/{TAG}-metrics.txt", "w").write(m)
+p.terminate(); p.wait()
+ts.sort()
+if not ts:
+    sys.exit(f"{TAG}: no record read back")
+gaps = sorted(((ts[i+1]-ts[i]), i) for i in range(len(ts)-1))[::-1]
+span = max(ts[-1] - ts[0], 1)
+print(f"{TAG}: {len(ts)}/{N} records, span {span} ms = {len(ts)*1000/span:.0f}/s, top gaps (ms@index): {gaps[:6]}, gaps>20ms: {sum(1 for g,_ in gaps if g>20)}")
+with psycopg.connect(PG + "/postgres", autocommit=True) as c:
+    c.execute(f"DROP DATABASE {db} WITH (FORCE)")
+if len(ts) < N:
+    sys.exit(f"{TAG}: {N - len(ts)} records missing")
