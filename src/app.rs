@@ -361,7 +361,9 @@ impl Background {
 /// Health, SERVING and live from the start, and the `grpc.health.v1` service reading it.
 async fn serving_health() -> (Health, HealthServer<HealthService>) {
     let reporter = tonic_health::server::HealthReporter::new();
-    let service = HealthServer::new(HealthService::from_health_reporter(reporter.clone()));
+    let service = crate::api::compressed!(HealthServer::new(HealthService::from_health_reporter(
+        reporter.clone()
+    )));
     let health = Health::new(reporter);
     health.set_all(ServingStatus::Serving).await;
     health.set_live().await;
@@ -592,11 +594,16 @@ impl Services {
                 crate::config::enqueue_request_bytes(&config.limits),
                 config.max_batch_bytes,
             ),
-            admin: pb::admin_service_server::AdminServiceServer::new(
+            admin: crate::api::compressed!(pb::admin_service_server::AdminServiceServer::new(
                 AdminApi::new(admin).with_metrics(p.metrics.clone()),
-            ),
-            inbox: pb::inbox_service_server::InboxServiceServer::new(
-                crate::api::inbox::InboxApi::new(Arc::new(inbox), config.limits),
+            )),
+            // One message per call, limited as one Enqueue is (tonic's default of 4 MiB
+            // would refuse payloads an operator allowed above it).
+            inbox: crate::api::compressed!(
+                pb::inbox_service_server::InboxServiceServer::new(
+                    crate::api::inbox::InboxApi::new(Arc::new(inbox), config.limits),
+                )
+                .max_decoding_message_size(crate::config::enqueue_request_bytes(&config.limits))
             ),
         }
     }
@@ -630,17 +637,27 @@ fn reflection() -> anyhow::Result<(
         impl tonic_reflection::server::v1alpha::ServerReflection,
     >,
 )> {
-    let v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    let v1 = served(tonic_reflection::server::Builder::configure())
+        .with_service_name("grpc.reflection.v1.ServerReflection")
         .build_v1()
         .context("building reflection service")?;
-    let v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    let v1alpha = served(tonic_reflection::server::Builder::configure())
+        .with_service_name("grpc.reflection.v1alpha.ServerReflection")
         .build_v1alpha()
         .context("building reflection service (v1alpha)")?;
     Ok((v1, v1alpha))
+}
+
+/// The descriptors and the names of the services mailroom serves: the proto package also
+/// holds `HandlerService`, which subscribers serve and mailroom calls; listing it made
+/// generic clients call it here and get `UNIMPLEMENTED`.
+fn served(b: tonic_reflection::server::Builder<'_>) -> tonic_reflection::server::Builder<'_> {
+    b.register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .with_service_name(pb::outbox_service_server::SERVICE_NAME)
+        .with_service_name(pb::admin_service_server::SERVICE_NAME)
+        .with_service_name(pb::inbox_service_server::SERVICE_NAME)
+        .with_service_name("grpc.health.v1.Health")
 }
 
 /// Serves gRPC until the shutdown signal, lets in-flight RPCs finish within the grace

@@ -126,9 +126,12 @@ impl OutboxLimits {
         use pb::outbox_service_server::OutboxServiceServer;
         let api = std::sync::Arc::new(api);
         OutboxLimits {
-            single: OutboxServiceServer::from_arc(api.clone())
-                .max_decoding_message_size(single_limit),
-            batch: OutboxServiceServer::from_arc(api).max_decoding_message_size(batch_limit),
+            single: super::compressed!(
+                OutboxServiceServer::from_arc(api.clone()).max_decoding_message_size(single_limit)
+            ),
+            batch: super::compressed!(
+                OutboxServiceServer::from_arc(api).max_decoding_message_size(batch_limit)
+            ),
             single_limit,
             batch_limit,
         }

@@ -1040,7 +1040,12 @@ async fn the_cli_end_to_end() {
         let (code, err) = admin_cli_code(addr, Some("tok"), &["get", "999999999"]).await;
         assert_eq!(code, Some(3), "not found: {err}");
         assert!(err.contains("NOT_FOUND: "), "{err}");
-        let (code, err) = admin_cli_code(addr, Some("tok"), &["pending", "--page-token", "not-a-token"]).await;
+        let (code, err) = admin_cli_code(
+            addr,
+            Some("tok"),
+            &["pending", "--page-token", "not-a-token"],
+        )
+        .await;
         assert_eq!(code, Some(6), "rejected: {err}");
         assert!(err.contains("INVALID_ARGUMENT: "), "{err}");
         let closed = std::net::TcpListener::bind("127.0.0.1:0")

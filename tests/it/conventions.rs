@@ -37,6 +37,11 @@ async fn reflection_serves_v1_and_v1alpha() {
     ] {
         assert!(services.contains(&want), "{want} not in {services:?}");
     }
+    // Only what is served: subscribers serve HandlerService, mailroom calls it.
+    assert!(
+        !services.contains(&"mailroom.v1.HandlerService"),
+        "{services:?}"
+    );
     let id = seen["id"].as_i64().expect("an id from Enqueue");
     let stored = s.stored(mailroom::domain::BoxKind::Outbox, id).await;
     assert_eq!(stored.topic, "reflected");
@@ -59,11 +64,18 @@ async fn reflection_serves_v1_and_v1alpha() {
     let answer = answers.message().await.unwrap().unwrap();
     match answer.message_response {
         Some(MessageResponse::ListServicesResponse(l)) => {
-            assert!(
-                l.service
-                    .iter()
-                    .any(|s| s.name == "mailroom.v1.OutboxService")
-            )
+            let mut names: Vec<&str> = l.service.iter().map(|s| s.name.as_str()).collect();
+            names.sort_unstable();
+            assert_eq!(
+                names,
+                [
+                    "grpc.health.v1.Health",
+                    "grpc.reflection.v1.ServerReflection",
+                    "mailroom.v1.AdminService",
+                    "mailroom.v1.InboxService",
+                    "mailroom.v1.OutboxService",
+                ]
+            );
         }
         other => panic!("{other:?}"),
     }

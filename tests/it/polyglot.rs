@@ -19,8 +19,18 @@ async fn a_python_grpcio_client_enqueues_and_checks_health() {
     assert_eq!(stored.payload, (0..=255u8).collect::<Vec<u8>>());
     assert_eq!(stored.headers["note"], "héllo");
     assert_eq!(stored.event_type.as_deref(), Some("order.created"));
-    // One row for the two identical requests, plus the batch of three.
-    assert_eq!(s.outbox_count(None).await, 4);
+    // Sent gzipped (grpcio with compression on): stored whole.
+    let gz = s
+        .stored(BoxKind::Outbox, seen["gzip_id"].as_i64().unwrap())
+        .await;
+    assert_eq!(
+        (gz.key.as_deref(), gz.payload.len()),
+        (Some("py-gzip"), 100_000)
+    );
+    assert!(gz.payload.iter().all(|b| *b == b'z'));
+    // One row for the two identical requests, the batch of three, the gzipped Enqueue
+    // and batch of two, and the deflated Enqueue.
+    assert_eq!(s.outbox_count(None).await, 8);
     s.app.stop().await.unwrap();
 }
 
