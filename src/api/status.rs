@@ -74,8 +74,31 @@ pub fn status(
     if let Some(r) = retry {
         d.set_retry_info(Some(r));
     }
-    Status::with_error_details(code, message, d)
+    let mut s = Status::with_error_details(code, message, d);
+    // gRPC's built-in retries (gRFC A6) read the server's pushback from this trailer and
+    // wait exactly that long: the `RetryInfo` delay with equal jitter (between one and
+    // one and a half times it), so that callers refused together do not come back
+    // together; or a negative value where retrying the same request cannot help (a
+    // `RESOURCE_EXHAUSTED` without a delay: the request is too large). The service
+    // config in `docs/grpc-service-config.json` retries on these codes.
+    let pushback = match (retry, code) {
+        (Some(r), _) => {
+            let ms = u64::try_from(r.as_millis()).unwrap_or(u64::MAX);
+            let jitter = rand::random_range(0..=ms / 2);
+            Some(ms.saturating_add(jitter).to_string())
+        }
+        (None, Code::ResourceExhausted) => Some("-1".to_string()),
+        (None, _) => None,
+    };
+    if let Some(v) = pushback.and_then(|v| v.parse().ok()) {
+        s.metadata_mut().insert(PUSHBACK, v);
+    }
+    s
 }
+
+/// The trailer of gRFC A6 that tells a client's built-in retries how long to wait
+/// (milliseconds), or, negative, not to retry.
+pub const PUSHBACK: &str = "grpc-retry-pushback-ms";
 
 /// `RESOURCE_EXHAUSTED` for a request over its size limit (no `RetryInfo`: retrying the
 /// same request cannot succeed).

@@ -82,6 +82,13 @@ async fn reflection_serves_v1_and_v1alpha() {
     s.app.stop().await.unwrap();
 }
 
+/// The `grpc-retry-pushback-ms` trailer of a status, if any.
+fn pushback(s: &tonic::Status) -> Option<i64> {
+    s.metadata()
+        .get("grpc-retry-pushback-ms")
+        .map(|v| v.to_str().unwrap().parse().unwrap())
+}
+
 fn reason_of(s: &tonic::Status) -> String {
     let info = s
         .get_details_error_info()
@@ -123,6 +130,8 @@ async fn errors_carry_error_info_and_retry_info() {
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert_eq!(reason_of(&e), reason::REQUEST_TOO_LARGE);
     assert!(e.get_details_retry_info().is_none());
+    // gRFC A6: a negative pushback tells a client's built-in retries not to retry.
+    assert_eq!(pushback(&e), Some(-1), "{e:?}");
     s.app.stop().await.unwrap();
 
     // UNAVAILABLE from the server's request timeout: RetryInfo with a delay. The enqueue
@@ -160,6 +169,13 @@ async fn errors_carry_error_info_and_retry_info() {
     assert_eq!(reason_of(&e), reason::SERVER_TIMEOUT);
     let delay = e.get_details_retry_info().unwrap().retry_delay.unwrap();
     assert!(delay > Duration::ZERO);
+    // The delay as gRPC's own retries read it, with up to half again of jitter.
+    let ms = delay.as_millis() as i64;
+    let p = pushback(&e).expect("a pushback");
+    assert!(
+        (ms..=ms + ms / 2).contains(&p),
+        "{p} for a delay of {ms} ms"
+    );
     s.app.stop().await.unwrap();
 
     // RESOURCE_EXHAUSTED from load: one RPC in flight at most, sixteen batches at once.

@@ -34,6 +34,47 @@ async fn a_python_grpcio_client_enqueues_and_checks_health() {
     s.app.stop().await.unwrap();
 }
 
+/// gRPC's built-in retries do the right thing with `docs/grpc-service-config.json`: a
+/// server admitting one RPC at a time refuses eight concurrent batches (`RESOURCE_EXHAUSTED`,
+/// `RetryInfo` and `grpc-retry-pushback-ms`); grpcio without the config fails some
+/// calls (the fault fired), with it every call succeeds and every event is stored once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_retries_with_the_service_config_honour_the_pushback() {
+    let url = fresh_pg().await;
+    let mut c = quiet_config(&url);
+    c.overload.max_concurrent_rpcs = 1;
+    let s = Service::start(c).await;
+    let args = [
+        s.app.addr.to_string(),
+        repo_path("proto"),
+        repo_path("docs/grpc-service-config.json"),
+    ];
+    let seen = run_json(
+        "python3",
+        "tests/python/retry_client.py",
+        &args,
+        &[],
+        "python3 is required (scripts/test.sh installs grpcio)",
+        "retry client",
+    )
+    .await;
+    let refused = seen["plain_refused"].as_array().unwrap();
+    assert!(
+        !refused.is_empty(),
+        "no call was refused without retries: {seen}"
+    );
+    assert!(refused.iter().all(|c| c == "RESOURCE_EXHAUSTED"), "{seen}");
+    assert_eq!(seen["retried_ok"], 8, "{seen}");
+    assert_eq!(
+        seen["retried_refused"].as_array().unwrap().len(),
+        0,
+        "{seen}"
+    );
+    let stored = seen["plain_ok"].as_i64().unwrap() * 100 + 800;
+    assert_eq!(s.outbox_count(None).await, stored);
+    s.app.stop().await.unwrap();
+}
+
 /// `examples/python/producer.py` runs as documented: it enqueues (a retry is a duplicate)
 /// and reads the `ErrorInfo` reason and `BadRequest` fields of a refused event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
