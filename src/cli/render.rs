@@ -17,6 +17,7 @@ pub(super) fn requeue_out(r: &pb::RequeueFailedResponse, json_out: bool) -> Stri
             "count": r.count,
             "sample_ids": r.sample_ids,
             "audit_id": r.audit_id,
+            "replayed": r.replayed,
         }))
     } else if r.dry_run {
         format!(
@@ -26,11 +27,22 @@ pub(super) fn requeue_out(r: &pb::RequeueFailedResponse, json_out: bool) -> Stri
         )
     } else {
         format!(
-            "requeued {} event(s){} (audit entry {})\n",
+            "requeued {} event(s){} (audit entry {}){}\n",
             r.count,
             sample(&r.sample_ids, r.count),
-            r.audit_id
+            r.audit_id,
+            replayed(r.replayed)
         )
+    }
+}
+
+/// The note on an action answered from its earlier outcome (the same `--request-id`
+/// again): nothing was done this time.
+fn replayed(replayed: bool) -> &'static str {
+    if replayed {
+        "; already done under this request id, nothing done again"
+    } else {
+        ""
     }
 }
 
@@ -42,6 +54,7 @@ pub(super) fn cancel_out(r: &pb::CancelEventsResponse, dry_run: bool, json_out: 
             "count": r.count,
             "ids": r.ids,
             "audit_id": r.audit_id,
+            "replayed": r.replayed,
         }))
     } else if dry_run {
         format!(
@@ -51,10 +64,11 @@ pub(super) fn cancel_out(r: &pb::CancelEventsResponse, dry_run: bool, json_out: 
         )
     } else {
         format!(
-            "cancelled {} event(s): {} (audit entry {})\n",
+            "cancelled {} event(s): {} (audit entry {}){}\n",
             r.count,
             join_ids(&r.ids),
-            r.audit_id
+            r.audit_id,
+            replayed(r.replayed)
         )
     }
 }

@@ -1120,10 +1120,44 @@ async fn the_cli_end_to_end() {
         );
         let out = cli_ok(
             addr,
-            &["requeue", &k2.to_string(), "--yes", "--operator", "carol"],
+            &[
+                "requeue",
+                &k2.to_string(),
+                "--yes",
+                "--operator",
+                "carol",
+                "--request-id",
+                "req-cli-1",
+            ],
         )
         .await;
         assert!(out.starts_with("requeued 1 event(s)"), "{out}");
+        assert!(!out.contains("already done"), "{out}");
+        // The same request id again: answered from the first outcome, and said so.
+        let again = cli_json(
+            addr,
+            &[
+                "requeue",
+                &k2.to_string(),
+                "--yes",
+                "--request-id",
+                "req-cli-1",
+            ],
+        )
+        .await;
+        assert_eq!(again["replayed"], true, "{again}");
+        let out = cli_ok(
+            addr,
+            &[
+                "requeue",
+                &k2.to_string(),
+                "--yes",
+                "--request-id",
+                "req-cli-1",
+            ],
+        )
+        .await;
+        assert!(out.contains("already done under this request id"), "{out}");
         assert_eq!(
             s.stored(BoxKind::Outbox, k2).await.status.as_str(),
             "pending"
