@@ -81,16 +81,16 @@ pub fn status(
     // together; or a negative value where retrying the same request cannot help (a
     // `RESOURCE_EXHAUSTED` without a delay: the request is too large). The service
     // config in `docs/grpc-service-config.json` retries on these codes.
-    let pushback = match (retry, code) {
+    let pushback: Option<tonic::metadata::MetadataValue<_>> = match (retry, code) {
         (Some(r), _) => {
             let ms = u64::try_from(r.as_millis()).unwrap_or(u64::MAX);
             let jitter = rand::random_range(0..=ms / 2);
-            Some(ms.saturating_add(jitter).to_string())
+            Some(ms.saturating_add(jitter).into())
         }
-        (None, Code::ResourceExhausted) => Some("-1".to_string()),
+        (None, Code::ResourceExhausted) => Some((-1i64).into()),
         (None, _) => None,
     };
-    if let Some(v) = pushback.and_then(|v| v.parse().ok()) {
+    if let Some(v) = pushback {
         s.metadata_mut().insert(PUSHBACK, v);
     }
     s

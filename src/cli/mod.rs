@@ -10,7 +10,7 @@ use clap::{Args, Subcommand, ValueEnum};
 mod commands;
 mod render;
 
-pub use commands::{RpcFailure, execute, exit_code};
+pub use commands::{execute, exit_code};
 pub use render::{age, truncate};
 
 use crate::pb;

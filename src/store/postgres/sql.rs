@@ -95,9 +95,13 @@ fn size(a: &str) -> String {
 /// published, and waking those keys (with their events' old schedules, ahead of every
 /// key with work in the ready order) made the relays lease empty lines while the rest
 /// waited.
+///
+/// The lock is tried once, in a sub-select the planner runs before the scan (a one-time
+/// filter): in the scan's filter it was called per row, and a relay that did not get
+/// it walked every unfolded row for nothing.
 const FOLD: &str = "WITH f AS MATERIALIZED (
                     SELECT id, topic, event_key, scheduled_at FROM outbox_events
-                    WHERE NOT counted AND pg_try_advisory_xact_lock(7110, 1)
+                    WHERE (SELECT pg_try_advisory_xact_lock(7110, 1)) AND NOT counted
                     ORDER BY id LIMIT $1),
                  g AS MATERIALIZED (
                     SELECT g.topic, g.event_key,
