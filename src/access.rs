@@ -298,6 +298,7 @@ pub const ADMIN_READS: &[&str] = &[
     "ListEvents",
     "ListAudit",
     "GetStats",
+    "ListPausedTopics",
 ];
 
 /// The scope an RPC path (`/package.Service/Method`) needs; `None`: open to all (health

@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::domain::admin::{
     AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventsPage, EventsQuery,
-    PendingPage, PendingQuery, RequeueOutcome, RequeueRequest, Stats,
+    PauseOutcome, PauseRequest, PendingPage, PendingQuery, RequeueOutcome, RequeueRequest, Stats,
+    TopicPause, TopicStats,
 };
 use crate::domain::{BoxKind, EventId};
 use crate::error::Error;
@@ -77,9 +78,36 @@ impl Admin {
         &self.store
     }
 
-    /// One page of a box's backlog, grouped by key.
+    /// One page of a box's backlog, grouped by key; in the outbox, with the paused topics
+    /// (within the topic filter) and each group of a paused topic marked.
     pub async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> Result<PendingPage, Error> {
-        Ok(self.store.list_pending(b, q).await?)
+        let mut page = self.store.list_pending(b, q).await?;
+        if b == BoxKind::Outbox {
+            page.paused = self.store.paused_topics(q.topic.as_deref()).await?;
+            for k in &mut page.keys {
+                k.paused = page.paused.iter().any(|p| p.topic == k.topic);
+            }
+        }
+        Ok(page)
+    }
+
+    /// Pauses publishing an outbox topic (see `AdminStore::pause_topic`): its events stay
+    /// pending and spend no attempt; lines a relay already claimed finish.
+    pub async fn pause_topic(&self, r: &PauseRequest) -> Result<PauseOutcome, Error> {
+        self.may_write().await?;
+        Ok(self.store.pause_topic(r).await?)
+    }
+
+    /// Resumes publishing a paused outbox topic; relays claim its keys at their next
+    /// cycle, in their order.
+    pub async fn resume_topic(&self, r: &PauseRequest) -> Result<PauseOutcome, Error> {
+        self.may_write().await?;
+        Ok(self.store.resume_topic(r).await?)
+    }
+
+    /// The paused outbox topics, by topic.
+    pub async fn paused_topics(&self) -> Result<Vec<TopicPause>, Error> {
+        Ok(self.store.paused_topics(None).await?)
     }
 
     /// Puts failed events back in line (see `AdminStore::requeue_failed`), then wakes the
@@ -129,8 +157,24 @@ impl Admin {
     }
 
     /// Counts of a box; `subscription` narrows the inbox to one subscription.
+    /// In the outbox, paused topics are marked (listed with zero counts when they hold
+    /// no events).
     pub async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> Result<Stats, Error> {
-        Ok(self.store.stats(b, subscription).await?)
+        let mut stats = self.store.stats(b, subscription).await?;
+        if b == BoxKind::Outbox {
+            for p in self.store.paused_topics(None).await? {
+                match stats.topics.iter_mut().find(|t| t.topic == p.topic) {
+                    Some(t) => t.paused = true,
+                    None => stats.topics.push(TopicStats {
+                        topic: p.topic,
+                        paused: true,
+                        ..Default::default()
+                    }),
+                }
+            }
+            stats.topics.sort_by(|a, b| a.topic.cmp(&b.topic));
+        }
+        Ok(stats)
     }
 
     /// A relay that held a key during a requeue or cancel sets the key's readiness from

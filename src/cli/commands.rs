@@ -295,6 +295,53 @@ async fn lookups(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::R
                 stats_table(&r, t.inbox)
             })
         }
+        AdminCommand::Pause {
+            topic,
+            reason,
+            operator: who,
+        } => {
+            let req = pb::PauseTopicRequest {
+                topic,
+                reason,
+                operator: operator(who),
+            };
+            let r = answer(c.inner.pause_topic(c.req(req)).await)?;
+            Ok(pause_out(
+                r.pause.as_ref(),
+                r.changed,
+                r.audit_id,
+                true,
+                t.json,
+            ))
+        }
+        AdminCommand::Resume {
+            topic,
+            operator: who,
+        } => {
+            let req = pb::ResumeTopicRequest {
+                topic: topic.clone(),
+                operator: operator(who),
+            };
+            let r = answer(c.inner.resume_topic(c.req(req)).await)?;
+            if !r.changed && !t.json {
+                return Ok(format!("{topic} was not paused: nothing changed\n"));
+            }
+            Ok(pause_out(
+                r.lifted.as_ref(),
+                r.changed,
+                r.audit_id,
+                false,
+                t.json,
+            ))
+        }
+        AdminCommand::Paused => {
+            let r = answer(
+                c.inner
+                    .list_paused_topics(c.req(pb::ListPausedTopicsRequest {}))
+                    .await,
+            )?;
+            Ok(paused_out(&r.topics, t.json))
+        }
         AdminCommand::Audit { limit, page_token } => {
             let req = pb::ListAuditRequest {
                 page_size: limit,

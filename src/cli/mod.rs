@@ -209,6 +209,28 @@ pub enum AdminCommand {
         #[arg(long)]
         operator: Option<String>,
     },
+    /// Stop publishing an outbox topic until `resume`: its events stay pending and
+    /// spend no attempt; enqueues are still stored.
+    Pause {
+        /// The topic.
+        topic: String,
+        /// Why (shown with the pause and in the audit log).
+        #[arg(long)]
+        reason: String,
+        /// Name recorded in the audit log [default: $USER].
+        #[arg(long)]
+        operator: Option<String>,
+    },
+    /// Resume publishing a paused outbox topic.
+    Resume {
+        /// The topic.
+        topic: String,
+        /// Name recorded in the audit log [default: $USER].
+        #[arg(long)]
+        operator: Option<String>,
+    },
+    /// The paused outbox topics.
+    Paused,
     /// Counts by status and topic, oldest pending age, blocked keys.
     Stats,
     /// The audit log, newest first.

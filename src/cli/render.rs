@@ -73,6 +73,69 @@ pub(super) fn cancel_out(r: &pb::CancelEventsResponse, dry_run: bool, json_out: 
     }
 }
 
+fn pause_json(p: &pb::TopicPause) -> Value {
+    json!({
+        "topic": p.topic,
+        "reason": p.reason,
+        "actor": p.actor,
+        "principal": p.principal,
+        "paused_at": ts(p.paused_at.as_ref()),
+    })
+}
+
+/// What `pause` and `resume` print: the pause in force (or lifted) and whether anything
+/// changed.
+pub(super) fn pause_out(
+    p: Option<&pb::TopicPause>,
+    changed: bool,
+    audit_id: i64,
+    pausing: bool,
+    json_out: bool,
+) -> String {
+    if json_out {
+        let mut v = json!({ "changed": changed, "audit_id": audit_id });
+        v[if pausing { "pause" } else { "lifted" }] = p.map(pause_json).into();
+        return lines(&v);
+    }
+    let Some(p) = p else {
+        return "nothing changed\n".into();
+    };
+    let by = format!(
+        "by {} at {}: {}",
+        p.actor,
+        ts(p.paused_at.as_ref()).unwrap_or_default(),
+        p.reason
+    );
+    match (pausing, changed) {
+        (true, true) => format!("paused {} (audit entry {audit_id})\n", p.topic),
+        (true, false) => format!("{} was already paused, {by}: nothing changed\n", p.topic),
+        (false, _) => format!(
+            "resumed {} (audit entry {audit_id}); it was paused {by}\n",
+            p.topic
+        ),
+    }
+}
+
+/// What `paused` prints.
+pub(super) fn paused_out(topics: &[pb::TopicPause], json_out: bool) -> String {
+    if json_out {
+        return lines(&json!({ "topics": topics.iter().map(pause_json).collect::<Vec<_>>() }));
+    }
+    if topics.is_empty() {
+        return "no topic is paused\n".into();
+    }
+    let mut t = Table::new(&["TOPIC", "SINCE", "BY", "REASON"]);
+    for p in topics {
+        t.row(vec![
+            p.topic.clone(),
+            format!("{} ago", age_since(p.paused_at.as_ref())),
+            p.actor.clone(),
+            truncate(&p.reason, 60),
+        ]);
+    }
+    t.render()
+}
+
 /// What `audit` prints.
 pub(super) fn audit_out(r: &pb::ListAuditResponse, json_out: bool) -> String {
     if json_out {
@@ -317,12 +380,13 @@ pub(super) fn pending_table(r: &pb::ListPendingResponse, inbox: bool) -> String 
             "LAST ERROR",
         ],
     );
+    let paused = |k: &pb::KeyBacklog| if k.paused { " (paused)" } else { "" };
     for k in &r.keys {
         t.row_with_sub(
             inbox,
             &k.subscription,
             vec![
-                k.topic.clone(),
+                format!("{}{}", k.topic, paused(k)),
                 if k.key.is_empty() {
                     "(unkeyed)".into()
                 } else {
@@ -338,8 +402,21 @@ pub(super) fn pending_table(r: &pb::ListPendingResponse, inbox: bool) -> String 
             ],
         );
     }
+    let paused_topics: String = r
+        .paused_topics
+        .iter()
+        .map(|p| {
+            format!(
+                "paused: {} since {} by {}: {}\n",
+                p.topic,
+                ts(p.paused_at.as_ref()).unwrap_or_default(),
+                p.actor,
+                p.reason
+            )
+        })
+        .collect();
     format!(
-        "{}total: {} pending in {} key(s), {} blocked\n{}",
+        "{}total: {} pending in {} key(s), {} blocked\n{paused_topics}{}",
         t.render(),
         r.total_pending,
         r.total_keys,
@@ -361,6 +438,7 @@ pub(super) fn pending_json(r: &pb::ListPendingResponse, inbox: bool) -> String {
                 "head_next_attempt_at": ts(k.head_next_attempt_at.as_ref()),
                 "head_last_error": k.head_last_error,
                 "blocked": k.blocked,
+                "paused": k.paused,
             });
             if inbox {
                 v["subscription"] = k.subscription.clone().into();
@@ -370,6 +448,7 @@ pub(super) fn pending_json(r: &pb::ListPendingResponse, inbox: bool) -> String {
         "total_pending": r.total_pending,
         "total_keys": r.total_keys,
         "total_blocked_keys": r.total_blocked_keys,
+        "paused_topics": r.paused_topics.iter().map(pause_json).collect::<Vec<_>>(),
         "next_page_token": r.next_page_token,
     }))
 }
@@ -496,7 +575,7 @@ pub(super) fn stats_json(r: &pb::GetStatsResponse, inbox: bool) -> String {
         "topics": r.topics.iter().map(|t| {
             let mut v = json!({
                 "topic": t.topic, "pending": t.pending, "completed": t.completed,
-                "failed": t.failed,
+                "failed": t.failed, "paused": t.paused,
             });
             if inbox {
                 v["subscription"] = t.subscription.clone().into();
@@ -523,7 +602,11 @@ pub(super) fn stats_table(r: &pb::GetStatsResponse, inbox: bool) -> String {
             inbox,
             &s.subscription,
             vec![
-                s.topic.clone(),
+                if s.paused {
+                    format!("{} (paused)", s.topic)
+                } else {
+                    s.topic.clone()
+                },
                 s.pending.to_string(),
                 s.completed.to_string(),
                 s.failed.to_string(),

@@ -7,7 +7,9 @@ use maud::{DOCTYPE, Markup, PreEscaped, html};
 
 use super::{BacklogFilter, EventsFilter, Target};
 use crate::domain::Status;
-use crate::domain::admin::{AuditPage, EventDetail, EventsPage, KeyBacklog, PendingPage, Stats};
+use crate::domain::admin::{
+    AuditPage, EventDetail, EventsPage, KeyBacklog, PendingPage, Stats, TopicPause, TopicStats,
+};
 
 mod event;
 mod lists;
@@ -40,7 +42,7 @@ pub(super) const CSS: &str = r#"
 *{box-sizing:border-box}body{margin:0;font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:var(--fg);background:var(--bg)}
 header{background:#1d232a;color:#fff;padding:.5rem 1rem;display:flex;gap:1rem;align-items:center;flex-wrap:wrap}
 header a{color:#cfe0ff;text-decoration:none}header a.here{color:#fff;font-weight:600}header .brand{font-weight:700;color:#fff;margin-right:1rem}
-header .who{margin-left:auto;color:#aab4bf}header form{display:inline}
+header .who{margin-left:auto;color:#aab4bf}header form,form.pause{display:inline}
 main{padding:1rem 1.25rem;max-width:1200px}h1{font-size:1.35rem;margin:.2rem 0 .8rem}h2{font-size:1.05rem;margin:1.2rem 0 .5rem}
 nav.tabs{display:flex;gap:.25rem;margin-bottom:1rem;border-bottom:1px solid var(--line)}
 nav.tabs a{padding:.4rem .8rem;text-decoration:none;color:var(--muted);border-bottom:2px solid transparent}nav.tabs a.here{color:var(--fg);border-color:var(--accent)}

@@ -113,8 +113,12 @@ pub(super) async fn page_get(
 
 pub(super) async fn overview(c: &Console, nav: &pages::Nav, t: &Target) -> Result<Response, Error> {
     let stats = c.inner.admin.stats(t.box_kind(), t.subscription()).await?;
+    let paused = match t {
+        Target::Outbox => c.inner.admin.paused_topics().await?,
+        Target::Inbox(_) => Vec::new(),
+    };
     let (rate, covered) = c.rate_per_minute(t);
-    Ok(pages::overview(nav, t, &stats, &rate, covered).into_response())
+    Ok(pages::overview(nav, t, &stats, &paused, &rate, covered).into_response())
 }
 
 /// The filters of the backlog page.
@@ -330,6 +334,9 @@ pub(super) async fn page_post(
     if let Some(refusal) = refuse_post(&c, &headers, &access, &nav, &fields) {
         return refusal;
     }
+    if let Some((Target::Outbox, Page::Overview)) = route(&c, &path) {
+        return pause_post(&c, &nav, &access, &fields).await;
+    }
     let Some((target, Page::Events)) = route(&c, &path) else {
         return (
             StatusCode::NOT_FOUND,
@@ -379,6 +386,41 @@ pub(super) async fn page_post(
             pages::action(&nav, &target, action, &form, &result).into_response()
         }
         Err(e) => error_page(Some(&nav), &e),
+    }
+}
+
+/// Pause or resume an outbox topic from the overview's topic table (reversible, so
+/// without a confirmation page), then back to the overview.
+async fn pause_post(c: &Console, nav: &pages::Nav, access: &Access, fields: &Params) -> Response {
+    let context = ActionContext {
+        principal: access.name.clone(),
+        ..ActionContext::by(access.actor())
+    };
+    let topic = param(fields, "topic").unwrap_or("").to_string();
+    let admin = &c.inner.admin;
+    let action = param(fields, "action").unwrap_or("");
+    let r = match action {
+        "pause" => {
+            let reason = param(fields, "reason").unwrap_or("").to_string();
+            match crate::api::admin::pause_request(topic, Some(reason), context) {
+                Ok(req) => admin.pause_topic(&req).await,
+                Err(e) => Err(e),
+            }
+        }
+        "resume" => match crate::api::admin::pause_request(topic, None, context) {
+            Ok(req) => admin.resume_topic(&req).await,
+            Err(e) => Err(e),
+        },
+        _ => Err(Error::invalid("action", "pause or resume")),
+    };
+    match r {
+        Ok(out) => {
+            if let (true, Some(p)) = (out.changed, &out.pause) {
+                tracing::info!(audit_id = ?out.audit_id, topic = %p.topic, actor = %access.actor(), action, "console action");
+            }
+            axum::response::Redirect::to("/outbox").into_response()
+        }
+        Err(e) => error_page(Some(nav), &e),
     }
 }
 

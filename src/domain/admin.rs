@@ -93,6 +93,8 @@ pub struct KeyBacklog {
     pub head_last_error: Option<String>,
     /// The head has been tried (or carries an error) and its retry is not due yet.
     pub blocked: bool,
+    /// The group's topic is paused (outbox): nothing of it is published until resumed.
+    pub paused: bool,
 }
 
 /// One page of the ListPending backlog.
@@ -108,6 +110,8 @@ pub struct PendingPage {
     pub total_keys: i64,
     /// Blocked groups over the same filters.
     pub total_blocked_keys: i64,
+    /// The paused topics (outbox; within the topic filter).
+    pub paused: Vec<TopicPause>,
 }
 
 /// Selects events by their attributes; every set field must match.
@@ -317,6 +321,8 @@ pub struct TopicStats {
     pub completed: i64,
     /// Failed events.
     pub failed: i64,
+    /// The topic is paused (outbox).
+    pub paused: bool,
 }
 
 /// Counts over a box (or one inbox subscription).
@@ -334,4 +340,44 @@ pub struct Stats {
     pub blocked_keys: i64,
     /// Per-topic counts, sorted by (subscription, topic).
     pub topics: Vec<TopicStats>,
+}
+
+/// A paused topic (outbox): relays claim none of its events until it is resumed, so they
+/// stay pending and spend no attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopicPause {
+    /// The topic.
+    pub topic: String,
+    /// The operator's reason.
+    pub reason: String,
+    /// Who paused it (the operator named, with the token).
+    pub actor: String,
+    /// The authenticated token name, if any.
+    pub principal: Option<String>,
+    /// When.
+    pub paused_at: DateTime<Utc>,
+}
+
+/// A validated PauseTopic or ResumeTopic request.
+#[derive(Debug, Clone)]
+pub struct PauseRequest {
+    /// The topic.
+    pub topic: String,
+    /// Pause: the operator's reason (required). Resume: unused.
+    pub reason: String,
+    /// Who acts; `dry_run` and `request_id` do not apply (both actions are idempotent).
+    pub context: ActionContext,
+}
+
+/// What a pause or resume did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PauseOutcome {
+    /// Whether anything changed: `false` when the topic was already paused (pause) or
+    /// not paused (resume); no audit entry is written then.
+    pub changed: bool,
+    /// The pause in force after a pause (the earlier one when it was already paused);
+    /// the pause lifted by a resume, if there was one.
+    pub pause: Option<TopicPause>,
+    /// The audit entry, when something changed.
+    pub audit_id: Option<i64>,
 }

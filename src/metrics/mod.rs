@@ -10,7 +10,7 @@
 //!   refreshed every `metrics_stats_interval` from the store's `stats` query;
 //! - retention counters (rows deleted).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -59,6 +59,23 @@ struct StatusLabel {
     status: String,
 }
 
+/// Sets a gauge family to `values`: each series is set in place and only the series no
+/// longer present are removed, so a scrape during a refresh never sees the family empty
+/// (a clear-then-fill left a window with no series). `labels` remembers the series set.
+fn replace_series(
+    family: &Family<TopicLabel, Gauge>,
+    labels: &mut HashSet<TopicLabel>,
+    values: HashMap<TopicLabel, i64>,
+) {
+    for (l, v) in &values {
+        family.get_or_create(l).set(*v);
+    }
+    for gone in labels.iter().filter(|l| !values.contains_key(*l)) {
+        family.remove(gone);
+    }
+    *labels = values.into_keys().collect();
+}
+
 /// The process's metrics. Cheap to clone.
 #[derive(Clone)]
 pub struct Metrics {
@@ -76,6 +93,11 @@ struct Inner {
     rpc_seconds: Family<MethodLabel, Histogram>,
     pending: Family<TopicLabel, Gauge>,
     failed: Family<TopicLabel, Gauge>,
+    paused: Family<TopicLabel, Gauge>,
+    /// The series each backlog family holds (`replace_series`).
+    pending_labels: Mutex<HashSet<TopicLabel>>,
+    failed_labels: Mutex<HashSet<TopicLabel>>,
+    paused_labels: Mutex<HashSet<TopicLabel>>,
     blocked_keys: Gauge,
     oldest_pending_age: Gauge<f64, AtomicU64>,
     stats_errors: Counter,
@@ -128,6 +150,11 @@ impl Inner {
             self.failed.clone(),
         );
         r.register(
+            "mailroom_outbox_topic_paused",
+            "1 for each paused outbox topic (PauseTopic; refreshed every metrics_stats_interval).",
+            self.paused.clone(),
+        );
+        r.register(
             "mailroom_outbox_blocked_keys",
             "Keys whose head event waits out a retry backoff.",
             self.blocked_keys.clone(),
@@ -174,6 +201,10 @@ impl Metrics {
             rpc_seconds: Family::new_with_constructor(rpc_histogram as fn() -> _),
             pending: Family::default(),
             failed: Family::default(),
+            paused: Family::default(),
+            pending_labels: Mutex::default(),
+            failed_labels: Mutex::default(),
+            paused_labels: Mutex::default(),
             blocked_keys: Gauge::default(),
             oldest_pending_age: Gauge::default(),
             stats_errors: Counter::default(),
@@ -271,13 +302,36 @@ impl Metrics {
         match store.stats(BoxKind::Outbox, None).await {
             Ok(s) => {
                 let i = &self.inner;
-                i.pending.clear();
-                i.failed.clear();
+                let mut pending: HashMap<TopicLabel, i64> = HashMap::new();
+                let mut failed: HashMap<TopicLabel, i64> = HashMap::new();
                 for t in &s.topics {
                     let l = self.topic(&t.topic);
-                    i.pending.get_or_create(&l).inc_by(t.pending);
-                    i.failed.get_or_create(&l).inc_by(t.failed);
+                    *pending.entry(l.clone()).or_default() += t.pending;
+                    *failed.entry(l).or_default() += t.failed;
                 }
+                let paused = match store.paused_topics(None).await {
+                    Ok(p) => p.iter().map(|p| (self.topic(&p.topic), 1)).collect(),
+                    Err(e) => {
+                        self.inner.stats_errors.inc();
+                        tracing::warn!(error = %e, "reading the paused topics failed");
+                        HashMap::new()
+                    }
+                };
+                replace_series(
+                    &i.pending,
+                    &mut i.pending_labels.lock().expect("labels"),
+                    pending,
+                );
+                replace_series(
+                    &i.failed,
+                    &mut i.failed_labels.lock().expect("labels"),
+                    failed,
+                );
+                replace_series(
+                    &i.paused,
+                    &mut i.paused_labels.lock().expect("labels"),
+                    paused,
+                );
                 i.blocked_keys.set(s.blocked_keys);
                 i.oldest_pending_age
                     .set(s.oldest_pending_age.map(|d| d.as_secs_f64()).unwrap_or(0.0));

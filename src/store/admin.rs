@@ -8,7 +8,8 @@
 use super::StoreResult;
 use crate::domain::admin::{
     AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventsPage, EventsQuery,
-    PendingPage, PendingQuery, RequeueOutcome, RequeueRequest, Stats,
+    PauseOutcome, PauseRequest, PendingPage, PendingQuery, RequeueOutcome, RequeueRequest, Stats,
+    TopicPause,
 };
 use crate::domain::{BoxKind, EventId};
 
@@ -45,6 +46,17 @@ pub trait AdminStore: Send + Sync {
     /// Counts by status and topic (by subscription and topic for the inbox), oldest
     /// pending age, blocked keys; `subscription` narrows the inbox to one subscription.
     async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> StoreResult<Stats>;
+
+    /// Pauses an outbox topic and records the audit entry, in one transaction; a topic
+    /// already paused keeps its pause (`changed` false, no entry).
+    async fn pause_topic(&self, r: &PauseRequest) -> StoreResult<PauseOutcome>;
+
+    /// Lifts a topic's pause and records the audit entry, in one transaction; a topic
+    /// not paused is left as it is (`changed` false, no entry).
+    async fn resume_topic(&self, r: &PauseRequest) -> StoreResult<PauseOutcome>;
+
+    /// The paused topics (only `topic`'s, if given), by topic.
+    async fn paused_topics(&self, topic: Option<&str>) -> StoreResult<Vec<TopicPause>>;
 
     /// Makes the given keys ready now if no relay holds them (and they have pending
     /// events); returns the keys still held.

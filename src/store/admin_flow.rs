@@ -14,12 +14,14 @@ use super::admin::AdminStore;
 use super::admin_sql::{AdminSql, Param, Query, Read, Shared, Stmt, query};
 use super::rows::{
     Candidate, Cols, admin_key, decode_audit, decode_backlog, decode_candidate, decode_detail,
+    decode_pause,
 };
 use super::{StoreError, StoreResult};
 use crate::domain::admin::{
     ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter,
-    EventsPage, EventsQuery, PendingCursor, PendingOrder, PendingPage, PendingQuery,
-    RequeueOutcome, RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicStats,
+    EventsPage, EventsQuery, PauseOutcome, PauseRequest, PendingCursor, PendingOrder, PendingPage,
+    PendingQuery, RequeueOutcome, RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicPause,
+    TopicStats,
 };
 use crate::domain::{BoxKind, EventId, Status};
 
@@ -345,6 +347,70 @@ async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResul
     })
 }
 
+/// Pause (`Shared::Pause`) or resume (`Shared::Resume`) a topic: the row inserted or
+/// deleted and, when one was, the audit entry, in one transaction. A pause that finds
+/// the topic paused answers with the pause in force.
+async fn pause_or_resume<E: AdminSql>(
+    e: &E,
+    r: &PauseRequest,
+    change: Shared,
+) -> StoreResult<PauseOutcome> {
+    let b = BoxKind::Outbox;
+    let ctx = &r.context;
+    let mut tx = e.begin().await?;
+    let params = match change {
+        Shared::Pause => vec![
+            Param::Text(Some(&r.topic)),
+            Param::Text(Some(&r.reason)),
+            Param::Text(Some(&ctx.actor)),
+            Param::Text(ctx.principal.as_deref()),
+            Param::Now,
+        ],
+        _ => vec![Param::Text(Some(&r.topic))],
+    };
+    let rows = rows_in(e, &mut tx, b, query(Stmt::Shared(change), params)).await?;
+    let Some(row) = rows.first() else {
+        let pause = match change {
+            Shared::Pause => {
+                let q = query(
+                    Stmt::Shared(Shared::Paused),
+                    vec![Param::Text(Some(&r.topic))],
+                );
+                decode_all(&rows_in(e, &mut tx, b, q).await?, decode_pause)?.pop()
+            }
+            _ => None,
+        };
+        e.rollback(tx).await?;
+        return Ok(PauseOutcome {
+            changed: false,
+            pause,
+            audit_id: None,
+        });
+    };
+    let pause = decode_pause(row)?;
+    let (action, selection) = match change {
+        Shared::Pause => (
+            "pause",
+            serde_json::json!({ "topic": r.topic, "reason": r.reason }),
+        ),
+        _ => ("resume", serde_json::json!({ "topic": r.topic })),
+    };
+    let audit = NewAudit {
+        context: ctx,
+        action,
+        box_kind: b,
+        selection,
+        count: 0,
+    };
+    let audit_id = insert_audit(e, &mut tx, &audit).await?;
+    e.commit(tx).await?;
+    Ok(PauseOutcome {
+        changed: true,
+        pause: Some(pause),
+        audit_id: Some(audit_id),
+    })
+}
+
 /// The backlog page from its rows: totals from the first, one group per row with a
 /// topic, and the cursor after the last group shown when more follow.
 fn pending_page<R: Cols>(q: &PendingQuery, rows: &[R]) -> StoreResult<PendingPage> {
@@ -357,6 +423,7 @@ fn pending_page<R: Cols>(q: &PendingQuery, rows: &[R]) -> StoreResult<PendingPag
         total_pending: first.int("total_pending")?,
         total_keys: first.int("total_keys")?,
         total_blocked_keys: first.int("total_blocked")?,
+        paused: Vec::new(),
     };
     for r in rows {
         let Some(topic) = r.opt_text("topic")? else {
@@ -539,6 +606,23 @@ impl<E: AdminSql> AdminStore for E {
             heads,
             unkeyed,
         })
+    }
+
+    async fn pause_topic(&self, r: &PauseRequest) -> StoreResult<PauseOutcome> {
+        pause_or_resume(self, r, Shared::Pause).await
+    }
+
+    async fn resume_topic(&self, r: &PauseRequest) -> StoreResult<PauseOutcome> {
+        pause_or_resume(self, r, Shared::Resume).await
+    }
+
+    async fn paused_topics(&self, topic: Option<&str>) -> StoreResult<Vec<TopicPause>> {
+        let reads = [query(
+            Stmt::Shared(Shared::Paused),
+            vec![Param::Text(topic)],
+        )];
+        let rows = read(self, Read::Plain, BoxKind::Outbox, &reads).await?;
+        decode_all(&one(rows, "paused topics")?, decode_pause)
     }
 
     async fn wake_released_keys(

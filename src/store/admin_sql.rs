@@ -55,6 +55,13 @@ pub(crate) enum Shared {
     StatsCounts,
     /// subscription: one row `oldest` of the unkeyed backlog.
     StatsUnkeyed,
+    /// topic, reason, actor, principal, now: the pause row inserted (none when the
+    /// topic is already paused). The outbox's only, as are the next two.
+    Pause,
+    /// topic: the pause row deleted (none when the topic is not paused).
+    Resume,
+    /// topic (NULL for all): `topic, reason, actor, principal, paused_at`, by topic.
+    Paused,
 }
 
 /// A statement's parameter, engine-neutral: each engine binds it in its own encoding.

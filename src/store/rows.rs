@@ -6,7 +6,7 @@
 use chrono::{DateTime, Utc};
 
 use super::{StoreError, StoreResult};
-use crate::domain::admin::{AdminKey, AuditEntry, EventDetail, KeyBacklog};
+use crate::domain::admin::{AdminKey, AuditEntry, EventDetail, KeyBacklog, TopicPause};
 use crate::domain::{BoxKind, EventId, Status, StoredEvent};
 
 /// The columns of one result row, by name, in the engine's encoding.
@@ -128,6 +128,17 @@ pub(crate) fn decode_backlog(r: &impl Cols, topic: String) -> StoreResult<KeyBac
         head_next_attempt_at: r.time("scheduled_at")?,
         head_last_error: r.opt_text("last_error")?,
         blocked: r.flag("blocked")?,
+        paused: false,
+    })
+}
+
+pub(crate) fn decode_pause(row: &impl Cols) -> StoreResult<TopicPause> {
+    Ok(TopicPause {
+        topic: row.text("topic")?,
+        reason: row.text("reason")?,
+        actor: row.text("actor")?,
+        principal: row.opt_text("principal")?,
+        paused_at: row.time("paused_at")?,
     })
 }
 

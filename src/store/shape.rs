@@ -8,6 +8,9 @@ use super::admin_sql::Shared;
 use crate::domain::BoxKind;
 use crate::domain::admin::PendingOrder;
 
+/// The columns of a paused topic (`decode_pause`).
+const PAUSE_COLUMNS: &str = "topic, reason, actor, principal, paused_at";
+
 /// A box's tables and how its statements name the subscription.
 pub(crate) struct Shape {
     pub events: &'static str,
@@ -338,6 +341,25 @@ impl Shape {
             Shared::StatsUnkeyed => format!(
                 "SELECT min(created_at) AS oldest FROM {events}
                  WHERE status = 'pending' AND event_key IS NULL AND {filter}"
+            ),
+            Shared::Pause => format!(
+                "INSERT INTO outbox_paused_topics (topic, reason, actor, principal, paused_at)
+                 VALUES ({}, {}, {}, {}, {}) ON CONFLICT (topic) DO NOTHING
+                 RETURNING {PAUSE_COLUMNS}",
+                p(1),
+                p(2),
+                p(3),
+                p(4),
+                self.now(5)
+            ),
+            Shared::Resume => format!(
+                "DELETE FROM outbox_paused_topics WHERE topic = {} RETURNING {PAUSE_COLUMNS}",
+                p(1)
+            ),
+            Shared::Paused => format!(
+                "SELECT {PAUSE_COLUMNS} FROM outbox_paused_topics
+                 WHERE {0}{t} IS NULL OR topic = {0} ORDER BY topic",
+                p(1)
             ),
         }
     }

@@ -243,11 +243,14 @@ async fn other_topics_keep_their_pace_while_one_topic_is_refused() {
         "the broker refused at least 20 times during each drain: {refused:?}"
     );
     // Run one after the other on a quiet machine, the drain beside the refusals kept
-    // 92-106 % of the pace. Run at the same time on 2 saturated cores it keeps 81-83 %,
-    // probably because the refusing relay settles its fast-failing lines in settles of
-    // their own, whose transactions take CPU from the other drain (not profiled). The bar leaves room for that.
+    // 92-106 % of the pace. Run at the same time on 2 saturated cores it keeps 71-83 %
+    // (71 % seen in a full suite run, with other tests loading the cores), probably
+    // because the refusing relay settles its fast-failing lines in settles of their own,
+    // whose transactions take CPU from the other drain (not profiled). What this guards
+    // against is a refused line holding the others back (for the 15 s message timeout
+    // or a backoff), which costs far more than half the pace: the bar is set there.
     assert!(
-        ratio >= 0.75,
+        ratio >= 0.6,
         "other kept {:.0} % of its pace",
         ratio * 100.0
     );

@@ -597,6 +597,56 @@ async fn the_console_in_a_real_browser() {
         "{failed}"
     );
 
+    // Pause an outbox topic from the topic table with a reason a hostile page might
+    // carry (shown as text, never markup), then resume it (issue 28, item 1).
+    b.goto(&format!("{base}/outbox")).await.unwrap();
+    let row = b
+        .find(Locator::Css("#topics tbody tr[data-topic]"))
+        .await
+        .unwrap();
+    let topic = row.attr("data-topic").await.unwrap().unwrap();
+    row.find(Locator::Css("input[name=reason]"))
+        .await
+        .unwrap()
+        .send_keys("<b>maintenance</b>")
+        .await
+        .unwrap();
+    click_nav(
+        &b,
+        &format!("#topics tr[data-topic='{topic}'] button[value=pause]"),
+    )
+    .await;
+    let notice = text(&b, ".notice.paused").await;
+    assert!(
+        notice.contains(&topic) && notice.contains("<b>maintenance</b>"),
+        "{notice}"
+    );
+    assert!(
+        b.find(Locator::Css(".notice.paused b")).await.is_err(),
+        "the reason is text"
+    );
+    assert!(
+        text(&b, &format!("#topics tr[data-topic='{topic}']"))
+            .await
+            .contains("paused")
+    );
+    shot(&b, "paused").await;
+    click_nav(
+        &b,
+        &format!("#topics tr[data-topic='{topic}'] button[value=resume]"),
+    )
+    .await;
+    assert!(
+        b.find(Locator::Css(".notice.paused")).await.is_err(),
+        "resumed"
+    );
+    b.goto(&format!("{base}/audit")).await.unwrap();
+    let audit = text(&b, "main").await;
+    assert!(
+        audit.contains("pause") && audit.contains("resume"),
+        "{audit}"
+    );
+
     // Log out: back to the login form.
     click_nav(&b, "header form button").await;
     b.goto(&format!("{base}/outbox")).await.unwrap();

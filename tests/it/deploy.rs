@@ -28,18 +28,26 @@ fn yaml_docs(path: &Path) -> Vec<Value> {
 use serde::Deserialize;
 
 fn manifests() -> BTreeMap<String, Value> {
-    let mut out = BTreeMap::new();
+    let mut docs = Vec::new();
     for entry in std::fs::read_dir(deploy_dir().join("k8s")).unwrap() {
         let p = entry.unwrap().path();
-        if p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
-            for doc in yaml_docs(&p) {
-                let kind = doc["kind"]
-                    .as_str()
-                    .expect("every manifest has a kind")
-                    .to_string();
-                assert!(out.insert(kind.clone(), doc).is_none(), "two {kind}s");
-            }
+        let kustomization = p.file_name().is_some_and(|n| n == "kustomization.yaml");
+        if !kustomization && p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            docs.extend(yaml_docs(&p));
         }
+    }
+    by_kind(docs)
+}
+
+/// Objects by kind (one of each in these manifests).
+fn by_kind(docs: Vec<Value>) -> BTreeMap<String, Value> {
+    let mut out = BTreeMap::new();
+    for doc in docs {
+        let kind = doc["kind"]
+            .as_str()
+            .expect("every manifest has a kind")
+            .to_string();
+        assert!(out.insert(kind.clone(), doc).is_none(), "two {kind}s");
     }
     out
 }
@@ -76,7 +84,11 @@ fn s(v: &Value) -> &str {
 
 #[test]
 fn kubernetes_manifests_hang_together() {
-    let m = manifests();
+    hang_together(&manifests());
+}
+
+/// Labels, selectors, ports, probes, settings and resources agree across the objects.
+fn hang_together(m: &BTreeMap<String, Value>) {
     for kind in ["Deployment", "Service", "ConfigMap", "PodDisruptionBudget"] {
         assert!(m.contains_key(kind), "deploy/k8s has no {kind}");
     }
@@ -209,7 +221,10 @@ fn migrations_run_once_from_a_job_and_replicas_do_not_migrate() {
         c["image"], d["image"],
         "the Job migrates for the release it precedes"
     );
-    assert_eq!(c["envFrom"], d["envFrom"]);
+    assert_eq!(
+        c["envFrom"][0]["configMapRef"]["name"], d["envFrom"][0]["configMapRef"]["name"],
+        "the Deployment's settings"
+    );
     let url = |c: &Value| {
         c["env"]
             .as_sequence()
@@ -492,8 +507,11 @@ fn the_image_defaults_refuse_to_serve_without_tokens() {
 /// `byte_budgets::concurrent_large_batches_are_admitted_by_bytes`.)
 #[test]
 fn the_pod_memory_limit_covers_the_byte_budgets() {
+    memory_covers_budgets(&manifests());
+}
+
+fn memory_covers_budgets(m: &BTreeMap<String, Value>) {
     const MIB: u64 = 1024 * 1024;
-    let m = manifests();
     let setting = |name: &str| -> Option<u64> {
         m["ConfigMap"]["data"]
             .as_mapping()
@@ -559,7 +577,10 @@ fn secrets_reach_the_pods_as_files_only() {
 /// authentication) only from the monitoring namespace, and opens no other port.
 #[test]
 fn a_network_policy_guards_grpc_and_metrics() {
-    let m = manifests();
+    network_policy_guards(&manifests());
+}
+
+fn network_policy_guards(m: &BTreeMap<String, Value>) {
     let np = &m["NetworkPolicy"];
     let pods = &m["Deployment"]["spec"]["template"]["metadata"]["labels"];
     for (k, v) in np["spec"]["podSelector"]["matchLabels"]
@@ -597,4 +618,99 @@ fn a_network_policy_guards_grpc_and_metrics() {
             .all(|f| f["podSelector"].is_null() && !f["namespaceSelector"].is_null()),
         "metrics only from a namespace: {metrics:?}"
     );
+}
+
+/// `kubectl kustomize DIR`, parsed (kubectl renders offline; without it this fails,
+/// it does not skip).
+fn kustomize(dir: &str) -> Vec<Value> {
+    let path = deploy_dir().join(dir);
+    let out = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("kubectl (needed to render {dir}): {e}"));
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {dir}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| Value::deserialize(d).unwrap())
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// Issue 28, item 4: the kustomize base (`deploy/k8s`) and its overlays render, and the
+/// rendered objects pass the same checks as the plain manifests (labels, ports, native
+/// gRPC probes, PodDisruptionBudget below the replicas, memory over the byte budgets,
+/// the NetworkPolicy). Each overlay puts every object in its namespace, its migration
+/// Job (`migrate/`, applied first) runs the Deployment's image in the same namespace,
+/// and production's optional ServiceMonitor scrapes the Service's metrics port.
+#[test]
+fn kustomize_base_and_overlays_render_complete_deployments() {
+    let base = by_kind(kustomize("k8s"));
+    assert_eq!(
+        base.keys().collect::<Vec<_>>(),
+        manifests().keys().collect::<Vec<_>>(),
+        "the base lists every manifest in deploy/k8s"
+    );
+    for (overlay, namespace, replicas, monitor) in [
+        ("production", "mailroom", 3, true),
+        ("staging", "mailroom-staging", 2, false),
+    ] {
+        let m = by_kind(kustomize(&format!("overlays/{overlay}")));
+        for (kind, o) in &m {
+            assert_eq!(
+                o["metadata"]["namespace"].as_str(),
+                Some(namespace),
+                "{overlay}: {kind}"
+            );
+        }
+        hang_together(&m);
+        memory_covers_budgets(&m);
+        network_policy_guards(&m);
+        let d = &m["Deployment"];
+        assert_eq!(d["spec"]["replicas"].as_u64(), Some(replicas), "{overlay}");
+        let image = s(&d["spec"]["template"]["spec"]["containers"][0]["image"]);
+        assert!(
+            !image.ends_with(":latest") && image.contains(':'),
+            "{overlay}: a pinned tag, not {image}"
+        );
+        assert!(
+            d["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["grpc"]["port"]
+                .as_u64()
+                .is_some(),
+            "{overlay}: a native gRPC startup probe"
+        );
+
+        let jobs = kustomize(&format!("overlays/{overlay}/migrate"));
+        assert_eq!(jobs.len(), 1, "{overlay}/migrate renders the Job alone");
+        let job = &jobs[0];
+        assert_eq!(s(&job["kind"]), "Job");
+        assert_eq!(s(&job["metadata"]["namespace"]), namespace);
+        assert_eq!(
+            s(&job["spec"]["template"]["spec"]["containers"][0]["image"]),
+            image,
+            "{overlay}: the Job migrates for the release it precedes"
+        );
+
+        assert_eq!(m.contains_key("ServiceMonitor"), monitor, "{overlay}");
+        if let Some(sm) = m.get("ServiceMonitor") {
+            let svc = &m["Service"];
+            for (k, v) in sm["spec"]["selector"]["matchLabels"].as_mapping().unwrap() {
+                assert_eq!(&svc["metadata"]["labels"][k], v, "selects the Service");
+            }
+            let port = s(&sm["spec"]["endpoints"][0]["port"]);
+            let metrics = svc["spec"]["ports"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .find(|p| s(&p["name"]) == port)
+                .unwrap_or_else(|| panic!("the Service has no port {port}"));
+            let listen = s(&m["ConfigMap"]["data"]["MAILROOM_METRICS_LISTEN"]);
+            assert_eq!(metrics["port"].as_u64(), Some(u64::from(port_of(listen))));
+            assert_eq!(s(&sm["spec"]["endpoints"][0]["path"]), "/metrics");
+        }
+    }
 }

@@ -28,6 +28,7 @@ mod metrics;
 mod otlp;
 mod overload;
 mod partitions;
+mod pause;
 mod polyglot;
 mod relay;
 mod relay_under_load;

@@ -16,7 +16,8 @@ use crate::pb;
 use crate::pb::time::to_duration;
 use requests::*;
 pub use requests::{
-    box_kind, cancel_request, event_filter, event_info, pending_query, requeue_request,
+    box_kind, cancel_request, event_filter, event_info, pause_request, pending_query,
+    requeue_request,
 };
 
 /// The admin RPCs. Tokens and scopes are checked before a call reaches it
@@ -93,6 +94,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
             total_pending: page.total_pending,
             total_keys: page.total_keys,
             total_blocked_keys: page.total_blocked_keys,
+            paused_topics: page.paused.into_iter().map(topic_pause).collect(),
         }))
     }
 
@@ -227,8 +229,56 @@ impl pb::admin_service_server::AdminService for AdminApi {
                     pending: t.pending,
                     completed: t.completed,
                     failed: t.failed,
+                    paused: t.paused,
                 })
                 .collect(),
+        }))
+    }
+
+    async fn pause_topic(
+        &self,
+        request: Request<pb::PauseTopicRequest>,
+    ) -> Result<Response<pb::PauseTopicResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let req = pause_request(r.topic, Some(r.reason), caller.context(&r.operator))?;
+        let out = self.admin.pause_topic(&req).await?;
+        if out.changed {
+            tracing::warn!(topic = %req.topic, reason = %req.reason, actor = %req.context.actor, "topic paused: its events are not published until it is resumed");
+        }
+        Ok(Response::new(pb::PauseTopicResponse {
+            pause: out.pause.map(topic_pause),
+            changed: out.changed,
+            audit_id: out.audit_id.unwrap_or(0),
+        }))
+    }
+
+    async fn resume_topic(
+        &self,
+        request: Request<pb::ResumeTopicRequest>,
+    ) -> Result<Response<pb::ResumeTopicResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let req = pause_request(r.topic, None, caller.context(&r.operator))?;
+        let out = self.admin.resume_topic(&req).await?;
+        if out.changed {
+            tracing::info!(topic = %req.topic, actor = %req.context.actor, "topic resumed");
+        }
+        Ok(Response::new(pb::ResumeTopicResponse {
+            lifted: out.pause.map(topic_pause),
+            changed: out.changed,
+            audit_id: out.audit_id.unwrap_or(0),
+        }))
+    }
+
+    async fn list_paused_topics(
+        &self,
+        request: Request<pb::ListPausedTopicsRequest>,
+    ) -> Result<Response<pb::ListPausedTopicsResponse>, Status> {
+        self.authorize(request.extensions())?;
+        let topics = self.admin.paused_topics().await?;
+        Ok(Response::new(pb::ListPausedTopicsResponse {
+            topics: topics.into_iter().map(topic_pause).collect(),
         }))
     }
 }

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 use crate::admin::{decode_token, encode_token};
 use crate::domain::admin::{
     ActionContext, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter,
-    KeyBacklog, MAX_CANCEL, MAX_REQUEUE, PendingCursor, PendingOrder, PendingQuery, RequeueRequest,
-    Selection,
+    KeyBacklog, MAX_CANCEL, MAX_REQUEUE, PauseRequest, PendingCursor, PendingOrder, PendingQuery,
+    RequeueRequest, Selection, TopicPause,
 };
 use crate::domain::{BoxKind, Status as EventStatus, check_topic};
 use crate::error::{Error, FieldViolation};
@@ -351,7 +351,50 @@ pub(super) fn key_backlog(k: KeyBacklog) -> pb::KeyBacklog {
         head_last_error: k.head_last_error.unwrap_or_default(),
         blocked: k.blocked,
         subscription: k.subscription,
+        paused: k.paused,
     }
+}
+
+pub(super) fn topic_pause(p: TopicPause) -> pb::TopicPause {
+    pb::TopicPause {
+        topic: p.topic,
+        reason: p.reason,
+        actor: p.actor,
+        principal: p.principal.unwrap_or_default(),
+        paused_at: Some(to_timestamp(p.paused_at)),
+    }
+}
+
+/// Validates a `PauseTopic` (`reason` required) or `ResumeTopic` (`reason` None)
+/// request's topic and reason; `context` names the authenticated caller.
+pub fn pause_request(
+    topic: String,
+    reason: Option<String>,
+    context: ActionContext,
+) -> Result<PauseRequest, Error> {
+    let mut v = Vec::new();
+    if let Err(why) = check_topic(&topic) {
+        v.push(FieldViolation::new("topic", why));
+    }
+    let reason = reason.map(|r| r.trim().to_string());
+    match reason.as_deref() {
+        Some("") => v.push(FieldViolation::new(
+            "reason",
+            "is required (it is shown with the pause)",
+        )),
+        Some(r) if r.len() > 1000 => {
+            v.push(FieldViolation::new("reason", "must be at most 1000 bytes"))
+        }
+        _ => {}
+    }
+    if !v.is_empty() {
+        return Err(Error::InvalidArgument(v));
+    }
+    Ok(PauseRequest {
+        topic,
+        reason: reason.unwrap_or_default(),
+        context,
+    })
 }
 
 pub(super) fn audit_entry(a: AuditEntry) -> pb::AuditEntry {

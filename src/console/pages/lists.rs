@@ -3,7 +3,15 @@
 
 use super::*;
 
-pub fn overview(nav: &Nav, t: &Target, s: &Stats, per_minute: &[u64], covered: usize) -> Markup {
+pub fn overview(
+    nav: &Nav,
+    t: &Target,
+    s: &Stats,
+    paused: &[TopicPause],
+    per_minute: &[u64],
+    covered: usize,
+) -> Markup {
+    let outbox = matches!(t, Target::Outbox);
     let base = t.base();
     let what = match t {
         Target::Outbox => "published",
@@ -24,19 +32,26 @@ pub fn overview(nav: &Nav, t: &Target, s: &Stats, per_minute: &[u64], covered: u
                 div.card #oldest { div.n { @match s.oldest_pending_age { Some(a) => (human(chrono::Duration::from_std(a).unwrap_or_default())), None => "—" } } div.l { "oldest pending" } }
                 div.card #blocked { div.n { a href={(base) "/backlog?blocked=1"} { (s.blocked_keys) } } div.l { "blocked keys" } }
             }
+            @for p in paused {
+                div.notice.warn.paused data-topic=(p.topic) {
+                    strong { (p.topic) } " is paused: nothing of it is published until it is resumed. Paused "
+                    (ago(p.paused_at)) " by " (p.actor) ": " (p.reason)
+                }
+            }
             h2 { "Rate" }
             (rate_chart(per_minute, covered, what))
             h2 { "By topic" }
             @if s.topics.is_empty() { p.muted { "No events." } } @else {
                 table #topics {
-                    thead { tr { th { "topic" } th { "pending" } th { "failed" } th { "completed" } } }
+                    thead { tr { th { "topic" } th { "pending" } th { "failed" } th { "completed" } @if outbox { th { "publishing" } } } }
                     tbody {
                         @for tp in &s.topics {
-                            tr {
+                            tr data-topic=(tp.topic) {
                                 td { a href={(base) "/backlog?topic=" (url_escape(&tp.topic))} { (tp.topic) } }
                                 td.num { (tp.pending) }
                                 td.num { a href={(base) "/events?status=failed&topic=" (url_escape(&tp.topic))} { (tp.failed) } }
                                 td.num { (tp.completed) }
+                                @if outbox { td { (pause_cell(nav, tp)) } }
                             }
                         }
                     }
@@ -44,6 +59,25 @@ pub fn overview(nav: &Nav, t: &Target, s: &Stats, per_minute: &[u64], covered: u
             }
         },
     )
+}
+
+/// A topic's publishing state and, for a caller who may act, the form that flips it.
+fn pause_cell(nav: &Nav, tp: &TopicStats) -> Markup {
+    html! {
+        @if tp.paused { span.badge.blocked { "paused" } " " } @else { span.badge.completed { "on" } " " }
+        @if nav.can_write {
+            form.pause method="post" action="/outbox" {
+                (csrf(nav))
+                input type="hidden" name="topic" value=(tp.topic);
+                @if tp.paused {
+                    button type="submit" name="action" value="resume" { "Resume" }
+                } @else {
+                    input name="reason" placeholder="reason" required maxlength="1000";
+                    button.danger type="submit" name="action" value="pause" { "Pause" }
+                }
+            }
+        }
+    }
 }
 
 pub(super) fn key_rows(t: &Target, keys: &[KeyBacklog]) -> Markup {
@@ -57,7 +91,7 @@ pub(super) fn key_rows(t: &Target, keys: &[KeyBacklog]) -> Markup {
             tbody {
                 @for k in keys {
                     tr data-key=(k.key) {
-                        td { (k.topic) }
+                        td { (k.topic) @if k.paused { " " span.badge.blocked { "paused" } } }
                         td { code { @if k.key.is_empty() { span.muted { "(unkeyed)" } } @else { (k.key) } } @if k.blocked { " " span.badge.blocked { "blocked" } } }
                         td.num { (k.pending) }
                         td { (ago(k.oldest_created_at)) }

@@ -121,6 +121,11 @@ const FOLD: &str = "WITH f AS MATERIALIZED (
                  FROM f WHERE e.id = f.id AND NOT e.counted
                    AND (SELECT count(*) FROM keys) >= 0";
 
+/// The outbox's claims skip paused topics (migration 0017): their events stay pending and
+/// spend no attempt. The table is small (one row per paused topic), so the anti-join is a
+/// hashed subplan; a paused topic's ready keys are still walked past in ready order.
+const NOT_PAUSED: &str = "topic NOT IN (SELECT p.topic FROM outbox_paused_topics p)";
+
 impl Tables<'_> {
     /// The extra predicate `frag` on scoped tables (nothing otherwise), with `$S`
     /// replaced by the parameter number `n`.
@@ -140,7 +145,13 @@ impl Tables<'_> {
     /// which saves a round trip per cycle.
     fn lease_keys(&self) -> String {
         let keys = self.keys;
-        let lease_scope = self.scope(" AND subscription = $S", 6);
+        // The outbox leaves paused topics' keys alone (migration 0017); the inbox's
+        // subscription scope takes the same place.
+        let lease_scope = if self.scoped {
+            self.scope(" AND subscription = $S", 6)
+        } else {
+            format!(" AND {NOT_PAUSED}")
+        };
         let lease_join = self.scope(" AND k.subscription = $S", 6);
         // Whether no SQL-API writer holds the key's order lock (migration 0015): tried in
         // shared mode and, when got, held until the claim's transaction ends, so no
@@ -235,7 +246,11 @@ impl Tables<'_> {
     fn claim_unkeyed(&self) -> String {
         let events = self.events;
         let c = &crate::store::rows::event_columns("payload", "headers::text");
-        let unkeyed_scope = self.scope(" AND u.subscription = $S", 5);
+        let unkeyed_scope = if self.scoped {
+            self.scope(" AND u.subscription = $S", 5)
+        } else {
+            format!(" AND u.{NOT_PAUSED}")
+        };
         let u_size = size("u");
         format!(
             "UPDATE {events} SET claim_token = $2,

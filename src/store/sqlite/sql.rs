@@ -91,11 +91,22 @@ impl Tables<'_> {
         }
     }
 
+    /// What a claim adds to its candidates' filter: the inbox's subscription `frag`, or
+    /// in the outbox, topics not paused (migration 0017; their events stay pending and
+    /// spend no attempt).
+    fn claim_scope(&self, frag: &str) -> String {
+        if self.scoped {
+            self.scope(frag)
+        } else {
+            " AND topic NOT IN (SELECT p.topic FROM outbox_paused_topics p)".into()
+        }
+    }
+
     /// One pass: the transaction holds the database, so there are no locked candidates
     /// to skip (PostgreSQL's `lease_keys` skips them).
     fn lease_keys(&self) -> String {
         let keys = self.keys;
-        let lease_scope = self.scope("subscription = ?5");
+        let lease_scope = self.claim_scope("subscription = ?5");
         format!(
             "UPDATE {keys} SET lease_token = ?1, lease_until = ?2, ready_at = ?2
                  WHERE rowid IN (
@@ -112,7 +123,7 @@ impl Tables<'_> {
     fn claim_unkeyed(&self) -> String {
         let events = self.events;
         let cols = &*EVENT_COLUMNS;
-        let lease_scope = self.scope("subscription = ?5");
+        let lease_scope = self.claim_scope("subscription = ?5");
         format!(
             "UPDATE {events} SET claim_token = ?1, claimed_until = ?2
                  WHERE id IN (
