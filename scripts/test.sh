@@ -60,6 +60,9 @@ export BUF
 log "Stub generators (buf.gen.yaml's local plugins: protoc and the gRPC plugins from apt, ts-proto from npm)"
 scripts/gen-stubs.sh --install-only
 
+log "Go and Java toolchains with Debian's gRPC libraries (the Go and Java producer examples)"
+scripts/build-examples.sh --install-only
+
 log "Node example's packages (examples/node, installed into .work/node-example)"
 if [ ! -d .work/node-example/node_modules/@grpc/grpc-js ] \
   || ! cmp -s examples/node/package-lock.json .work/node-example/package-lock.json; then

@@ -11,6 +11,8 @@
 // - INVALID_ARGUMENT carries google.rpc.BadRequest naming the offending fields.
 //
 // usage: node producer.js HOST:PORT PROTO_DIR
+//   MAILROOM_CA     the server's CA certificate (PEM); TLS when set, plaintext otherwise
+//   MAILROOM_TOKEN  the bearer token (the shipped deployment requires TLS and a token)
 // Prints one JSON line: the enqueued id (an int64, as a string: JSON numbers lose
 // precision past 2^53) and what the server said about a bad event.
 "use strict";
@@ -69,9 +71,16 @@ function details(error) {
 }
 
 /** One unary call as a promise, with a deadline. */
+/** The bearer token on every call, when MAILROOM_TOKEN names one. */
+function auth() {
+  const md = new grpc.Metadata();
+  if (process.env.MAILROOM_TOKEN) md.add("authorization", `Bearer ${process.env.MAILROOM_TOKEN}`);
+  return md;
+}
+
 function call(client, method, request) {
   return new Promise((resolve, reject) => {
-    client[method](request, { deadline: Date.now() + 10_000 }, (err, response) =>
+    client[method](request, auth(), { deadline: Date.now() + 10_000 }, (err, response) =>
       err ? reject(err) : resolve(response),
     );
   });
@@ -113,7 +122,11 @@ async function main() {
     defaults: true,
   });
   const { mailroom } = grpc.loadPackageDefinition(definition);
-  const client = new mailroom.v1.OutboxService(addr, grpc.credentials.createInsecure());
+  const ca = process.env.MAILROOM_CA;
+  const creds = ca
+    ? grpc.credentials.createSsl(require("fs").readFileSync(ca))
+    : grpc.credentials.createInsecure();
+  const client = new mailroom.v1.OutboxService(addr, creds);
 
   const event = {
     topic: "examples.orders",
@@ -121,7 +134,7 @@ async function main() {
     payload: Buffer.from(JSON.stringify({ total: 10 })),
     headers: { "content-type": "application/json" },
     type: "order.created",
-    idempotency_key: "checkout-req-9f1c",
+    idempotency_key: "checkout-req-node-3c8a",
   };
   const stored = await enqueue(client, event);
   const again = await enqueue(client, event);

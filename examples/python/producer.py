@@ -9,6 +9,8 @@ grpcio-tools; enqueues with an idempotency key and retries the way mailroom's er
 - INVALID_ARGUMENT carries google.rpc.BadRequest naming the offending fields.
 
 usage: producer.py HOST:PORT PROTO_DIR
+  MAILROOM_CA     the server's CA certificate (PEM); TLS when set, plaintext otherwise
+  MAILROOM_TOKEN  the bearer token (the shipped deployment requires TLS and a token)
 Prints one JSON line: the enqueued id and what the server said about a bad event.
 Needs: grpcio, grpcio-tools, grpcio-status.
 """
@@ -26,6 +28,17 @@ from grpc_status import rpc_status
 from grpc_tools import protoc
 
 RETRYABLE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
+TOKEN = os.environ.get("MAILROOM_TOKEN")
+AUTH = [("authorization", f"Bearer {TOKEN}")] if TOKEN else []
+
+
+def channel(addr: str) -> grpc.Channel:
+    """TLS with the CA in MAILROOM_CA, else plaintext (a local development server)."""
+    ca = os.environ.get("MAILROOM_CA")
+    if ca:
+        with open(ca, "rb") as f:
+            return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=f.read()))
+    return grpc.insecure_channel(addr)
 
 
 def generate(proto_dir: str) -> None:
@@ -65,7 +78,7 @@ def enqueue(stub, pb, event, attempts: int = 8):
     """Enqueue, retrying RESOURCE_EXHAUSTED/UNAVAILABLE after the server's RetryInfo delay."""
     for attempt in range(attempts):
         try:
-            return stub.Enqueue(pb.EnqueueRequest(event=event), timeout=10)
+            return stub.Enqueue(pb.EnqueueRequest(event=event), timeout=10, metadata=AUTH)
         except grpc.RpcError as e:
             if e.code() not in RETRYABLE or attempt == attempts - 1:
                 raise
@@ -83,7 +96,7 @@ def main() -> None:
     generate(proto_dir)
     pb = importlib.import_module("mailroom.v1.outbox_pb2")
     rpc = importlib.import_module("mailroom.v1.outbox_pb2_grpc")
-    stub = rpc.OutboxServiceStub(grpc.insecure_channel(addr))
+    stub = rpc.OutboxServiceStub(channel(addr))
 
     event = pb.Event(
         topic="examples.orders",
