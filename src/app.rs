@@ -275,7 +275,8 @@ impl App {
         bg.tasks.extend(inbox_tasks);
         let checks = readiness_checks(&config, &store, &schema, &outbox, &inbox_handles);
         bg.spawn(health.clone().monitor(checks, bg.token.clone()));
-        let metrics = Metrics::with_inbox(outbox.stats.clone(), inbox_handles.clone());
+        let metrics =
+            Metrics::for_service(outbox.stats.clone(), inbox_handles.clone(), store.clone());
         let metrics_addr = start_metrics(&config, &store, &metrics, &mut bg).await?;
         bg.spawn(crate::retention::run(
             store.clone(),

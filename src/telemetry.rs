@@ -3,9 +3,12 @@
 //! W3C `traceparent` (an `Enqueue` call that carried one, a Kafka publish or an inbox
 //! handler call for a message that has one) join the producer's trace, and the spans of
 //! mailroom's own calls (a Kafka producer span, an inbox handler's client span) become
-//! the receiver's parent through [`inject`]. Off by default.
+//! the receiver's parent through [`inject`]. Off by default. JSON logs carry the
+//! `trace_id` and `span_id` of the span each line was logged in (with or without an
+//! exporter: without one, spans get ids but are neither exported nor propagated).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::TracerProvider as _;
@@ -24,6 +27,102 @@ pub enum LogFormat {
     Human,
     /// One JSON object per line.
     Json,
+}
+
+/// Which OpenTelemetry RPC conventions the spans follow (`OTEL_SEMCONV_STABILITY_OPT_IN`,
+/// as the conventions ask of instrumentations that emitted v1.37.0): by default the
+/// v1.37.0 attributes (`rpc.system`, `rpc.service`, `rpc.method` = the method's short
+/// name, `rpc.grpc.status_code`) with the newer ones that do not clash
+/// (`rpc.system.name`, `rpc.response.status_code`); with `rpc` in the variable, only
+/// the newer ones (and `rpc.method` fully qualified, `package.Service/Method`).
+pub fn rpc_stable_only() -> bool {
+    static STABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *STABLE.get_or_init(|| {
+        std::env::var("OTEL_SEMCONV_STABILITY_OPT_IN").is_ok_and(|v| stable_rpc_opt_in(&v))
+    })
+}
+
+/// Whether an `OTEL_SEMCONV_STABILITY_OPT_IN` value asks for the stable RPC conventions
+/// only (`rpc`; `rpc/dup` keeps both, which is the default here).
+fn stable_rpc_opt_in(value: &str) -> bool {
+    let items: Vec<&str> = value.split(',').map(str::trim).collect();
+    items.contains(&"rpc") && !items.contains(&"rpc/dup")
+}
+
+/// Records an RPC span's identity (`service` `package.Service`, `method` its short
+/// name) under the conventions [`rpc_stable_only`] chose; the span declares the fields
+/// `rpc.system`, `rpc.service`, `rpc.method` and `rpc.system.name` empty.
+pub fn record_rpc(span: &tracing::Span, service: &str, method: &str) {
+    span.record("rpc.system.name", "grpc");
+    if rpc_stable_only() {
+        span.record("rpc.method", format!("{service}/{method}"));
+    } else {
+        span.record("rpc.system", "grpc");
+        span.record("rpc.service", service);
+        span.record("rpc.method", method);
+    }
+}
+
+/// Records an RPC span's status code: `rpc.response.status_code` as gRPC names it and,
+/// unless only the stable conventions are asked for, the numeric `rpc.grpc.status_code`.
+pub fn record_rpc_code(span: &tracing::Span, code: tonic::Code) {
+    span.record("rpc.response.status_code", crate::metrics::code_name(code));
+    if !rpc_stable_only() {
+        span.record("rpc.grpc.status_code", code as i64);
+    }
+}
+
+/// Whether spans are exported: only then does [`inject`] hand mailroom's span ids to
+/// receivers (a span nobody can see would break the receiver's link to the producer).
+static EXPORTING: AtomicBool = AtomicBool::new(false);
+
+/// JSON log lines with the OpenTelemetry ids of the span they were logged in
+/// (`trace_id`, `span_id`, as W3C hex), so that a log search and a trace view join.
+struct TracedJson<F>(F);
+
+impl<S, N, F> tracing_subscriber::fmt::FormatEvent<S, N> for TracedJson<F>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'w> tracing_subscriber::fmt::FormatFields<'w> + 'static,
+    F: tracing_subscriber::fmt::FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        // The ids first: reading them locks the span's extensions, which the inner
+        // format holds while it writes the span's fields.
+        let ids = current_ids();
+        let mut line = String::new();
+        self.0.format_event(
+            ctx,
+            tracing_subscriber::fmt::format::Writer::new(&mut line),
+            event,
+        )?;
+        match (ids, line.rfind('}')) {
+            (Some((trace, span)), Some(end)) => {
+                writer.write_str(&line[..end])?;
+                write!(writer, ",\"trace_id\":\"{trace}\",\"span_id\":\"{span}\"")?;
+                writer.write_str(&line[end..])
+            }
+            _ => writer.write_str(&line),
+        }
+    }
+}
+
+/// The current span's trace and span ids, when it has valid ones.
+fn current_ids() -> Option<(String, String)> {
+    use opentelemetry::trace::TraceContextExt as _;
+    let span = tracing::Span::current();
+    if span.is_none() {
+        return None;
+    }
+    let cx = span.context();
+    let sc = cx.span().span_context().clone();
+    sc.is_valid()
+        .then(|| (sc.trace_id().to_string(), sc.span_id().to_string()))
 }
 
 /// Keeps the exporter alive; `shutdown` flushes the spans still buffered.
@@ -53,7 +152,11 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Te
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let fmt = match format {
         LogFormat::Human => fmt.fmt_fields(human_fields()).with_filter(filter).boxed(),
-        LogFormat::Json => fmt.json().with_filter(filter).boxed(),
+        LogFormat::Json => fmt
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .event_format(TracedJson(tracing_subscriber::fmt::format().json()))
+            .with_filter(filter)
+            .boxed(),
     };
     let provider = match export_endpoint(otlp_endpoint, |k| std::env::var(k).ok()) {
         None => None,
@@ -85,6 +188,13 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Te
                     .build(),
             )
         }
+    };
+    EXPORTING.store(provider.is_some(), Ordering::Relaxed);
+    // JSON logs name each line's trace and span: spans need OpenTelemetry ids even when
+    // nothing exports them (a provider without a processor records nothing).
+    let provider = match (provider, format) {
+        (None, LogFormat::Json) => Some(SdkTracerProvider::builder().build()),
+        (p, _) => p,
     };
     let trace_filter = std::env::var("MAILROOM_TRACE_FILTER")
         .ok()
@@ -193,6 +303,9 @@ pub fn join_trace_state(span: &tracing::Span, traceparent: Option<&str>, tracest
 /// own headers travel on unchanged).
 pub fn inject(span: &tracing::Span) -> Option<HashMap<String, String>> {
     use opentelemetry::trace::TraceContextExt as _;
+    if !EXPORTING.load(Ordering::Relaxed) {
+        return None;
+    }
     let cx = span.context();
     if !cx.span().span_context().is_valid() {
         return None;
@@ -205,6 +318,16 @@ pub fn inject(span: &tracing::Span) -> Option<HashMap<String, String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_rpc_in_the_opt_in_drops_the_older_rpc_attributes() {
+        assert!(stable_rpc_opt_in("rpc"));
+        assert!(stable_rpc_opt_in("http, rpc"));
+        assert!(!stable_rpc_opt_in("rpc/dup"));
+        assert!(!stable_rpc_opt_in("rpc,rpc/dup"));
+        assert!(!stable_rpc_opt_in("http,messaging"));
+        assert!(!stable_rpc_opt_in(""));
+    }
 
     #[test]
     fn the_otel_environment_chooses_the_endpoint() {

@@ -480,6 +480,9 @@ pub(super) fn event_json(e: &pb::EventInfo, with_payload: bool, inbox: bool) -> 
         "payload_size": e.payload_size,
         "headers": e.headers,
         "idempotency_key": e.idempotency_key,
+        "attempt_history": e.attempt_history.iter().map(|a| json!({
+            "attempt": a.attempt, "at": ts(a.at.as_ref()), "error": a.error,
+        })).collect::<Vec<_>>(),
     });
     if inbox {
         v["subscription"] = e.subscription.clone().into();
@@ -532,6 +535,17 @@ pub(super) fn event_text(e: &pb::EventInfo, with_payload: bool, inbox: bool) -> 
     field("payload_size", format!("{} bytes", e.payload_size));
     for (k, v) in headers {
         field("header", format!("{k}: {v}"));
+    }
+    for a in &e.attempt_history {
+        field(
+            "attempt",
+            format!(
+                "#{} at {}: {}",
+                a.attempt,
+                ts(a.at.as_ref()).unwrap_or_default(),
+                a.error
+            ),
+        );
     }
     if with_payload {
         field("payload", String::from_utf8_lossy(&e.payload).into_owned());

@@ -251,6 +251,19 @@ pub struct EventDetail {
     pub subscription: Option<String>,
     /// The inbox message id (dedup key); `None` in the outbox.
     pub message_id: Option<String>,
+    /// The last counted attempts (at most 10), oldest first; empty in listings.
+    pub attempt_log: Vec<AttemptRecord>,
+}
+
+/// One counted delivery attempt of an event: its number, when it ended, and its error.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttemptRecord {
+    /// The attempt's number (1 for the first).
+    pub attempt: u32,
+    /// When the relay settled it.
+    pub at: DateTime<Utc>,
+    /// Why it failed (at most 1000 characters).
+    pub error: String,
 }
 
 /// A validated ListEvents request.

@@ -281,15 +281,17 @@ impl HandlerSink {
     /// A client span per call (OpenTelemetry RPC conventions), a child of the message's
     /// own trace context; the subscriber gets it as its parent.
     fn span(&self, e: &StoredEvent, message_id: &str, stored_tp: Option<&str>) -> tracing::Span {
-        tracing::info_span!(
+        let span = tracing::info_span!(
             "handle",
             otel.name = HANDLE_SPAN,
             otel.kind = "client",
             otel.status_code = tracing::field::Empty,
-            rpc.system = "grpc",
-            rpc.service = "mailroom.v1.HandlerService",
-            rpc.method = "Handle",
+            rpc.system = tracing::field::Empty,
+            rpc.system.name = tracing::field::Empty,
+            rpc.service = tracing::field::Empty,
+            rpc.method = tracing::field::Empty,
             rpc.grpc.status_code = tracing::field::Empty,
+            rpc.response.status_code = tracing::field::Empty,
             server.address = %self.server.0,
             server.port = self.server.1,
             messaging.operation.type = "process",
@@ -300,7 +302,9 @@ impl HandlerSink {
             subscription = %self.subscription,
             inbox_id = e.id,
             traceparent = stored_tp.unwrap_or("")
-        )
+        );
+        crate::telemetry::record_rpc(&span, "mailroom.v1.HandlerService", "Handle");
+        span
     }
 
     /// The `Handle` request: the message, `grpc-timeout` (the subscriber knows when
@@ -461,7 +465,7 @@ fn record_answer(
             tonic::Code::Ok
         }
     };
-    span.record("rpc.grpc.status_code", code as i64);
+    crate::telemetry::record_rpc_code(span, code);
     if code != tonic::Code::Ok {
         span.record("otel.status_code", "ERROR");
     }

@@ -13,6 +13,7 @@ use crate::inbox::InboxHandles;
 use crate::inbox::consumer::IntakeStats;
 use crate::inbox::supervisor::Task;
 use crate::relay::{Latency, RelayStats};
+use crate::store::Store;
 
 /// The relays' counters and histograms, read at scrape time.
 #[derive(Debug)]
@@ -303,5 +304,45 @@ fn encode_latencies(
             }
             Ok(())
         }
+    }
+}
+
+/// The store's connection pools, read at scrape time.
+pub(super) struct PoolCollector {
+    pub(super) store: Arc<dyn Store>,
+}
+
+impl std::fmt::Debug for PoolCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PoolCollector")
+    }
+}
+
+impl Collector for PoolCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let pools = self.store.pool_use();
+        let mut e = encoder.encode_descriptor(
+            "mailroom_db_pool_connections",
+            "Database connections open per pool (query class), by state: used or idle.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for p in &pools {
+            for (state, n) in [("used", p.open.saturating_sub(p.idle)), ("idle", p.idle)] {
+                let labels = [("pool", p.pool), ("state", state)];
+                e.encode_family(&labels)?.encode_gauge(&i64::from(n))?;
+            }
+        }
+        let mut e = encoder.encode_descriptor(
+            "mailroom_db_pool_max_connections",
+            "The most connections each pool (query class) opens.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for p in &pools {
+            e.encode_family(&[("pool", p.pool)])?
+                .encode_gauge(&i64::from(p.max))?;
+        }
+        Ok(())
     }
 }

@@ -33,13 +33,19 @@ use crate::domain::BoxKind;
 use crate::inbox::InboxHandles;
 use crate::relay::RelayStats;
 use crate::store::Store;
-use collectors::{InboxCollector, RelayCollector};
+use collectors::{InboxCollector, PoolCollector, RelayCollector};
 
 /// Distinct topic label values at most; later topics are counted under `_other`.
 pub const TOPIC_LABELS: usize = 1000;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TopicLabel {
+    topic: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SubTopicLabel {
+    subscription: String,
     topic: String,
 }
 
@@ -62,11 +68,10 @@ struct StatusLabel {
 /// Sets a gauge family to `values`: each series is set in place and only the series no
 /// longer present are removed, so a scrape during a refresh never sees the family empty
 /// (a clear-then-fill left a window with no series). `labels` remembers the series set.
-fn replace_series(
-    family: &Family<TopicLabel, Gauge>,
-    labels: &mut HashSet<TopicLabel>,
-    values: HashMap<TopicLabel, i64>,
-) {
+fn replace_series<L>(family: &Family<L, Gauge>, labels: &mut HashSet<L>, values: HashMap<L, i64>)
+where
+    L: Clone + std::hash::Hash + Eq + EncodeLabelSet + std::fmt::Debug,
+{
     for (l, v) in &values {
         family.get_or_create(l).set(*v);
     }
@@ -98,6 +103,13 @@ struct Inner {
     pending_labels: Mutex<HashSet<TopicLabel>>,
     failed_labels: Mutex<HashSet<TopicLabel>>,
     paused_labels: Mutex<HashSet<TopicLabel>>,
+    /// The inbox's backlog, refreshed with the outbox's when it has subscriptions.
+    inbox: bool,
+    inbox_pending: Family<SubTopicLabel, Gauge>,
+    inbox_failed: Family<SubTopicLabel, Gauge>,
+    inbox_pending_labels: Mutex<HashSet<SubTopicLabel>>,
+    inbox_failed_labels: Mutex<HashSet<SubTopicLabel>>,
+    inbox_oldest_pending_age: Gauge<f64, AtomicU64>,
     blocked_keys: Gauge,
     oldest_pending_age: Gauge<f64, AtomicU64>,
     stats_errors: Counter,
@@ -106,6 +118,26 @@ struct Inner {
 }
 
 impl Inner {
+    /// Registers the inbox's backlog gauges (with subscriptions only).
+    fn register_inbox_backlog(&mut self) {
+        let r = &mut self.registry;
+        r.register(
+            "mailroom_inbox_pending",
+            "Pending inbox messages by subscription and topic (refreshed every metrics_stats_interval).",
+            self.inbox_pending.clone(),
+        );
+        r.register(
+            "mailroom_inbox_failed_events",
+            "Failed inbox messages kept, by subscription and topic (refreshed every metrics_stats_interval).",
+            self.inbox_failed.clone(),
+        );
+        r.register(
+            "mailroom_inbox_oldest_pending_age_seconds",
+            "Age of the oldest pending inbox message (0 when none).",
+            self.inbox_oldest_pending_age.clone(),
+        );
+    }
+
     /// Registers the metrics this process updates itself.
     fn register_own(&mut self) {
         let r = &mut self.registry;
@@ -190,6 +222,24 @@ impl Metrics {
 
     /// Metrics over the relays' stats and the inbox's handles.
     pub fn with_inbox(relays: Vec<Arc<RelayStats>>, inbox: InboxHandles) -> Metrics {
+        Metrics::build(relays, inbox, None)
+    }
+
+    /// The service's metrics: the relays', the inbox's, the store's connection pools
+    /// (read at scrape time) and the build.
+    pub fn for_service(
+        relays: Vec<Arc<RelayStats>>,
+        inbox: InboxHandles,
+        store: Arc<dyn Store>,
+    ) -> Metrics {
+        Metrics::build(relays, inbox, Some(store))
+    }
+
+    fn build(
+        relays: Vec<Arc<RelayStats>>,
+        inbox: InboxHandles,
+        store: Option<Arc<dyn Store>>,
+    ) -> Metrics {
         let mut inner = Inner {
             registry: Registry::default(),
             topics: Mutex::new(HashSet::new()),
@@ -205,6 +255,12 @@ impl Metrics {
             pending_labels: Mutex::default(),
             failed_labels: Mutex::default(),
             paused_labels: Mutex::default(),
+            inbox: !inbox.dispatch_stats.is_empty(),
+            inbox_pending: Family::default(),
+            inbox_failed: Family::default(),
+            inbox_pending_labels: Mutex::default(),
+            inbox_failed_labels: Mutex::default(),
+            inbox_oldest_pending_age: Gauge::default(),
             blocked_keys: Gauge::default(),
             oldest_pending_age: Gauge::default(),
             stats_errors: Counter::default(),
@@ -212,11 +268,27 @@ impl Metrics {
             keys_pruned: Counter::default(),
         };
         inner.register_own();
-        let registry = &mut inner.registry;
-        registry.register_collector(Box::new(RelayCollector { relays }));
-        if !inbox.dispatch_stats.is_empty() {
-            registry.register_collector(Box::new(InboxCollector { inbox }));
+        inner
+            .registry
+            .register_collector(Box::new(RelayCollector { relays }));
+        if inner.inbox {
+            inner.register_inbox_backlog();
+            inner
+                .registry
+                .register_collector(Box::new(InboxCollector { inbox }));
         }
+        let mut build = vec![("version", env!("CARGO_PKG_VERSION").to_string())];
+        if let Some(store) = store {
+            build.push(("schema", store.known_schema().to_string()));
+            inner
+                .registry
+                .register_collector(Box::new(PoolCollector { store }));
+        }
+        inner.registry.register(
+            "mailroom_build",
+            "The running binary: its version and the schema it knows (always 1).",
+            prometheus_client::metrics::info::Info::new(build),
+        );
         Metrics {
             inner: Arc::new(inner),
         }
@@ -339,6 +411,38 @@ impl Metrics {
             Err(e) => {
                 self.inner.stats_errors.inc();
                 tracing::warn!(error = %e, "refreshing the backlog metrics failed");
+            }
+        }
+        if self.inner.inbox {
+            self.refresh_inbox_stats(store).await;
+        }
+    }
+
+    /// Refreshes the inbox's backlog gauges from the store.
+    async fn refresh_inbox_stats(&self, store: &dyn Store) {
+        let i = &self.inner;
+        match store.stats(BoxKind::Inbox, None).await {
+            Ok(s) => {
+                let mut pending = HashMap::new();
+                let mut failed = HashMap::new();
+                for t in &s.topics {
+                    let l = SubTopicLabel {
+                        subscription: t.subscription.clone(),
+                        topic: self.topic(&t.topic).topic,
+                    };
+                    *pending.entry(l.clone()).or_default() += t.pending;
+                    *failed.entry(l).or_default() += t.failed;
+                }
+                let mut labels = i.inbox_pending_labels.lock().expect("labels");
+                replace_series(&i.inbox_pending, &mut labels, pending);
+                let mut labels = i.inbox_failed_labels.lock().expect("labels");
+                replace_series(&i.inbox_failed, &mut labels, failed);
+                i.inbox_oldest_pending_age
+                    .set(s.oldest_pending_age.map(|d| d.as_secs_f64()).unwrap_or(0.0));
+            }
+            Err(e) => {
+                i.stats_errors.inc();
+                tracing::warn!(error = %e, "refreshing the inbox backlog metrics failed");
             }
         }
     }

@@ -129,4 +129,33 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
 
     /// Number of events, of one status or of all.
     async fn count_events(&self, box_kind: BoxKind, status: Option<Status>) -> StoreResult<i64>;
+
+    /// How each connection pool is used right now (for the metrics, read at scrape time).
+    fn pool_use(&self) -> Vec<PoolUse> {
+        Vec::new()
+    }
+}
+
+/// A sqlx pool's use, as [`PoolUse`].
+pub(crate) fn pool_use<DB: sqlx::Database>(pool: &'static str, p: &sqlx::Pool<DB>) -> PoolUse {
+    PoolUse {
+        pool,
+        open: p.size(),
+        idle: u32::try_from(p.num_idle()).unwrap_or(u32::MAX),
+        max: p.options().get_max_connections(),
+    }
+}
+
+/// One connection pool's use: its query class, open connections (idle and in use) and
+/// its maximum.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolUse {
+    /// The query class (`enqueue`, `relay`, `admin`; `sqlite` for the embedded engine).
+    pub pool: &'static str,
+    /// Connections open, in use or idle.
+    pub open: u32,
+    /// Of those, idle.
+    pub idle: u32,
+    /// The pool's maximum.
+    pub max: u32,
 }

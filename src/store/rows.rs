@@ -6,7 +6,9 @@
 use chrono::{DateTime, Utc};
 
 use super::{StoreError, StoreResult};
-use crate::domain::admin::{AdminKey, AuditEntry, EventDetail, KeyBacklog, TopicPause};
+use crate::domain::admin::{
+    AdminKey, AttemptRecord, AuditEntry, EventDetail, KeyBacklog, TopicPause,
+};
 use crate::domain::{BoxKind, EventId, Status, StoredEvent};
 
 /// The columns of one result row, by name, in the engine's encoding.
@@ -80,7 +82,42 @@ pub(crate) fn decode_detail(row: &impl Cols) -> StoreResult<EventDetail> {
         payload_size: row.int("payload_size")?,
         subscription: row.opt_text("subscription")?,
         message_id: row.opt_text("message_id")?,
+        attempt_log: decode_attempt_log(row.opt_text("attempt_log")?.as_deref())?,
     })
+}
+
+/// The attempt history's JSON array (migration 0018): `at` is RFC 3339 text on
+/// PostgreSQL, microseconds since the epoch on SQLite.
+pub(crate) fn decode_attempt_log(json: Option<&str>) -> StoreResult<Vec<AttemptRecord>> {
+    let Some(json) = json else {
+        return Ok(Vec::new());
+    };
+    let bad = |what: &str| StoreError::other(format!("attempt log: {what}"));
+    let items: Vec<serde_json::Value> =
+        serde_json::from_str(json).map_err(|e| bad(&e.to_string()))?;
+    items
+        .iter()
+        .map(|v| {
+            let at = match &v["at"] {
+                serde_json::Value::Number(n) => n
+                    .as_i64()
+                    .and_then(DateTime::<Utc>::from_timestamp_micros)
+                    .ok_or_else(|| bad("time out of range"))?,
+                serde_json::Value::String(t) => DateTime::parse_from_rfc3339(t)
+                    .map_err(|e| bad(&e.to_string()))?
+                    .with_timezone(&Utc),
+                _ => return Err(bad("no time")),
+            };
+            Ok(AttemptRecord {
+                attempt: v["attempt"]
+                    .as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .unwrap_or(0),
+                at,
+                error: v["error"].as_str().unwrap_or_default().to_string(),
+            })
+        })
+        .collect()
 }
 
 /// One event a requeue or cancel would change.

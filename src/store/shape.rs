@@ -76,8 +76,10 @@ impl Shape {
     }
 
     /// Event columns for `decode_event`, with the payload only when `with_payload` (a
-    /// parameter or literal) is true, and the inbox's origin columns (NULL in the outbox).
-    pub fn detail_columns(&self, with_payload: &str) -> String {
+    /// parameter or literal) is true, the inbox's origin columns (NULL in the outbox),
+    /// and the attempt history (migration 0018) only when `with_log` (one event's
+    /// detail; listings leave it out).
+    pub fn detail_columns(&self, with_payload: &str, with_log: bool) -> String {
         let t = self.text;
         let (sub, mid) = if self.inbox {
             ("subscription", "message_id")
@@ -93,7 +95,11 @@ impl Shape {
             &format!("CASE WHEN {with_payload} THEN payload ELSE {empty} END"),
             headers,
         );
-        format!("{event}, {size} AS payload_size, {sub}{t} AS subscription, {mid}{t} AS message_id")
+        let log = if with_log { "attempt_log" } else { "NULL" };
+        format!(
+            "{event}, {size} AS payload_size, {sub}{t} AS subscription, {mid}{t} AS message_id, \
+             {log}{t} AS attempt_log"
+        )
     }
 
     /// The subscription column `col` (`''` in the outbox, which has none).

@@ -179,6 +179,9 @@ async fn enqueue_spans_join_the_producers_trace() {
         ("rpc.service", "mailroom.v1.OutboxService"),
         ("rpc.method", "Enqueue"),
         ("rpc.grpc.status_code", "0"),
+        // The newer conventions' attributes that do not clash (v1.38+).
+        ("rpc.system.name", "grpc"),
+        ("rpc.response.status_code", "OK"),
     ] {
         assert_eq!(
             rpc.attributes.get(k).map(String::as_str),
@@ -187,6 +190,38 @@ async fn enqueue_spans_join_the_producers_trace() {
         );
     }
     assert_eq!(rpc.service_name, "mailroom-under-test");
+
+    // OTEL_SEMCONV_STABILITY_OPT_IN=rpc: the newer conventions only.
+    let stable_trace = "5bf92f3577b34da6a3ce929d0e0e4737";
+    one_traced_enqueue(
+        &[
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                format!("http://127.0.0.1:{port}"),
+            ),
+            ("OTEL_SEMCONV_STABILITY_OPT_IN", "http,rpc".into()),
+        ],
+        stable_trace,
+    )
+    .await;
+    let spans = collector.spans.lock().unwrap().clone();
+    let rpc = spans
+        .iter()
+        .find(|s| s.trace_id == stable_trace && s.name == ENQUEUE_SPAN)
+        .unwrap_or_else(|| panic!("no Enqueue span among {spans:#?}"));
+    assert_eq!(
+        rpc.attributes.get("rpc.method").map(String::as_str),
+        Some("mailroom.v1.OutboxService/Enqueue")
+    );
+    assert_eq!(
+        rpc.attributes
+            .get("rpc.response.status_code")
+            .map(String::as_str),
+        Some("OK")
+    );
+    for gone in ["rpc.system", "rpc.service", "rpc.grpc.status_code"] {
+        assert!(!rpc.attributes.contains_key(gone), "{gone} in {rpc:?}");
+    }
 }
 
 /// Export over TLS with mTLS: a collector that requires a client certificate signed by
@@ -516,6 +551,8 @@ async fn handler_calls_get_client_spans() {
         ("rpc.service", "mailroom.v1.HandlerService"),
         ("rpc.method", "Handle"),
         ("rpc.grpc.status_code", "0"),
+        ("rpc.system.name", "grpc"),
+        ("rpc.response.status_code", "OK"),
         ("server.address", "127.0.0.1"),
         ("messaging.destination.name", "invoices"),
         ("messaging.destination.subscription.name", "billing"),
@@ -540,4 +577,96 @@ async fn handler_calls_get_client_spans() {
             .any(|s| s.name == "mailroom.v1.InboxService/Receive" && s.trace_id == meta_trace),
         "no Receive server span in the caller's trace among {spans:#?}"
     );
+}
+
+/// Issue 28, item 3: JSON logs carry the OpenTelemetry `trace_id` and `span_id` of the
+/// span each line was logged in, without an exporter too: the RPC's lines name the
+/// caller's trace and mailroom's own span. With nothing exported, the published record
+/// keeps the producer's `traceparent` (a span id nobody can see is not propagated).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_carry_the_trace_and_span_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let log = dir.path().join("stderr.jsonl");
+    let sink = dir.path().join("out.jsonl");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+        .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
+        .env(
+            "MAILROOM_DATABASE_URL",
+            format!("sqlite://{}", dir.path().join("m.db").display()),
+        )
+        .env("MAILROOM_LOCAL_SINK", &sink)
+        .env("MAILROOM_LOG_FORMAT", "json")
+        .env("RUST_LOG", "debug")
+        .env_remove("MAILROOM_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    wait_listening(port, "mailroom listening").await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let tp = format!("00-{trace_id}-00f067aa0ba902b7-01");
+    let mut c = client(format!("127.0.0.1:{port}").parse().unwrap()).await;
+    let mut req = tonic::Request::new(pb::EnqueueRequest {
+        event: Some(event("traced", "k", b"x")),
+    });
+    req.metadata_mut()
+        .insert("traceparent", tp.parse().unwrap());
+    c.enqueue(req).await.unwrap();
+    eventually(Duration::from_secs(10), "the event published", || {
+        let sink = sink.clone();
+        async move { std::fs::read_to_string(&sink).is_ok_and(|t| !t.is_empty()) }
+    })
+    .await;
+    let pid = child.id().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}");
+
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    let in_rpc: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| l["span"]["otel.name"] == "mailroom.v1.OutboxService/Enqueue")
+        .collect();
+    assert!(
+        !in_rpc.is_empty(),
+        "no line inside the Enqueue span:\n{text}"
+    );
+    for l in &in_rpc {
+        assert_eq!(l["trace_id"], trace_id, "{l}");
+        let span = l["span_id"].as_str().unwrap_or_else(|| panic!("{l}"));
+        assert_eq!(span.len(), 16, "{l}");
+        assert_ne!(
+            span, "00f067aa0ba902b7",
+            "mailroom's own span, not the caller's"
+        );
+    }
+    assert!(
+        lines
+            .iter()
+            .filter(|l| l["span"].is_null())
+            .all(|l| l.get("trace_id").is_none()),
+        "a line outside any span names no trace"
+    );
+    let record: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&sink)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(record["headers"]["traceparent"], tp.as_str(), "{record}");
 }

@@ -815,3 +815,98 @@ async fn a_payload_of_max_payload_bytes_is_published() {
     assert_eq!((e.status, e.attempts), (Status::Completed, 0));
     s.app.stop().await.unwrap();
 }
+
+/// Issue 28, item 1, on both engines: `GetEvent` lists each counted attempt (number,
+/// time, error), oldest first, and the failure that ended the event; transient failures
+/// (no attempt spent) are not listed; the CLI's `get` shows them.
+#[tokio::test]
+async fn get_event_lists_each_counted_attempt_and_not_the_transient_ones() {
+    for engine in &ENGINES {
+        let (url, _dir) = fresh_db(engine).await;
+        let mut s = Service::start(quiet_config(&url)).await;
+        let mut e = event("history", "k", b"x");
+        e.max_attempts = 3;
+        let id = enqueue(&mut s.client, e).await;
+        let dir = tempfile::tempdir().unwrap();
+        let local = mailroom::sink::local::LocalSink::file(dir.path().join("out.jsonl"))
+            .await
+            .unwrap();
+        let sink = ScriptedSink::new(Arc::new(local));
+        let mut relay = Relay::new(
+            s.app.store.clone(),
+            sink.clone(),
+            Queue::Outbox,
+            relay_config(Duration::ZERO),
+        );
+        // Two transient failures (an outage), then three counted ones: failed.
+        sink.fail(
+            id,
+            2,
+            Failure::Transient {
+                error: "broker unreachable".into(),
+            },
+        );
+        for _ in 0..2 {
+            while relay.cycle().await.unwrap().attempted == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        assert_eq!(
+            ev(&s.app.store, id).await.attempts,
+            0,
+            "the outage spent nothing"
+        );
+        sink.fail(id, 3, counted());
+        for _ in 0..30 {
+            relay.cycle().await.unwrap();
+            if ev(&s.app.store, id).await.status == Status::Failed {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut a = pb::admin_service_client::AdminServiceClient::new(channel(s.app.addr).await);
+        let info = a
+            .get_event(pb::GetEventRequest {
+                id,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .event
+            .unwrap();
+        assert_eq!(info.status, pb::EventStatus::Failed as i32, "{engine:?}");
+        let h = &info.attempt_history;
+        assert_eq!(
+            h.iter().map(|a| a.attempt).collect::<Vec<_>>(),
+            [1, 2, 3],
+            "{engine:?}: {h:?}"
+        );
+        assert!(h.iter().all(|a| a.error == "scripted refusal"), "{h:?}");
+        let at: Vec<i64> = h
+            .iter()
+            .map(|a| {
+                a.at.as_ref().unwrap().seconds * 1_000_000_000
+                    + i64::from(a.at.as_ref().unwrap().nanos)
+            })
+            .collect();
+        assert!(at.windows(2).all(|w| w[0] <= w[1]), "{at:?}");
+        let listed = a
+            .list_events(pb::ListEventsRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            listed.events.iter().all(|e| e.attempt_history.is_empty()),
+            "listings leave it out"
+        );
+        let text = admin_cli_ok(s.app.addr, None, &["get", &id.to_string()]).await;
+        assert_eq!(
+            text.matches("scripted refusal").count(),
+            4,
+            "3 attempts and the last error: {text}"
+        );
+        assert!(text.contains("#3 at "), "{text}");
+        s.app.stop().await.unwrap();
+    }
+}

@@ -336,6 +336,15 @@ pub fn event_info(d: EventDetail) -> pb::EventInfo {
         idempotency_key: e.idempotency_key.unwrap_or_default(),
         subscription,
         message_id,
+        attempt_history: d
+            .attempt_log
+            .into_iter()
+            .map(|a| pb::AttemptRecord {
+                attempt: a.attempt,
+                at: Some(to_timestamp(a.at)),
+                error: a.error,
+            })
+            .collect(),
     }
 }
 

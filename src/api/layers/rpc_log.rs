@@ -34,8 +34,7 @@ impl Middleware for RpcLog {
         let start = Instant::now();
         // One span per RPC: everything the handler logs is inside it, and it ends with the
         // gRPC code and the latency. Named and tagged after OpenTelemetry's RPC
-        // conventions: `package.Service/Method`, kind server, `rpc.system`,
-        // `rpc.service`, `rpc.method`, `rpc.grpc.status_code`.
+        // conventions (`telemetry::record_rpc`): `package.Service/Method`, kind server.
         let (service, name) = method
             .trim_start_matches('/')
             .split_once('/')
@@ -45,13 +44,16 @@ impl Middleware for RpcLog {
             otel.name = %method.trim_start_matches('/'),
             otel.kind = "server",
             otel.status_code = tracing::field::Empty,
-            rpc.system = "grpc",
-            rpc.service = %service,
-            rpc.method = %name,
+            rpc.system = tracing::field::Empty,
+            rpc.system.name = tracing::field::Empty,
+            rpc.service = tracing::field::Empty,
+            rpc.method = tracing::field::Empty,
             rpc.grpc.status_code = tracing::field::Empty,
+            rpc.response.status_code = tracing::field::Empty,
             rpc.code = tracing::field::Empty,
             latency_ms = tracing::field::Empty
         );
+        crate::telemetry::record_rpc(&span, service, name);
         let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
         crate::telemetry::join_trace_state(&span, header("traceparent"), header("tracestate"));
         let fut = tracing::Instrument::instrument(inner.call(req), span.clone());
@@ -74,7 +76,7 @@ impl Middleware for RpcLog {
                 }
             };
             span.record("rpc.code", crate::metrics::code_name(code));
-            span.record("rpc.grpc.status_code", code as i64);
+            crate::telemetry::record_rpc_code(&span, code);
             // OpenTelemetry: a server span is an error for the server's own faults only.
             if matches!(
                 code,

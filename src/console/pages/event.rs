@@ -87,6 +87,14 @@ pub fn event(nav: &Nav, t: &Target, d: &EventDetail, line: &[EventDetail]) -> Ma
                     }
                 }
             }
+            @if !d.attempt_log.is_empty() {
+                h2 { "Attempts" }
+                p.muted { "The last counted attempts, oldest first (failures that spent no attempt are not listed)." }
+                table #attempts-history {
+                    thead { tr { th { "attempt" } th { "at" } th { "error" } } }
+                    tbody { @for a in &d.attempt_log { tr { td.num { (a.attempt) } td { (time(a.at)) } td.err { (a.error) } } } }
+                }
+            }
             h2 { "Headers" }
             @if e.headers.is_empty() { p.muted { "none" } } @else {
                 table #headers { tbody { @for (k, v) in &e.headers { tr { th { code { (k) } } td { code { (v) } } } } } }

@@ -99,7 +99,7 @@ impl AdminSql for PgStore {
         let sh = Shape::postgres(b);
         let (events, keys) = (sh.events, sh.keys);
         match stmt {
-            Stmt::Shared(shared) => sh.shared(shared, &sh.detail_columns("false")),
+            Stmt::Shared(shared) => sh.shared(shared, &sh.detail_columns("false", false)),
             Stmt::InsertAudit => "INSERT INTO admin_audit
                      (actor, action, box, selection, count, principal, request_id)
                  VALUES ($1, $2, $3, $4::text::jsonb, $5, $6, $7) RETURNING id"
@@ -107,7 +107,7 @@ impl AdminSql for PgStore {
             Stmt::Pending(order) => pending_sql(&sh, order),
             Stmt::Detail => format!(
                 "SELECT {} FROM {} WHERE id = $1",
-                sh.detail_columns("$2"),
+                sh.detail_columns("$2", true),
                 sh.rows
             ),
             Stmt::StatsHeads => format!(

@@ -402,4 +402,12 @@ impl Store for PgStore {
         .await?;
         Ok(n)
     }
+
+    fn pool_use(&self) -> Vec<super::PoolUse> {
+        vec![
+            super::pool_use("enqueue", &self.pool),
+            super::pool_use("relay", &self.relay_pool),
+            super::pool_use("admin", &self.admin_pool),
+        ]
+    }
 }

@@ -300,6 +300,10 @@ impl Tables<'_> {
                         THEN COALESCE(u.at, now() + u.delay_ms * interval '1 millisecond')
                         ELSE e.scheduled_at END,
                     last_error = COALESCE(u.error, e.last_error),
+                    attempt_log = CASE WHEN u.error IS NOT NULL
+                                        AND (u.kind = 'failed' OR u.attempts > e.attempts)
+                        THEN mailroom_push_attempt(e.attempt_log, u.attempts, u.error)
+                        ELSE e.attempt_log END,
                     published_at = CASE WHEN u.kind = 'completed' THEN now() ELSE e.published_at END,
                     updated_at = CASE WHEN u.kind = 'release' THEN e.updated_at ELSE now() END,
                     claim_token = NULL, claimed_until = NULL

@@ -93,7 +93,7 @@ impl AdminSql for SqliteStore {
         let sh = Shape::sqlite(b);
         let (events, keys) = (sh.events, sh.keys);
         match stmt {
-            Stmt::Shared(shared) => sh.shared(shared, &sh.detail_columns("0")),
+            Stmt::Shared(shared) => sh.shared(shared, &sh.detail_columns("0", false)),
             Stmt::InsertAudit => "INSERT INTO admin_audit
                      (at, actor, action, box, selection, count, principal, request_id)
                  VALUES (?8, ?1, ?2, ?3, ?4, ?5, ?6, ?7) RETURNING id"
@@ -101,7 +101,7 @@ impl AdminSql for SqliteStore {
             Stmt::Pending(order) => pending_sql(&sh, order),
             Stmt::Detail => format!(
                 "SELECT {} FROM {events} WHERE id = ?1",
-                sh.detail_columns("?2")
+                sh.detail_columns("?2", true)
             ),
             Stmt::StatsHeads => format!(
                 "SELECT coalesce(sum((e.attempts > 0 OR e.last_error IS NOT NULL) AND e.scheduled_at > ?2), 0) AS blocked,

@@ -237,4 +237,8 @@ impl Store for SqliteStore {
         .await?;
         Ok(n)
     }
+
+    fn pool_use(&self) -> Vec<super::PoolUse> {
+        vec![super::pool_use("sqlite", &self.pool)]
+    }
 }

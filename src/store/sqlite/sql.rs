@@ -143,10 +143,21 @@ impl Tables<'_> {
 
     fn settle_event(&self) -> String {
         let (events, keys) = (self.events, self.keys);
+        // The attempt history (migration 0018): a counted attempt or a failure appends
+        // (attempt, time, error) to the JSON array, which keeps its last 10.
+        let entry = "json_insert(COALESCE(attempt_log, '[]'), '$[#]', \
+                     json_object('attempt', ?3, 'at', ?6, 'error', substr(?5, 1, 1000)))";
+        let push = format!(
+            "CASE WHEN ?5 IS NOT NULL AND (?2 = 'failed' OR ?3 > attempts)
+                  THEN CASE WHEN json_array_length({entry}) > 10
+                            THEN json_remove({entry}, '$[0]') ELSE {entry} END
+                  ELSE attempt_log END"
+        );
         let settle_scope = self.scope(&format!("k.subscription = {events}.subscription"));
         format!(
             "UPDATE {events} SET status = ?2, attempts = COALESCE(?3, attempts),
                     scheduled_at = COALESCE(?4, scheduled_at), last_error = COALESCE(?5, last_error),
+                    attempt_log = {push},
                     published_at = CASE WHEN ?2 = 'completed' THEN ?6 ELSE published_at END,
                     updated_at = CASE WHEN ?7 THEN updated_at ELSE ?6 END,
                     claim_token = NULL, claimed_until = NULL
