@@ -298,6 +298,24 @@ pub fn join_trace_state(span: &tracing::Span, traceparent: Option<&str>, tracest
     }
 }
 
+/// Links `span` to the trace context of a W3C `traceparent` (a consumed record's
+/// producer), when spans are exported and the header is well formed.
+pub fn link_to(span: &tracing::Span, traceparent: Option<&str>, tracestate: Option<&str>) {
+    use opentelemetry::trace::TraceContextExt as _;
+    let (true, Some(tp)) = (EXPORTING.load(Ordering::Relaxed), traceparent) else {
+        return;
+    };
+    let mut carrier = HashMap::from([("traceparent".to_string(), tp.to_string())]);
+    if let Some(ts) = tracestate {
+        carrier.insert("tracestate".to_string(), ts.to_string());
+    }
+    let cx = TraceContextPropagator::new().extract(&carrier);
+    let sc = cx.span().span_context().clone();
+    if sc.is_valid() {
+        span.add_link(sc);
+    }
+}
+
 /// The W3C headers (`traceparent`, and `tracestate` when there is one) that make a
 /// receiver a child of `span`; `None` when spans are not exported (then the producer's
 /// own headers travel on unchanged).

@@ -505,7 +505,9 @@ pub async fn run(
             .map(|r| inbound_contained(r, sub.retry.max_attempts, &limits, &faults))
             .collect();
         let places: Vec<Place> = batch.iter().map(Record::place).collect();
-        if !store_until_stored(&*store, &sub.name, &messages, &places, &stats, &shutdown).await {
+        let span = receive_span(&sub, &messages);
+        let stored = store_until_stored(&*store, &sub.name, &messages, &places, &stats, &shutdown);
+        if !tracing::Instrument::instrument(stored, span).await {
             return;
         }
         stats
@@ -514,6 +516,40 @@ pub async fn run(
         wake.notify_one();
         commit(&consumer, &sub.name, &places);
     }
+}
+
+/// The most producers' traces one receive span links to.
+const MAX_LINKS: usize = 128;
+
+/// A consumer span per batch taken in (OpenTelemetry messaging conventions: `receive`,
+/// kind consumer), linked to each record's producer trace (its `traceparent`, up to
+/// `MAX_LINKS`). The handler call of each message is a child of the producer's trace
+/// itself (`handler`'s process span).
+fn receive_span(sub: &SubscriptionConfig, messages: &[InboundMessage]) -> tracing::Span {
+    let topic = messages
+        .first()
+        .map(|m| m.topic.as_str())
+        .filter(|t| messages.iter().all(|m| m.topic == *t));
+    let span = tracing::info_span!(
+        "receive",
+        otel.name = %topic.map_or_else(|| "receive".to_string(), |t| format!("receive {t}")),
+        otel.kind = "consumer",
+        messaging.system = "kafka",
+        messaging.operation.type = "receive",
+        messaging.operation.name = "poll",
+        messaging.destination.name = topic.unwrap_or(""),
+        messaging.destination.subscription.name = %sub.name,
+        messaging.consumer.group.name = %sub.group,
+        messaging.batch.message_count = messages.len(),
+    );
+    for m in messages.iter().take(MAX_LINKS) {
+        crate::telemetry::link_to(
+            &span,
+            m.headers.get("traceparent").map(String::as_str),
+            m.headers.get("tracestate").map(String::as_str),
+        );
+    }
+    span
 }
 
 /// The next records (up to `MAX_BATCH`, gathered for 5 ms after the first), copied out

@@ -28,6 +28,8 @@ struct Seen {
     kind: i32,
     attributes: HashMap<String, String>,
     service_name: String,
+    /// The trace ids of the span's links.
+    links: Vec<String>,
 }
 
 #[derive(Clone, Default)]
@@ -74,6 +76,11 @@ impl TraceService for Collector {
                             .map(|a| (a.key.clone(), value(&a.value)))
                             .collect(),
                         service_name: service_name.clone(),
+                        links: s
+                            .links
+                            .iter()
+                            .map(|l| l.trace_id.iter().map(|b| format!("{b:02x}")).collect())
+                            .collect(),
                     });
                 }
             }
@@ -669,4 +676,108 @@ async fn json_logs_carry_the_trace_and_span_ids() {
     )
     .unwrap();
     assert_eq!(record["headers"]["traceparent"], tp.as_str(), "{record}");
+}
+
+/// Issue 28, item 3: the inbox's consumer gets a `receive` span per batch taken in
+/// (messaging conventions: kind consumer, `messaging.operation.type=receive`), linked to
+/// the trace of each record's producer; the handler call that follows is in that trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_receives_get_consumer_spans_linked_to_the_producer() {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let (collector, collector_port) = start_collector(None).await;
+    let broker = Broker::start();
+    let trace_id = "7c8efff798038103d269b633813fc60d";
+    let tp = format!("00-{trace_id}-aee19b7ec3c1b175-01");
+    // The record first, so that the topic exists when the consumer subscribes.
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", broker.addr())
+        .create()
+        .unwrap();
+    producer
+        .send(
+            FutureRecord::<str, [u8]>::to("traced.in")
+                .key("k")
+                .payload(b"x")
+                .headers(OwnedHeaders::new().insert(Header {
+                    key: "traceparent",
+                    value: Some(tp.as_bytes()),
+                })),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    let seen = TraceSeen::default();
+    let handler = serve_handler(seen.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = dir.path().join("mailroom.toml");
+    std::fs::write(
+        &toml,
+        format!(
+            "[[subscriptions]]\nname = \"billing\"\ntopics = [\"traced.in\"]\nhandler = \"{handler}\"\n"
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+        .env("MAILROOM_CONFIG", &toml)
+        .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
+        .env(
+            "MAILROOM_DATABASE_URL",
+            format!("sqlite://{}", dir.path().join("m.db").display()),
+        )
+        .env("MAILROOM_KAFKA_BROKERS", broker.addr())
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{collector_port}"),
+        )
+        .env("RUST_LOG", "error")
+        .env_remove("MAILROOM_OTLP_ENDPOINT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_listening(port, "mailroom listening").await;
+    eventually(Duration::from_secs(30), "the handler called", || {
+        let seen = seen.clone();
+        async move { !seen.0.lock().unwrap().is_empty() }
+    })
+    .await;
+    let pid = child.id().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}");
+    let spans = collector.spans.lock().unwrap().clone();
+    let receive = spans
+        .iter()
+        .find(|s| s.name == "receive traced.in")
+        .unwrap_or_else(|| panic!("no receive span among {spans:#?}"));
+    // SpanKind::Consumer = 5.
+    assert_eq!(receive.kind, 5, "{receive:?}");
+    for (k, v) in [
+        ("messaging.system", "kafka"),
+        ("messaging.operation.type", "receive"),
+        ("messaging.destination.name", "traced.in"),
+        ("messaging.destination.subscription.name", "billing"),
+        ("messaging.batch.message_count", "1"),
+    ] {
+        assert_eq!(
+            receive.attributes.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {receive:?}"
+        );
+    }
+    assert_eq!(receive.links, [trace_id], "linked to the producer's trace");
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.name == "mailroom.v1.HandlerService/Handle" && s.trace_id == trace_id),
+        "the handler call is in the producer's trace: {spans:#?}"
+    );
 }
