@@ -101,7 +101,7 @@ async fn main() -> ExitCode {
             return match mailroom::cli::run(args).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("mailroom admin: {e:#}");
+                    eprintln!("mailroom admin: {}", mailroom::cli::error_text(&e));
                     ExitCode::from(mailroom::cli::exit_code(&e))
                 }
             };

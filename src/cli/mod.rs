@@ -244,9 +244,43 @@ pub enum AdminCommand {
     },
 }
 
+/// A failed command's message: its causes joined with `: `, each said once (a
+/// transport error's chain repeats itself: "tcp connect error: tcp connect error").
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
 /// Runs one admin command, printing to stdout.
 pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
     let out = execute(args).await?;
     print!("{out}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_cause_is_said_once() {
+        let e = anyhow::anyhow!("tcp connect error")
+            .context("tcp connect error")
+            .context("transport error")
+            .context("connecting to http://x");
+        assert_eq!(
+            error_text(&e),
+            "connecting to http://x: transport error: tcp connect error"
+        );
+    }
 }

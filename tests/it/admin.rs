@@ -1054,6 +1054,12 @@ async fn the_cli_end_to_end() {
             .unwrap();
         let (code, err) = admin_cli_code(closed, Some("tok"), &["stats"]).await;
         assert_eq!(code, Some(5), "unreachable: {err}");
+        // Each cause once (the transport's chain repeats "tcp connect error").
+        let causes: Vec<&str> = err.trim().split(": ").collect();
+        let mut unique = causes.clone();
+        unique.dedup();
+        assert_eq!(causes, unique, "{err}");
+        assert!(err.contains("tcp connect error"), "{err}");
         let (code, err) = admin_cli_code(addr, Some("tok"), &["stats", "--no-such-flag"]).await;
         assert_eq!(code, Some(2), "usage: {err}");
 
