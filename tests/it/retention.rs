@@ -393,3 +393,60 @@ async fn a_requeue_behind_a_retention_round_counts_what_is_left() {
     );
     s.app.stop().await.unwrap();
 }
+
+/// Issue 27, item 4: one round deletes every due event a relay published by cursor, batch
+/// after batch, not one batch. Events are published the way a drain publishes them (a
+/// relay, short runs over many keys, so each cursor advance covers a few events) and
+/// dated back. Before, each batch took whole advances up to the batch size and so came
+/// back a few events short, which ended the round: one batch a round, a round a minute
+/// by default (about 17 events/s), behind any real load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_deletes_every_due_cursor_published_event() {
+    const EVENTS: i64 = 1500;
+    let url = fresh_pg().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(&url);
+    c.sink = mailroom::sink::SinkConfig::Local {
+        path: Some(dir.path().join("out.jsonl")),
+    };
+    let mut s = Service::start(c).await;
+    let events: Vec<pb::Event> = (0..EVENTS)
+        .map(|i| event("ret.cursor", &format!("k{}", i % 300), b"x"))
+        .collect();
+    for chunk in events.chunks(500) {
+        s.client
+            .enqueue_batch(pb::EnqueueBatchRequest {
+                events: chunk.to_vec(),
+            })
+            .await
+            .unwrap();
+    }
+    wait_completed(&s.app.store, EVENTS, Duration::from_secs(60)).await;
+    let advances = count_rows(&url, "SELECT count(*) FROM outbox_publishes").await;
+    assert!(advances > 300, "several advances per key: {advances}");
+    exec(
+        &url,
+        "UPDATE outbox_publishes SET at = at - interval '2 hours';
+         UPDATE outbox_events SET published_at = published_at - interval '2 hours'
+         WHERE status = 'completed'",
+    )
+    .await;
+    let cfg = RetentionConfig {
+        completed: Some(Duration::from_secs(3600)),
+        failed: None,
+        interval: None,
+        batch: 100,
+    };
+    let stop = CancellationToken::new();
+    let r = run_round(s.app.store.as_ref(), &cfg, &stop).await.unwrap();
+    assert_eq!(r.completed, EVENTS as u64, "{r:?}");
+    assert_eq!(
+        count_rows(&url, "SELECT count(*) FROM outbox_events").await,
+        0
+    );
+    assert_eq!(
+        count_rows(&url, "SELECT count(*) FROM outbox_publishes").await,
+        0
+    );
+    s.app.stop().await.unwrap();
+}

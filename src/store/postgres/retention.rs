@@ -67,13 +67,21 @@ impl RetentionStore for PgStore {
             return Ok(explicit);
         }
         // The rest of the batch from the cursor-published events, whole advances at a
-        // time (at least one, so an advance larger than the batch still goes). The keys'
+        // time until the batch is reached (the last advance may pass it), so that a batch
+        // is short only when nothing more is due: the round goes on while it is full.
+        // (Stopping at the last advance that fit left nearly every batch a few events
+        // short, and a round ended after one batch: 1,000 events a round, a round a
+        // minute by default.) The keys'
         // rows are locked first, skipping any another transaction holds: a requeue that
         // lowers a cursor holds its key row before it counts and rewrites the rows the
         // cursor passed, so the two never interleave on a key (a requeue counted rows
         // this delete then removed, leaving the key's count too high for good; or they
         // deadlocked over the key row and the advance log row). Retention never waits.
-        // Skipped keys' advances stay for the next round.
+        // Skipped keys' advances stay for the next round. Each advance's events are found
+        // by a range scan of the key's line up to `upto` (the fenced LATERAL keeps the
+        // bound an index condition): joined directly, the planner scanned each key's whole
+        // retained line and filtered, so a batch cost grew with the history kept per key
+        // (104 ms a batch of 1,000 at 100 rows per key, 24 ms now; docs/scaling.md).
         let rest = i64::from(limit) - i64::try_from(explicit).unwrap_or(0);
         let gone: i64 = sqlx::query_scalar(
             "WITH oldest AS (
@@ -86,16 +94,20 @@ impl RetentionStore for PgStore {
                  FOR UPDATE SKIP LOCKED),
              picked AS (
                  SELECT o.* FROM (
-                     SELECT o.topic, o.event_key, o.through,
-                            sum(o.events) OVER (ORDER BY o.through, o.topic, o.event_key) AS total,
-                            row_number() OVER (ORDER BY o.through, o.topic, o.event_key) AS n
+                     SELECT o.topic, o.event_key, o.through, o.events,
+                            LEAST(o.through, k.published_through) AS upto,
+                            sum(o.events) OVER (ORDER BY o.through, o.topic, o.event_key) AS total
                      FROM oldest o JOIN keys k USING (topic, event_key)) o
-                 WHERE o.n = 1 OR o.total <= $2),
+                 WHERE o.total - o.events < $2),
              events AS (
-                 DELETE FROM outbox_events e USING picked p, keys k
-                 WHERE e.topic = p.topic AND e.event_key = p.event_key
-                   AND k.topic = p.topic AND k.event_key = p.event_key
-                   AND e.status = 'pending' AND e.id <= p.through AND e.id <= k.published_through
+                 DELETE FROM outbox_events e WHERE e.id IN (
+                     SELECT x.id FROM picked p
+                     CROSS JOIN LATERAL (
+                         SELECT id FROM outbox_events x
+                         WHERE x.topic = p.topic AND x.event_key = p.event_key
+                           AND x.status = 'pending' AND x.id <= p.upto
+                         OFFSET 0) x)
+                   AND e.status = 'pending'
                  RETURNING e.id),
              logs AS (
                  DELETE FROM outbox_publishes l USING picked p
