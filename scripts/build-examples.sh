@@ -17,21 +17,12 @@ cd "$(dirname "$0")/.."
 root="$PWD"
 out="${1:?usage: scripts/build-examples.sh OUT_DIR | --install-only}"
 
-missing=()
-command -v go >/dev/null 2>&1 || missing+=(golang-go)
-[ -d /usr/share/gocode/src/google.golang.org/grpc ] || missing+=(golang-google-grpc-dev)
-[ -d /usr/share/gocode/src/google.golang.org/protobuf ] || missing+=(golang-google-protobuf-dev)
-command -v javac >/dev/null 2>&1 || missing+=(default-jdk-headless)
-for pkg in libgrpc-java libprotobuf-java libnetty-java libperfmark-java \
-  libgeronimo-annotation-1.3-spec-java libnetty-tcnative-java libnetty-tcnative-jni; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "installing: ${missing[*]}" >&2
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+debs=(libgrpc-java libprotobuf-java libnetty-java libperfmark-java
+  libgeronimo-annotation-1.3-spec-java libnetty-tcnative-java libnetty-tcnative-jni
+  golang-google-grpc-dev golang-google-protobuf-dev)
+command -v go >/dev/null 2>&1 || debs+=(golang-go)
+command -v javac >/dev/null 2>&1 || debs+=(default-jdk-headless)
+scripts/need-debs.sh "${debs[@]}"
 
 [ "$out" = "--install-only" ] && exit 0
 mkdir -p "$out"

@@ -37,10 +37,7 @@ for cmd in "${!provider[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("${provider[$cmd]}")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
-  echo "installing: ${missing[*]}" >&2
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  scripts/need-debs.sh "${missing[@]}"
 fi
 
 # npm plugins: reinstalled when the committed lock file changes.

@@ -66,7 +66,7 @@ pub fn record_rpc(span: &tracing::Span, service: &str, method: &str) {
 /// Records an RPC span's status code: `rpc.response.status_code` as gRPC names it and,
 /// unless only the stable conventions are asked for, the numeric `rpc.grpc.status_code`.
 pub fn record_rpc_code(span: &tracing::Span, code: tonic::Code) {
-    span.record("rpc.response.status_code", crate::metrics::code_name(code));
+    span.record("rpc.response.status_code", crate::pb::code_name(code));
     if !rpc_stable_only() {
         span.record("rpc.grpc.status_code", code as i64);
     }

@@ -46,7 +46,7 @@ impl std::error::Error for RpcFailure {}
 /// (`INVALID_ARGUMENT`). A transport failure (refused, TLS handshake) travels as the
 /// status's source chain: each cause is named once.
 fn rpc_error(s: tonic::Status) -> anyhow::Error {
-    let mut message = format!("{}: {}", crate::metrics::code_name(s.code()), s.message());
+    let mut message = format!("{}: {}", crate::pb::code_name(s.code()), s.message());
     let mut source = std::error::Error::source(&s);
     while let Some(e) = source {
         let cause = e.to_string();

@@ -358,7 +358,7 @@ impl Metrics {
             .rpcs
             .get_or_create(&RpcLabel {
                 method: method.to_string(),
-                code: code_name(code).to_string(),
+                code: crate::pb::code_name(code).to_string(),
             })
             .inc();
         self.inner
@@ -492,31 +492,6 @@ impl Metrics {
                 _ = tokio::time::sleep(interval) => {}
             }
         }
-    }
-}
-
-/// The gRPC name of a status code (`OK`, `UNAVAILABLE`), as gRPC's own tools and
-/// OpenTelemetry's `rpc.grpc.status_code` spell it.
-pub fn code_name(code: tonic::Code) -> &'static str {
-    use tonic::Code::*;
-    match code {
-        Ok => "OK",
-        Cancelled => "CANCELLED",
-        Unknown => "UNKNOWN",
-        InvalidArgument => "INVALID_ARGUMENT",
-        DeadlineExceeded => "DEADLINE_EXCEEDED",
-        NotFound => "NOT_FOUND",
-        AlreadyExists => "ALREADY_EXISTS",
-        PermissionDenied => "PERMISSION_DENIED",
-        ResourceExhausted => "RESOURCE_EXHAUSTED",
-        FailedPrecondition => "FAILED_PRECONDITION",
-        Aborted => "ABORTED",
-        OutOfRange => "OUT_OF_RANGE",
-        Unimplemented => "UNIMPLEMENTED",
-        Internal => "INTERNAL",
-        Unavailable => "UNAVAILABLE",
-        DataLoss => "DATA_LOSS",
-        Unauthenticated => "UNAUTHENTICATED",
     }
 }
 

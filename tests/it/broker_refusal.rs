@@ -91,19 +91,8 @@ async fn refused_run(code: i16) {
     assert_m0_then_m2(&broker, "refusals");
     // The refused event's history lists its three attempts with the broker's refusal;
     // m0 and m2 spent none and list none (issue 28, item 1).
-    let mut a =
-        mailroom::pb::admin_service_client::AdminServiceClient::new(channel(s.app.addr).await);
     for (id, want) in [(ids[0], 0), (ids[1], 3), (ids[2], 0)] {
-        let info = a
-            .get_event(mailroom::pb::GetEventRequest {
-                id,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .event
-            .unwrap();
+        let info = event_info(s.app.addr, id).await;
         let h = &info.attempt_history;
         assert_eq!(h.len(), want, "event {id}: {h:?}");
         for (n, a) in h.iter().enumerate() {

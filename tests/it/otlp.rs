@@ -129,7 +129,7 @@ async fn one_traced_enqueue(env: &[(&str, String)], trace_id: &str) {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().unwrap();
+    let child = cmd.spawn().unwrap();
     wait_listening(port, "mailroom listening").await;
     let mut c = client(format!("127.0.0.1:{port}").parse().unwrap()).await;
     let mut req = tonic::Request::new(pb::EnqueueRequest {
@@ -142,14 +142,18 @@ async fn one_traced_enqueue(env: &[(&str, String)], trace_id: &str) {
             .unwrap(),
     );
     c.enqueue(req).await.unwrap();
+    stop_gracefully(child).await;
+}
+
+/// Stops the binary with SIGTERM (which flushes the exporter on the way out) and checks
+/// that it exited cleanly.
+async fn stop_gracefully(mut child: std::process::Child) {
     let pid = child.id().to_string();
-    assert!(
-        std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
     let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
         .await
         .unwrap();
@@ -313,7 +317,7 @@ async fn kafka_publishes_get_producer_spans() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
         .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
         .env(
             "MAILROOM_DATABASE_URL",
@@ -356,18 +360,7 @@ async fn kafka_publishes_get_producer_spans() {
     assert_eq!(tp[1], trace_id, "the record stays in the caller's trace");
     assert_ne!(tp[2], caller_span, "its parent is mailroom's producer span");
     assert_eq!(h["tracestate"], "vendor=abc,other=1");
-    let pid = child.id().to_string();
-    assert!(
-        std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(status.success(), "{status}");
+    stop_gracefully(child).await;
     let spans = collector.spans.lock().unwrap().clone();
     let send = spans
         .iter()
@@ -437,7 +430,7 @@ async fn handler_calls_get_client_spans() {
     )
     .unwrap();
     let port = free_port();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
         .env("MAILROOM_CONFIG", &toml)
         .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
         .env(
@@ -503,18 +496,7 @@ async fn handler_calls_get_client_spans() {
         async move { calls.lock().unwrap().len() >= 2 }
     })
     .await;
-    let pid = child.id().to_string();
-    assert!(
-        std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(status.success(), "{status}");
+    stop_gracefully(child).await;
 
     let calls = seen.0.lock().unwrap().clone();
     let in_trace = |t: &str| {
@@ -596,7 +578,7 @@ async fn json_logs_carry_the_trace_and_span_ids() {
     let port = free_port();
     let log = dir.path().join("stderr.jsonl");
     let sink = dir.path().join("out.jsonl");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
         .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
         .env(
             "MAILROOM_DATABASE_URL",
@@ -627,16 +609,7 @@ async fn json_logs_carry_the_trace_and_span_ids() {
         async move { std::fs::read_to_string(&sink).is_ok_and(|t| !t.is_empty()) }
     })
     .await;
-    let pid = child.id().to_string();
-    let killed = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(status.success(), "{status}");
+    stop_gracefully(child).await;
 
     let text = std::fs::read_to_string(&log).unwrap();
     let lines: Vec<serde_json::Value> = text
@@ -719,7 +692,7 @@ async fn inbox_receives_get_consumer_spans_linked_to_the_producer() {
     )
     .unwrap();
     let port = free_port();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"))
         .env("MAILROOM_CONFIG", &toml)
         .env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
         .env(
@@ -743,16 +716,7 @@ async fn inbox_receives_get_consumer_spans_linked_to_the_producer() {
         async move { !seen.0.lock().unwrap().is_empty() }
     })
     .await;
-    let pid = child.id().to_string();
-    let killed = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(status.success(), "{status}");
+    stop_gracefully(child).await;
     let spans = collector.spans.lock().unwrap().clone();
     let receive = spans
         .iter()

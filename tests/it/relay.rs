@@ -865,16 +865,7 @@ async fn get_event_lists_each_counted_attempt_and_not_the_transient_ones() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let mut a = pb::admin_service_client::AdminServiceClient::new(channel(s.app.addr).await);
-        let info = a
-            .get_event(pb::GetEventRequest {
-                id,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .event
-            .unwrap();
+        let info = event_info(s.app.addr, id).await;
         assert_eq!(info.status, pb::EventStatus::Failed as i32, "{engine:?}");
         let h = &info.attempt_history;
         assert_eq!(

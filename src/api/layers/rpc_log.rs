@@ -75,7 +75,7 @@ impl Middleware for RpcLog {
                     tonic::Code::Internal
                 }
             };
-            span.record("rpc.code", crate::metrics::code_name(code));
+            span.record("rpc.code", crate::pb::code_name(code));
             crate::telemetry::record_rpc_code(&span, code);
             // OpenTelemetry: a server span is an error for the server's own faults only.
             if matches!(

@@ -331,6 +331,20 @@ impl Service {
     }
 }
 
+/// `GetEvent` of an outbox event over the admin service at `addr` (no token).
+pub async fn event_info(addr: std::net::SocketAddr, id: i64) -> pb::EventInfo {
+    pb::admin_service_client::AdminServiceClient::new(channel(addr).await)
+        .get_event(pb::GetEventRequest {
+            id,
+            ..Default::default()
+        })
+        .await
+        .expect("GetEvent")
+        .into_inner()
+        .event
+        .expect("an event")
+}
+
 /// The field the first violation of a refusal's `BadRequest` details names.
 pub fn field_of(err: &tonic::Status) -> String {
     use tonic_types::StatusExt;
