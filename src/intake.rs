@@ -24,6 +24,8 @@ type Reply = oneshot::Sender<Result<Vec<Enqueued>, Error>>;
 
 struct Job {
     events: Vec<NewEvent>,
+    /// The request's span (its RPC's), which the group's database span links to.
+    caller: tracing::Span,
     /// The job's weight in the queue's byte budget, given back when the job is dropped
     /// (answered).
     bytes: QueuedBytes,
@@ -217,6 +219,7 @@ impl Intake {
             })?;
         self.tx
             .try_send(Job {
+                caller: tracing::Span::current(),
                 solo: atomic && events.iter().any(|e| e.idempotency_key.is_some()),
                 events,
                 bytes,
@@ -302,9 +305,22 @@ async fn commit_group(store: &dyn Store, group: Vec<Job>, wakeup: &Wakeup) {
         .iter()
         .flat_map(|j| j.events.iter().cloned())
         .collect();
+    // One client span per group commit, linked to the RPC of each request it stores.
+    let span = crate::telemetry::db_span(
+        tracing::Level::INFO,
+        store.engine(),
+        "INSERT outbox_events",
+        "INSERT",
+        "outbox_events",
+        events.len(),
+    );
+    for j in &group {
+        crate::telemetry::link_span(&span, &j.caller);
+    }
     // A deadlock or serialization failure is run again by the store (`retry_aborted`),
     // the one layer that retries aborted transactions.
-    match store.enqueue(&events, atomic).await {
+    let stored = tracing::Instrument::instrument(store.enqueue(&events, atomic), span).await;
+    match stored {
         Err(e) => {
             let e = Error::from(e);
             tracing::warn!(error = %e, events = events.len(), "enqueue transaction failed");

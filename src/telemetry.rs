@@ -298,6 +298,58 @@ pub fn join_trace_state(span: &tracing::Span, traceparent: Option<&str>, tracest
     }
 }
 
+/// A database client span (OpenTelemetry database conventions): `summary` is its name
+/// and `db.query.summary` (`INSERT outbox_events`), `operation` its `db.operation.name`,
+/// `table` its `db.collection.name`; `engine` the store's (`postgres`, `sqlite`). A
+/// transaction of several statements carries the summary of what it does.
+pub fn db_span(
+    level: tracing::Level,
+    engine: &str,
+    summary: &str,
+    operation: &str,
+    table: &str,
+    batch: usize,
+) -> tracing::Span {
+    let system = if engine == "postgres" {
+        "postgresql"
+    } else {
+        engine
+    };
+    macro_rules! db_span {
+        ($level:expr) => {
+            tracing::span!(
+                $level,
+                "db",
+                otel.name = %summary,
+                otel.kind = "client",
+                db.system.name = %system,
+                db.query.summary = %summary,
+                db.operation.name = %operation,
+                db.collection.name = %table,
+                db.operation.batch.size = batch,
+            )
+        };
+    }
+    if level == tracing::Level::INFO {
+        db_span!(tracing::Level::INFO)
+    } else {
+        db_span!(tracing::Level::DEBUG)
+    }
+}
+
+/// Links `span` to `caller`'s span (a request a batched store call serves), when spans
+/// are exported.
+pub fn link_span(span: &tracing::Span, caller: &tracing::Span) {
+    use opentelemetry::trace::TraceContextExt as _;
+    if !EXPORTING.load(Ordering::Relaxed) || caller.is_none() {
+        return;
+    }
+    let sc = caller.context().span().span_context().clone();
+    if sc.is_valid() {
+        span.add_link(sc);
+    }
+}
+
 /// Links `span` to the trace context of a W3C `traceparent` (a consumed record's
 /// producer), when spans are exported and the header is well formed.
 pub fn link_to(span: &tracing::Span, traceparent: Option<&str>, tracestate: Option<&str>) {

@@ -286,8 +286,28 @@ impl Shared {
         }
     }
 
+    /// The claim, in a debug-level database span (exported with
+    /// `MAILROOM_TRACE_FILTER=mailroom=debug`: relays claim every poll interval).
     async fn claim(&self, token: i64) -> Result<Claim, StoreError> {
-        self.store.claim(&self.queue, token, self.limits()).await
+        let span = self.db_span("claim", 0);
+        let claim = self.store.claim(&self.queue, token, self.limits());
+        tracing::Instrument::instrument(claim, span).await
+    }
+
+    /// A debug-level database span for this relay's `operation` on its box's events.
+    fn db_span(&self, operation: &str, batch: usize) -> tracing::Span {
+        let table = match self.queue.box_kind() {
+            crate::domain::BoxKind::Outbox => "outbox_events",
+            crate::domain::BoxKind::Inbox => "inbox_events",
+        };
+        crate::telemetry::db_span(
+            tracing::Level::DEBUG,
+            self.store.engine(),
+            &format!("{operation} {table}"),
+            operation,
+            table,
+            batch,
+        )
     }
 
     /// A claim, or an empty one while the schema gate says no (the gate logs that once;
@@ -555,10 +575,11 @@ impl Shared {
                 }
             }
         }
-        let settled = self
+        let span = self.db_span("settle", updates.len());
+        let settle = self
             .store
-            .settle(Settlement::new(&self.queue, token, &updates, &releases))
-            .await?;
+            .settle(Settlement::new(&self.queue, token, &updates, &releases));
+        let settled = tracing::Instrument::instrument(settle, span).await?;
         report.stale += settled.stale;
         report.delivered_after_failure += out_of_order;
         report.transient_events += transient_events;

@@ -201,6 +201,27 @@ async fn enqueue_spans_join_the_producers_trace() {
         );
     }
     assert_eq!(rpc.service_name, "mailroom-under-test");
+    // The group commit that stored the event: a database client span linked to the
+    // Enqueue's trace (it serves several callers, so it is a child of none).
+    let db = spans
+        .iter()
+        .find(|s| s.name == "INSERT outbox_events" && s.links.iter().any(|l| l == trace_id))
+        .unwrap_or_else(|| panic!("no linked database span among {spans:#?}"));
+    // SpanKind::Client = 3.
+    assert_eq!(db.kind, 3, "{db:?}");
+    for (k, v) in [
+        ("db.system.name", "sqlite"),
+        ("db.operation.name", "INSERT"),
+        ("db.collection.name", "outbox_events"),
+        ("db.query.summary", "INSERT outbox_events"),
+        ("db.operation.batch.size", "1"),
+    ] {
+        assert_eq!(
+            db.attributes.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {db:?}"
+        );
+    }
 
     // OTEL_SEMCONV_STABILITY_OPT_IN=rpc: the newer conventions only.
     let stable_trace = "5bf92f3577b34da6a3ce929d0e0e4737";
