@@ -294,8 +294,12 @@ impl Shared {
         tracing::Instrument::instrument(claim, span).await
     }
 
-    /// A debug-level database span for this relay's `operation` on its box's events.
+    /// A debug-level database span for this relay's `operation` on its box's events
+    /// (none, and nothing formatted, unless debug spans are wanted).
     fn db_span(&self, operation: &str, batch: usize) -> tracing::Span {
+        if !tracing::enabled!(tracing::Level::DEBUG) {
+            return tracing::Span::none();
+        }
         let table = match self.queue.box_kind() {
             crate::domain::BoxKind::Outbox => "outbox_events",
             crate::domain::BoxKind::Inbox => "inbox_events",

@@ -137,6 +137,16 @@ impl Tables<'_> {
         }
     }
 
+    /// What a claim adds to its candidates' filter: the inbox's subscription (`frag`, as
+    /// `scope` takes it), or in the outbox, topics not paused (on `alias`'s `topic`).
+    fn claim_scope(&self, frag: &str, n: u8, alias: &str) -> String {
+        if self.scoped {
+            self.scope(frag, n)
+        } else {
+            format!(" AND {alias}{NOT_PAUSED}")
+        }
+    }
+
     /// Ready keys in ready order, as many as the cycle's events fill ($5), each counted
     /// at its depth (`pending`, at least 1, at most a run, $4), and no more than $1: deep
     /// lines come a few keys at a time with long runs, since every leased key costs its
@@ -145,13 +155,7 @@ impl Tables<'_> {
     /// which saves a round trip per cycle.
     fn lease_keys(&self) -> String {
         let keys = self.keys;
-        // The outbox leaves paused topics' keys alone (migration 0017); the inbox's
-        // subscription scope takes the same place.
-        let lease_scope = if self.scoped {
-            self.scope(" AND subscription = $S", 6)
-        } else {
-            format!(" AND {NOT_PAUSED}")
-        };
+        let lease_scope = self.claim_scope(" AND subscription = $S", 6, "");
         let lease_join = self.scope(" AND k.subscription = $S", 6);
         // Whether no SQL-API writer holds the key's order lock (migration 0015): tried in
         // shared mode and, when got, held until the claim's transaction ends, so no
@@ -246,11 +250,7 @@ impl Tables<'_> {
     fn claim_unkeyed(&self) -> String {
         let events = self.events;
         let c = &crate::store::rows::event_columns("payload", "headers::text");
-        let unkeyed_scope = if self.scoped {
-            self.scope(" AND u.subscription = $S", 5)
-        } else {
-            format!(" AND u.{NOT_PAUSED}")
-        };
+        let unkeyed_scope = self.claim_scope(" AND u.subscription = $S", 5, "u.");
         let u_size = size("u");
         format!(
             "UPDATE {events} SET claim_token = $2,

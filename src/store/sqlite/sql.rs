@@ -74,6 +74,9 @@ impl Sql {
     }
 }
 
+/// The outbox's claims skip paused topics (migration 0017), as on PostgreSQL.
+const NOT_PAUSED: &str = "topic NOT IN (SELECT p.topic FROM outbox_paused_topics p)";
+
 /// A box's tables, from which each statement is written.
 struct Tables<'a> {
     events: &'a str,
@@ -98,7 +101,7 @@ impl Tables<'_> {
         if self.scoped {
             self.scope(frag)
         } else {
-            " AND topic NOT IN (SELECT p.topic FROM outbox_paused_topics p)".into()
+            format!(" AND {NOT_PAUSED}")
         }
     }
 
