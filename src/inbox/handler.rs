@@ -10,7 +10,7 @@
 //! | retry, not counted | no attempt spent; due at `not_before` (or in 1 s); still holds its key |
 //! | reject | failed at once, with the reason |
 //! | gRPC `UNAVAILABLE`, connection refused or reset, and a probe of the handler fails | transient: nothing spent, the cycle stops |
-//! | the same, but the handler answers a probe right after | the failure follows the message: transient the first time, counted from the [`POISON_STRIKES`]th in a row |
+//! | the same, but the handler answers a probe right after | the failure follows the message: transient the first time, counted from the [`POISON_STRIKES`]th in a row; after its first strike the message is called alone, so that a crash another message causes is not counted against it |
 //! | timeout, and a probe of the handler fails (a vanished host, a partition) | transient |
 //! | timeout while the handler answers a probe | counted |
 //! | `UNAUTHENTICATED`, `PERMISSION_DENIED` (a rotated token: the operator's fault) | transient; counted in `mailroom_inbox_handler_auth_refused`, logged once per change |
@@ -88,6 +88,10 @@ pub struct HandlerSink {
     health: tonic_health::pb::health_client::HealthClient<Channel>,
     /// Transport failures in a row per inbox id, while the handler answered probes.
     strikes: Mutex<HashMap<i64, u32>>,
+    /// A suspect (a message with a strike) is called alone: a crash that takes the
+    /// connection down fails every call in flight on it, so a strike from a call that
+    /// had company may belong to another message. Other calls share the lock.
+    alone: tokio::sync::RwLock<()>,
     /// Calls the handler refused with `UNAUTHENTICATED`/`PERMISSION_DENIED`.
     auth_refused: Arc<AtomicU64>,
     /// Whether the last answer was an auth refusal (logged once per change).
@@ -157,6 +161,7 @@ impl HandlerSink {
             client: HandlerServiceClient::new(channel.clone()),
             health: tonic_health::pb::health_client::HealthClient::new(channel),
             strikes: Mutex::new(HashMap::new()),
+            alone: tokio::sync::RwLock::new(()),
             auth_refused: Arc::new(AtomicU64::new(0)),
             refusing: AtomicBool::new(false),
             subscription: sub.name.clone(),
@@ -181,6 +186,13 @@ impl HandlerSink {
 
     /// Hands `e` to the handler, and decides what a failure costs (the table above).
     async fn handle(&self, e: &StoredEvent) -> Delivery {
+        // A suspect waits until it is the only call in flight, and keeps the others out
+        // until its answer (and probe) is in: its next strike is its own.
+        let (_shared, _alone) = if self.is_suspect(e.id) {
+            (None, Some(self.alone.write().await))
+        } else {
+            (Some(self.alone.read().await), None)
+        };
         match self.call(e).await {
             CallEnd::Answered(d) => {
                 self.forget(e.id);
@@ -241,6 +253,12 @@ impl HandlerSink {
                 tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
             ),
         }
+    }
+
+    /// Whether inbox id `id` has a strike.
+    fn is_suspect(&self, id: i64) -> bool {
+        let s = self.strikes.lock().unwrap_or_else(|p| p.into_inner());
+        !s.is_empty() && s.contains_key(&id)
     }
 
     /// One more strike against inbox id `id`; returns its strikes.
