@@ -266,6 +266,7 @@ async fn the_broker_gets_nothing_of_a_paused_topic_until_it_is_resumed() {
         )
         .await;
     }
+    wait_completed(&s.app.store, 3, Duration::from_secs(30)).await;
     let open = consume(&broker.addr(), "pause.open", 3, Duration::from_secs(30));
     assert_eq!(open.len(), 3, "the other topic flows");
     eventually(Duration::from_secs(10), "the paused gauge", || async {
@@ -298,6 +299,9 @@ async fn the_broker_gets_nothing_of_a_paused_topic_until_it_is_resumed() {
 
     let out = admin_cli_json(addr, Some("tok"), &["resume", "pause.held"]).await;
     assert_eq!(out["changed"], true, "{out}");
+    // Published first, so that the topic exists when the reader subscribes (a consumer
+    // subscribed to a topic not created yet may not see it for minutes).
+    wait_completed(&s.app.store, 9, Duration::from_secs(30)).await;
     let recs = consume(&broker.addr(), "pause.held", 6, Duration::from_secs(30));
     let (per_key, dups) = first_deliveries(&recs);
     assert_eq!(
