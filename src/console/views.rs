@@ -399,20 +399,22 @@ async fn pause_post(c: &Console, nav: &pages::Nav, access: &Access, fields: &Par
     let topic = param(fields, "topic").unwrap_or("").to_string();
     let admin = &c.inner.admin;
     let action = param(fields, "action").unwrap_or("");
-    let r = match action {
-        "pause" => {
-            let reason = param(fields, "reason").unwrap_or("").to_string();
-            match crate::api::admin::pause_request(topic, Some(reason), context) {
-                Ok(req) => admin.pause_topic(&req).await,
-                Err(e) => Err(e),
+    let r = async {
+        // The gRPC request's own validation (topic, reason), not a copy.
+        match action {
+            "pause" => {
+                let reason = param(fields, "reason").unwrap_or("").to_string();
+                let req = crate::api::admin::pause_request(topic, Some(reason), context)?;
+                admin.pause_topic(&req).await
             }
+            "resume" => {
+                let req = crate::api::admin::pause_request(topic, None, context)?;
+                admin.resume_topic(&req).await
+            }
+            _ => Err(Error::invalid("action", "pause or resume")),
         }
-        "resume" => match crate::api::admin::pause_request(topic, None, context) {
-            Ok(req) => admin.resume_topic(&req).await,
-            Err(e) => Err(e),
-        },
-        _ => Err(Error::invalid("action", "pause or resume")),
-    };
+    }
+    .await;
     match r {
         Ok(out) => {
             if let (true, Some(p)) = (out.changed, &out.pause) {

@@ -92,7 +92,7 @@ async fn refused_run(code: i16) {
     // The refused event's history lists its three attempts with the broker's refusal;
     // m0 and m2 spent none and list none (issue 28, item 1).
     for (id, want) in [(ids[0], 0), (ids[1], 3), (ids[2], 0)] {
-        let info = event_info(s.app.addr, id).await;
+        let info = event_info(s.app.addr, mailroom::pb::Box::Outbox, id).await;
         let h = &info.attempt_history;
         assert_eq!(h.len(), want, "event {id}: {h:?}");
         for (n, a) in h.iter().enumerate() {

@@ -121,17 +121,7 @@ async fn a_poison_message_that_crashes_the_handler_ends_failed_and_the_rest_is_h
         "{e:?}"
     );
     // Its attempt history (issue 28): the inbox keeps one as the outbox does.
-    let info = pb::admin_service_client::AdminServiceClient::new(channel(s.app.addr).await)
-        .get_event(pb::GetEventRequest {
-            r#box: pb::Box::Inbox as i32,
-            id: poison,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .event
-        .unwrap();
+    let info = event_info(s.app.addr, pb::Box::Inbox, poison).await;
     let attempts: Vec<u32> = info.attempt_history.iter().map(|a| a.attempt).collect();
     assert_eq!(attempts, [1, 2, 3], "{:?}", info.attempt_history);
     // The fault fired at each call of the poison message.

@@ -145,6 +145,17 @@ async fn one_traced_enqueue(env: &[(&str, String)], trace_id: &str) {
     stop_gracefully(child).await;
 }
 
+/// Each attribute of `expected` is on `span` with that value.
+fn assert_attributes(span: &Seen, expected: &[(&str, &str)]) {
+    for (k, v) in expected {
+        assert_eq!(
+            span.attributes.get(*k).map(String::as_str),
+            Some(*v),
+            "{k} in {span:?}"
+        );
+    }
+}
+
 /// Stops the binary with SIGTERM (which flushes the exporter on the way out) and checks
 /// that it exited cleanly.
 async fn stop_gracefully(mut child: std::process::Child) {
@@ -185,21 +196,18 @@ async fn enqueue_spans_join_the_producers_trace() {
         .unwrap_or_else(|| panic!("no Enqueue span in the producer's trace among {spans:#?}"));
     // SpanKind::Server = 2.
     assert_eq!(rpc.kind, 2, "{rpc:?}");
-    for (k, v) in [
-        ("rpc.system", "grpc"),
-        ("rpc.service", "mailroom.v1.OutboxService"),
-        ("rpc.method", "Enqueue"),
-        ("rpc.grpc.status_code", "0"),
-        // The newer conventions' attributes that do not clash (v1.38+).
-        ("rpc.system.name", "grpc"),
-        ("rpc.response.status_code", "OK"),
-    ] {
-        assert_eq!(
-            rpc.attributes.get(k).map(String::as_str),
-            Some(v),
-            "{k} in {rpc:?}"
-        );
-    }
+    assert_attributes(
+        rpc,
+        &[
+            ("rpc.system", "grpc"),
+            ("rpc.service", "mailroom.v1.OutboxService"),
+            ("rpc.method", "Enqueue"),
+            ("rpc.grpc.status_code", "0"),
+            // The newer conventions' attributes that do not clash (v1.38+).
+            ("rpc.system.name", "grpc"),
+            ("rpc.response.status_code", "OK"),
+        ],
+    );
     assert_eq!(rpc.service_name, "mailroom-under-test");
     // The group commit that stored the event: a database client span linked to the
     // Enqueue's trace (it serves several callers, so it is a child of none).
@@ -209,19 +217,16 @@ async fn enqueue_spans_join_the_producers_trace() {
         .unwrap_or_else(|| panic!("no linked database span among {spans:#?}"));
     // SpanKind::Client = 3.
     assert_eq!(db.kind, 3, "{db:?}");
-    for (k, v) in [
-        ("db.system.name", "sqlite"),
-        ("db.operation.name", "INSERT"),
-        ("db.collection.name", "outbox_events"),
-        ("db.query.summary", "INSERT outbox_events"),
-        ("db.operation.batch.size", "1"),
-    ] {
-        assert_eq!(
-            db.attributes.get(k).map(String::as_str),
-            Some(v),
-            "{k} in {db:?}"
-        );
-    }
+    assert_attributes(
+        db,
+        &[
+            ("db.system.name", "sqlite"),
+            ("db.operation.name", "INSERT"),
+            ("db.collection.name", "outbox_events"),
+            ("db.query.summary", "INSERT outbox_events"),
+            ("db.operation.batch.size", "1"),
+        ],
+    );
 
     // OTEL_SEMCONV_STABILITY_OPT_IN=rpc: the newer conventions only.
     let stable_trace = "5bf92f3577b34da6a3ce929d0e0e4737";
@@ -394,18 +399,15 @@ async fn kafka_publishes_get_producer_spans() {
         send.span_id, tp[2],
         "the record's parent is the producer span"
     );
-    for (k, v) in [
-        ("messaging.system", "kafka"),
-        ("messaging.operation.type", "send"),
-        ("messaging.destination.name", "otel.orders"),
-        ("messaging.kafka.message.key", "o-1"),
-    ] {
-        assert_eq!(
-            send.attributes.get(k).map(String::as_str),
-            Some(v),
-            "{k} in {send:?}"
-        );
-    }
+    assert_attributes(
+        send,
+        &[
+            ("messaging.system", "kafka"),
+            ("messaging.operation.type", "send"),
+            ("messaging.destination.name", "otel.orders"),
+            ("messaging.kafka.message.key", "o-1"),
+        ],
+    );
 }
 
 /// What the subscriber's handler saw: the `traceparent` and `tracestate` metadata of each
@@ -556,24 +558,21 @@ async fn handler_calls_get_client_spans() {
         call.span_id, tp[2],
         "the handler's parent is the client span"
     );
-    for (k, v) in [
-        ("rpc.system", "grpc"),
-        ("rpc.service", "mailroom.v1.HandlerService"),
-        ("rpc.method", "Handle"),
-        ("rpc.grpc.status_code", "0"),
-        ("rpc.system.name", "grpc"),
-        ("rpc.response.status_code", "OK"),
-        ("server.address", "127.0.0.1"),
-        ("messaging.destination.name", "invoices"),
-        ("messaging.destination.subscription.name", "billing"),
-        ("mailroom.outcome", "success"),
-    ] {
-        assert_eq!(
-            call.attributes.get(k).map(String::as_str),
-            Some(v),
-            "{k} in {call:?}"
-        );
-    }
+    assert_attributes(
+        call,
+        &[
+            ("rpc.system", "grpc"),
+            ("rpc.service", "mailroom.v1.HandlerService"),
+            ("rpc.method", "Handle"),
+            ("rpc.grpc.status_code", "0"),
+            ("rpc.system.name", "grpc"),
+            ("rpc.response.status_code", "OK"),
+            ("server.address", "127.0.0.1"),
+            ("messaging.destination.name", "invoices"),
+            ("messaging.destination.subscription.name", "billing"),
+            ("mailroom.outcome", "success"),
+        ],
+    );
     assert!(
         call.attributes
             .get("messaging.message.id")
@@ -745,19 +744,16 @@ async fn inbox_receives_get_consumer_spans_linked_to_the_producer() {
         .unwrap_or_else(|| panic!("no receive span among {spans:#?}"));
     // SpanKind::Consumer = 5.
     assert_eq!(receive.kind, 5, "{receive:?}");
-    for (k, v) in [
-        ("messaging.system", "kafka"),
-        ("messaging.operation.type", "receive"),
-        ("messaging.destination.name", "traced.in"),
-        ("messaging.destination.subscription.name", "billing"),
-        ("messaging.batch.message_count", "1"),
-    ] {
-        assert_eq!(
-            receive.attributes.get(k).map(String::as_str),
-            Some(v),
-            "{k} in {receive:?}"
-        );
-    }
+    assert_attributes(
+        receive,
+        &[
+            ("messaging.system", "kafka"),
+            ("messaging.operation.type", "receive"),
+            ("messaging.destination.name", "traced.in"),
+            ("messaging.destination.subscription.name", "billing"),
+            ("messaging.batch.message_count", "1"),
+        ],
+    );
     assert_eq!(receive.links, [trace_id], "linked to the producer's trace");
     assert!(
         spans

@@ -53,18 +53,6 @@ pub(crate) async fn accept_only() -> Service {
     Service::start(quiet_config(&url)).await
 }
 
-/// Enqueues `events` in batches of 500 (the request limit's order of magnitude).
-async fn enqueue_in_batches(s: &mut Service, events: &[pb::Event]) {
-    for chunk in events.chunks(500) {
-        s.client
-            .enqueue_batch(pb::EnqueueBatchRequest {
-                events: chunk.to_vec(),
-            })
-            .await
-            .unwrap();
-    }
-}
-
 /// A relay of the service's outbox, stepped by the test (`cycle`), publishing to `broker`.
 fn outbox_relay(s: &Service, broker: &Broker) -> Relay {
     Relay::new(
@@ -865,7 +853,7 @@ async fn get_event_lists_each_counted_attempt_and_not_the_transient_ones() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let mut a = pb::admin_service_client::AdminServiceClient::new(channel(s.app.addr).await);
-        let info = event_info(s.app.addr, id).await;
+        let info = event_info(s.app.addr, pb::Box::Outbox, id).await;
         assert_eq!(info.status, pb::EventStatus::Failed as i32, "{engine:?}");
         let h = &info.attempt_history;
         assert_eq!(

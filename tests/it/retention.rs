@@ -413,14 +413,7 @@ async fn a_round_deletes_every_due_cursor_published_event() {
     let events: Vec<pb::Event> = (0..EVENTS)
         .map(|i| event("ret.cursor", &format!("k{}", i % 300), b"x"))
         .collect();
-    for chunk in events.chunks(500) {
-        s.client
-            .enqueue_batch(pb::EnqueueBatchRequest {
-                events: chunk.to_vec(),
-            })
-            .await
-            .unwrap();
-    }
+    enqueue_in_batches(&mut s, &events).await;
     wait_completed(&s.app.store, EVENTS, Duration::from_secs(60)).await;
     let advances = count_rows(&url, "SELECT count(*) FROM outbox_publishes").await;
     assert!(advances > 300, "several advances per key: {advances}");

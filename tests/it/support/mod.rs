@@ -331,10 +331,11 @@ impl Service {
     }
 }
 
-/// `GetEvent` of an outbox event over the admin service at `addr` (no token).
-pub async fn event_info(addr: std::net::SocketAddr, id: i64) -> pb::EventInfo {
+/// `GetEvent` of event `id` of box `bx` over the admin service at `addr` (no token).
+pub async fn event_info(addr: std::net::SocketAddr, bx: pb::Box, id: i64) -> pb::EventInfo {
     pb::admin_service_client::AdminServiceClient::new(channel(addr).await)
         .get_event(pb::GetEventRequest {
+            r#box: bx as i32,
             id,
             ..Default::default()
         })
@@ -343,6 +344,18 @@ pub async fn event_info(addr: std::net::SocketAddr, id: i64) -> pb::EventInfo {
         .into_inner()
         .event
         .expect("an event")
+}
+
+/// Enqueues `events` in batches of 500 (the request limit's order of magnitude).
+pub async fn enqueue_in_batches(s: &mut Service, events: &[pb::Event]) {
+    for chunk in events.chunks(500) {
+        s.client
+            .enqueue_batch(pb::EnqueueBatchRequest {
+                events: chunk.to_vec(),
+            })
+            .await
+            .unwrap();
+    }
 }
 
 /// The field the first violation of a refusal's `BadRequest` details names.
