@@ -252,11 +252,7 @@ impl App {
         sink: Arc<dyn Sink>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<App> {
-        // The verdict at start-up, logged once; every part that changes rows asks it.
-        let schema = SchemaGate::new(store.clone());
-        if let Err(e) = schema.read().await {
-            tracing::warn!(error = %e, "reading the database's schema version failed");
-        }
+        let schema = schema_gate(&store).await;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .with_context(|| format!("binding {}", config.listen))?;
@@ -278,13 +274,7 @@ impl App {
         let metrics =
             Metrics::for_service(outbox.stats.clone(), inbox_handles.clone(), store.clone());
         let metrics_addr = start_metrics(&config, &store, &metrics, &mut bg).await?;
-        bg.spawn(crate::retention::run(
-            store.clone(),
-            config.retention,
-            Some(metrics.clone()),
-            schema.clone(),
-            bg.token.clone(),
-        ));
+        start_retention(&config, &store, &metrics, &schema, &mut bg);
         let auth = auth_for(&config);
         let parts = Parts {
             config: &config,
@@ -360,6 +350,32 @@ impl Background {
 }
 
 /// Health, SERVING and live from the start, and the `grpc.health.v1` service reading it.
+/// The schema verdict at start-up, logged once; every part that changes rows asks it.
+async fn schema_gate(store: &Arc<dyn Store>) -> SchemaGate {
+    let schema = SchemaGate::new(store.clone());
+    if let Err(e) = schema.read().await {
+        tracing::warn!(error = %e, "reading the database's schema version failed");
+    }
+    schema
+}
+
+/// Retention rounds in the background.
+fn start_retention(
+    config: &Config,
+    store: &Arc<dyn Store>,
+    metrics: &Metrics,
+    schema: &SchemaGate,
+    bg: &mut Background,
+) {
+    bg.spawn(crate::retention::run(
+        store.clone(),
+        config.retention,
+        Some(metrics.clone()),
+        schema.clone(),
+        bg.token.clone(),
+    ));
+}
+
 async fn serving_health() -> (Health, HealthServer<HealthService>) {
     let reporter = tonic_health::server::HealthReporter::new();
     let service = crate::api::compressed!(HealthServer::new(HealthService::from_health_reporter(

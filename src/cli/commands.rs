@@ -162,6 +162,9 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
         command @ (AdminCommand::Requeue { .. } | AdminCommand::Cancel { .. }) => {
             actions(&mut c, &t, command).await
         }
+        command @ (AdminCommand::Pause { .. }
+        | AdminCommand::Resume { .. }
+        | AdminCommand::Paused) => pauses(&mut c, &t, command).await,
         command => lookups(&mut c, &t, command).await,
     }
 }
@@ -266,35 +269,9 @@ async fn actions(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::R
     }
 }
 
-/// One event, the counts, the audit log.
-async fn lookups(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Result<String> {
+/// The paused topics: pause, resume, list.
+async fn pauses(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Result<String> {
     match command {
-        AdminCommand::Get { id, payload } => {
-            let req = pb::GetEventRequest {
-                r#box: t.bx,
-                id,
-                include_payload: payload,
-            };
-            let r = answer(c.inner.get_event(c.req(req)).await)?;
-            let e = r.event.context("server sent no event")?;
-            Ok(if t.json {
-                lines(&event_json(&e, payload, t.inbox))
-            } else {
-                event_text(&e, payload, t.inbox)
-            })
-        }
-        AdminCommand::Stats => {
-            let req = pb::GetStatsRequest {
-                r#box: t.bx,
-                subscription: t.sub.clone(),
-            };
-            let r = answer(c.inner.get_stats(c.req(req)).await)?;
-            Ok(if t.json {
-                stats_json(&r, t.inbox)
-            } else {
-                stats_table(&r, t.inbox)
-            })
-        }
         AdminCommand::Pause {
             topic,
             reason,
@@ -341,6 +318,39 @@ async fn lookups(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::R
                     .await,
             )?;
             Ok(paused_out(&r.topics, t.json))
+        }
+        _ => unreachable!("dispatched by execute"),
+    }
+}
+
+/// One event, the counts, the audit log.
+async fn lookups(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Result<String> {
+    match command {
+        AdminCommand::Get { id, payload } => {
+            let req = pb::GetEventRequest {
+                r#box: t.bx,
+                id,
+                include_payload: payload,
+            };
+            let r = answer(c.inner.get_event(c.req(req)).await)?;
+            let e = r.event.context("server sent no event")?;
+            Ok(if t.json {
+                lines(&event_json(&e, payload, t.inbox))
+            } else {
+                event_text(&e, payload, t.inbox)
+            })
+        }
+        AdminCommand::Stats => {
+            let req = pb::GetStatsRequest {
+                r#box: t.bx,
+                subscription: t.sub.clone(),
+            };
+            let r = answer(c.inner.get_stats(c.req(req)).await)?;
+            Ok(if t.json {
+                stats_json(&r, t.inbox)
+            } else {
+                stats_table(&r, t.inbox)
+            })
         }
         AdminCommand::Audit { limit, page_token } => {
             let req = pb::ListAuditRequest {

@@ -28,6 +28,28 @@ pub struct SchemaState {
     pub required: i64,
 }
 
+/// Reads a database's [`SchemaState`] (the same two statements on every engine).
+pub async fn read_state<DB>(pool: &sqlx::Pool<DB>) -> Result<SchemaState, sqlx::Error>
+where
+    DB: sqlx::Database,
+    i64: sqlx::Type<DB> + for<'r> sqlx::Decode<'r, DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    let database: i64 = sqlx::query_scalar(DATABASE_SCHEMA_SQL)
+        .fetch_one(pool)
+        .await?;
+    let required: i64 = if database < COMPAT_SINCE {
+        0
+    } else {
+        sqlx::query_scalar(REQUIRED_SCHEMA_SQL)
+            .fetch_one(pool)
+            .await?
+    };
+    Ok(SchemaState { database, required })
+}
+
 /// How a binary relates to a database's schema.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compat {

@@ -305,29 +305,8 @@ impl Shape {
                 self.filter(1),
                 p(8)
             ),
-            Shared::Requeue if self.cursor => format!(
-                "{} UPDATE {events} SET status = 'pending', attempts = 0, scheduled_at = now(),
-                     updated_at = now(), claim_token = NULL, claimed_until = NULL
-                 WHERE {} AND status = 'failed'",
-                Self::lower_cursors(),
-                self.ids(1)
-            ),
-            Shared::Requeue => format!(
-                "UPDATE {events} SET status = 'pending', attempts = 0, scheduled_at = {now},
-                     updated_at = {now}, claim_token = NULL, claimed_until = NULL
-                 WHERE {} AND status = 'failed'",
-                self.ids(1),
-                now = self.now(2)
-            ),
-            Shared::Cancel => format!(
-                "UPDATE {events} SET status = 'failed', last_error = 'cancelled: ' || {},
-                     updated_at = {}, claim_token = NULL, claimed_until = NULL
-                 WHERE {} AND status = 'pending'{}",
-                p(2),
-                self.now(3),
-                self.ids(1),
-                self.above_cursor(events)
-            ),
+            Shared::Requeue => self.requeue(),
+            Shared::Cancel => self.cancel(),
             // Failed events from the table through their partial index (the view's
             // computed status has no index); other statuses through the view. The
             // conditions on the parameter alone are one-time filters: only one branch
@@ -348,16 +327,7 @@ impl Shape {
                 "SELECT min(created_at) AS oldest FROM {events}
                  WHERE status = 'pending' AND event_key IS NULL AND {filter}"
             ),
-            Shared::Pause => format!(
-                "INSERT INTO outbox_paused_topics (topic, reason, actor, principal, paused_at)
-                 VALUES ({}, {}, {}, {}, {}) ON CONFLICT (topic) DO NOTHING
-                 RETURNING {PAUSE_COLUMNS}",
-                p(1),
-                p(2),
-                p(3),
-                p(4),
-                self.now(5)
-            ),
+            Shared::Pause => self.pause(),
             Shared::Resume => format!(
                 "DELETE FROM outbox_paused_topics WHERE topic = {} RETURNING {PAUSE_COLUMNS}",
                 p(1)
@@ -368,6 +338,56 @@ impl Shape {
                 p(1)
             ),
         }
+    }
+
+    /// Failed events back to pending with a fresh budget (`Shared::Requeue`); with
+    /// cursors, the keys' cursors are lowered first so the events are claimed again.
+    fn requeue(&self) -> String {
+        let events = self.events;
+        if self.cursor {
+            return format!(
+                "{} UPDATE {events} SET status = 'pending', attempts = 0, scheduled_at = now(),
+                     updated_at = now(), claim_token = NULL, claimed_until = NULL
+                 WHERE {} AND status = 'failed'",
+                Self::lower_cursors(),
+                self.ids(1)
+            );
+        }
+        format!(
+            "UPDATE {events} SET status = 'pending', attempts = 0, scheduled_at = {now},
+                 updated_at = {now}, claim_token = NULL, claimed_until = NULL
+             WHERE {} AND status = 'failed'",
+            self.ids(1),
+            now = self.now(2)
+        )
+    }
+
+    /// Pending events to failed with the operator's reason (`Shared::Cancel`).
+    fn cancel(&self) -> String {
+        let events = self.events;
+        format!(
+            "UPDATE {events} SET status = 'failed', last_error = 'cancelled: ' || {},
+                 updated_at = {}, claim_token = NULL, claimed_until = NULL
+             WHERE {} AND status = 'pending'{}",
+            self.p(2),
+            self.now(3),
+            self.ids(1),
+            self.above_cursor(events)
+        )
+    }
+
+    /// A topic's pause; a second pause keeps the first (`Shared::Pause`).
+    fn pause(&self) -> String {
+        format!(
+            "INSERT INTO outbox_paused_topics (topic, reason, actor, principal, paused_at)
+             VALUES ({}, {}, {}, {}, {}) ON CONFLICT (topic) DO NOTHING
+             RETURNING {PAUSE_COLUMNS}",
+            self.p(1),
+            self.p(2),
+            self.p(3),
+            self.p(4),
+            self.now(5)
+        )
     }
 
     /// Listed events, newest first (`Shared::Events`).

@@ -304,17 +304,7 @@ impl Store for PgStore {
     }
 
     async fn schema_state(&self) -> StoreResult<schema::SchemaState> {
-        let database: i64 = sqlx::query_scalar(schema::DATABASE_SCHEMA_SQL)
-            .fetch_one(&self.pool)
-            .await?;
-        let required: i64 = if database < schema::COMPAT_SINCE {
-            0
-        } else {
-            sqlx::query_scalar(schema::REQUIRED_SCHEMA_SQL)
-                .fetch_one(&self.pool)
-                .await?
-        };
-        Ok(schema::SchemaState { database, required })
+        Ok(schema::read_state(&self.pool).await?)
     }
 
     async fn ping(&self) -> StoreResult<()> {
