@@ -20,9 +20,6 @@ use crate::store::{
 /// SQL-API events folded into their keys per claim, at most (the rest in the next).
 const FOLD_BATCH: i64 = 1_000;
 
-/// Whether any SQL-API event waits to be folded (the partial index of unfolded events).
-const FOLD_DUE: &str = "SELECT EXISTS (SELECT 1 FROM outbox_events WHERE NOT counted)";
-
 /// How soon a key whose order lock a SQL-API writer held is looked at again, unless the
 /// writer's commit wakes it first.
 const HELD_RECHECK: chrono::Duration = chrono::Duration::milliseconds(200);
@@ -33,15 +30,6 @@ impl PgStore {
         let Some(fold) = &self.outbox.fold else {
             return Ok(0);
         };
-        // The fold is an UPDATE of the events, whose statement triggers run even when it
-        // changes nothing (about a millisecond of the server's time a claim, the largest
-        // part of an idle claim): look for unfolded events first, through their index.
-        let due: bool = sqlx::query_scalar(FOLD_DUE)
-            .fetch_one(&self.relay_pool)
-            .await?;
-        if !due {
-            return Ok(0);
-        }
         let r = q(fold).bind(FOLD_BATCH).execute(&self.relay_pool).await?;
         Ok(r.rows_affected())
     }
