@@ -15,6 +15,26 @@ fn defaults_are_the_embedded_service() {
     assert_eq!(c.limits.max_payload_bytes, 1_015_820);
 }
 
+/// PostgreSQL relays carry longer runs by default; SQLite's one writer keeps them short;
+/// an explicit setting wins on either.
+#[test]
+fn relay_cycles_are_longer_on_postgres() {
+    let on = |url: &str, batch: Option<u32>| {
+        Config::resolve(Settings {
+            database_url: Some(url.into()),
+            relay_batch_size: batch,
+            ..Settings::default()
+        })
+        .unwrap()
+        .relay
+    };
+    let pg = on("postgres://h/db", None);
+    assert_eq!((pg.batch_size, pg.max_run), (5000, 5000));
+    let lite = on("sqlite://x.db", None);
+    assert_eq!((lite.batch_size, lite.max_run), (1000, 1000));
+    assert_eq!(on("postgres://h/db", Some(200)).batch_size, 200);
+}
+
 /// The default payload limit leaves room in stock Kafka's record batch for the largest
 /// headers and `RECORD_OVERHEAD_BYTES`, whatever `max_header_bytes` is (issue 23, item 5).
 #[test]
