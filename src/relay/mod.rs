@@ -31,7 +31,8 @@ use crate::domain::{EventId, Queue};
 use crate::schema::SchemaGate;
 use crate::sink::{Delivery, Sink};
 use crate::store::{
-    Claim, ClaimLimits, KeyRelease, LineKey, Readiness, Renewal, Settlement, Store, StoreError,
+    Claim, ClaimLimits, EventUpdate, KeyRelease, LineKey, Readiness, Renewal, Settlement, Store,
+    StoreError,
 };
 use backoff::{ProbeBackoff, RetryPolicy};
 use domains::{Domains, Gate};
@@ -379,6 +380,7 @@ impl Shared {
                 idle.push(KeyRelease {
                     line: w.line.clone(),
                     ready: p.readiness_untouched(),
+                    completed: Vec::new(),
                 });
             } else {
                 plans.push(p);
@@ -428,6 +430,7 @@ impl Shared {
                                 after: Some(wait),
                                 ..Default::default()
                             },
+                            completed: Vec::new(),
                         }),
                         None => held_unkeyed.entry(wait).or_default().push(plan.run[0].id),
                     }
@@ -570,13 +573,21 @@ impl Shared {
                 } else if o.probe {
                     domains.probe_abandoned(&o.domain);
                 }
-                updates.extend(lo.updates);
                 if let Some(line) = o.plan.line {
+                    let mut completed: Vec<EventId> = lo
+                        .updates
+                        .iter()
+                        .filter(|u| matches!(u, EventUpdate::Completed { .. }))
+                        .map(EventUpdate::id)
+                        .collect();
+                    completed.sort_unstable();
                     releases.push(KeyRelease {
                         line: line.clone(),
                         ready: lo.ready,
+                        completed,
                     });
                 }
+                updates.extend(lo.updates);
             }
         }
         let span = self.db_span("settle", updates.len());

@@ -278,6 +278,10 @@ pub struct KeyRelease {
     pub line: LineKey,
     /// When it may next have something to publish.
     pub ready: Readiness,
+    /// The line's events this settle completes (`EventUpdate::Completed`), ascending. The
+    /// outbox moves the key's cursor over them instead of writing each row when they are
+    /// exactly the pending events above the cursor; empty, every row is written.
+    pub completed: Vec<EventId>,
 }
 
 /// What a settle achieved.

@@ -109,6 +109,7 @@ async fn claims_lease_keys_and_settles_apply_once() {
                 after: Some(Duration::from_secs(3600)),
                 ..Default::default()
             },
+            completed: vec![keyed[0], keyed[1]],
         };
         // A settle with the wrong token changes nothing.
         let wrong = store
@@ -391,6 +392,7 @@ async fn an_event_enqueued_during_a_claim_wakes_its_key() {
                 seen_up_to: Some(first),
                 ..Default::default()
             },
+            completed: vec![first],
         };
         store
             .settle(Settlement::new(
@@ -407,6 +409,68 @@ async fn an_event_enqueued_during_a_claim_wakes_its_key() {
             .unwrap();
         assert_eq!(c.keyed.len(), 1, "the late event's key is ready at once");
         assert_eq!(c.keyed[0].rows[0].id, late);
+    }
+}
+
+/// An event cancelled while its run is in flight stays failed when the relay settles the
+/// run as published: the key's cursor must not cover it (on PostgreSQL the cursor moves
+/// only over exactly the pending events it completes), and the rest of the run completes.
+#[tokio::test]
+async fn a_run_settled_after_one_of_its_events_was_cancelled_keeps_the_cancel() {
+    use mailroom::domain::admin::{ActionContext, CancelRequest};
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (store, _dir) = store_for(&engine).await;
+        let b = BoxKind::Outbox;
+        let q = &Queue::Outbox;
+        let events: Vec<NewEvent> = (1..=3)
+            .map(|i| new_event(Some("k"), &i.to_string()))
+            .collect();
+        let ids = ids(&store.enqueue(&events, true).await.unwrap());
+        let c = store
+            .claim(q, 1, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(c.keyed[0].rows.len(), 3, "{engine:?}");
+        let cancel = CancelRequest {
+            ids: vec![ids[1]],
+            reason: "operator".into(),
+            context: ActionContext::by("test"),
+        };
+        let out = store.cancel_events(b, &cancel).await.unwrap();
+        assert_eq!(out.ids, vec![ids[1]], "{engine:?}: the cancel took effect");
+        let done: Vec<EventUpdate> = ids
+            .iter()
+            .map(|&id| EventUpdate::Completed { id })
+            .collect();
+        let releases = release_all(&c, Readiness::now(), &done);
+        assert_eq!(releases[0].completed, ids, "{engine:?}");
+        store
+            .settle(Settlement::new(q, 1, &done, &releases))
+            .await
+            .unwrap();
+        let statuses = [
+            store.get_event(b, ids[0]).await.unwrap().unwrap().status,
+            store.get_event(b, ids[1]).await.unwrap().unwrap().status,
+            store.get_event(b, ids[2]).await.unwrap().unwrap().status,
+        ];
+        assert_eq!(
+            statuses,
+            [Status::Completed, Status::Failed, Status::Completed],
+            "{engine:?}"
+        );
+        // The counts agree with the rows: two completed, one failed, none pending (a
+        // cursor moved over the cancelled event would count it completed as well).
+        for (s, n) in [
+            (Status::Pending, 0),
+            (Status::Completed, 2),
+            (Status::Failed, 1),
+        ] {
+            assert_eq!(
+                store.count_events(b, Some(s)).await.unwrap(),
+                n,
+                "{engine:?} {s:?}"
+            );
+        }
     }
 }
 
@@ -434,6 +498,7 @@ async fn a_release_never_erases_the_wake_up_of_an_enqueue_during_the_lease() {
         let release = KeyRelease {
             line: c.keyed[0].line.clone(),
             ready: Readiness::default(),
+            completed: vec![first],
         };
         store
             .settle(Settlement::new(
@@ -457,13 +522,20 @@ async fn a_release_never_erases_the_wake_up_of_an_enqueue_during_the_lease() {
     }
 }
 
-/// Releases every key a claim leased, each with `ready`.
-fn release_all(c: &Claim, ready: Readiness) -> Vec<KeyRelease> {
+/// Releases every key a claim leased, each with `ready` and the completions among
+/// `updates` of its window's events (as the relay does).
+fn release_all(c: &Claim, ready: Readiness, updates: &[EventUpdate]) -> Vec<KeyRelease> {
     c.keyed
         .iter()
         .map(|w| KeyRelease {
             line: w.line.clone(),
             ready: ready.clone(),
+            completed: updates
+                .iter()
+                .filter(|u| matches!(u, EventUpdate::Completed { .. }))
+                .map(EventUpdate::id)
+                .filter(|id| w.rows.iter().any(|e| e.id == *id))
+                .collect(),
         })
         .collect()
 }
@@ -530,7 +602,7 @@ async fn per_key_pending_counts_stay_exact() {
                 .map(|e| EventUpdate::Completed { id: e.id })
         })
         .collect();
-    let releases = release_all(&c, Readiness::now());
+    let releases = release_all(&c, Readiness::now(), &done);
     store
         .settle(Settlement::new(q, 1, &done, &releases))
         .await
@@ -569,7 +641,7 @@ async fn per_key_pending_counts_stay_exact() {
             }),
         }
     }
-    let releases = release_all(&c, Readiness::now());
+    let releases = release_all(&c, Readiness::now(), &mixed);
     let report = store
         .settle(Settlement::new(q, 2, &mixed, &releases))
         .await
@@ -1250,7 +1322,7 @@ async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the
             let store = store.clone();
             async move {
                 let c = store.claim(q, token, small).await.unwrap();
-                let releases = release_all(&c, Readiness::now());
+                let releases = release_all(&c, Readiness::now(), &updates);
                 let window: Vec<i64> = c
                     .keyed
                     .iter()
@@ -1356,7 +1428,7 @@ async fn a_requeued_event_below_published_ones_goes_out_and_retention_clears_the
             "nothing left in line ({engine:?}): {:?}",
             c.keyed
         );
-        let releases = release_all(&c, Readiness::default());
+        let releases = release_all(&c, Readiness::default(), &[]);
         store
             .settle(Settlement::new(q, 5, &[], &releases))
             .await
@@ -1415,7 +1487,7 @@ async fn claims_lease_keys_by_the_depth_of_their_lines() {
             "{engine:?}: a second claim takes other keys: {keys1:?} / {keys2:?}"
         );
         for (c, token) in [(&c1, 1), (&c2, 2)] {
-            let releases = release_all(c, Readiness::now());
+            let releases = release_all(c, Readiness::now(), &[]);
             store
                 .settle(Settlement::new(&Queue::Outbox, token, &[], &releases))
                 .await

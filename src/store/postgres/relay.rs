@@ -334,37 +334,53 @@ async fn covered_runs(
     let Some(check) = &sql.check_runs else {
         return Ok(runs);
     };
-    let completed: Vec<EventId> = s
+    let done: HashSet<EventId> = s
         .updates
         .iter()
         .filter(|u| matches!(u, EventUpdate::Completed { .. }))
         .map(EventUpdate::id)
         .collect();
-    if completed.is_empty() || s.releases.is_empty() {
+    // The released lines with completions, each completion one of this settle's updates.
+    let lines: Vec<(&LineKey, Vec<EventId>)> = s
+        .releases
+        .iter()
+        .filter(|r| !r.completed.is_empty() && r.completed.iter().all(|id| done.contains(id)))
+        .map(|r| {
+            let mut ids = r.completed.clone();
+            ids.sort_unstable();
+            ids.dedup();
+            (&r.line, ids)
+        })
+        .collect();
+    if lines.is_empty() {
         return Ok(runs);
     }
-    let released: HashSet<&LineKey> = s.releases.iter().map(|r| &r.line).collect();
+    let topics: Vec<&str> = lines.iter().map(|(l, _)| l.topic.as_str()).collect();
+    let names: Vec<&str> = lines.iter().map(|(l, _)| l.key.as_str()).collect();
+    let through: Vec<EventId> = lines.iter().map(|(_, ids)| ids[ids.len() - 1]).collect();
     let rows = sqlx::query(AssertSqlSafe(check.clone()))
-        .bind(&completed)
+        .bind(topics)
+        .bind(names)
+        .bind(through)
         .bind(s.token)
         .fetch_all(tx)
         .await?;
     for r in &rows {
-        let line = LineKey {
-            topic: r.try_get("topic")?,
-            key: r.try_get("event_key")?,
+        let o: i64 = r.try_get("o")?;
+        let Some((line, completed)) = usize::try_from(o - 1).ok().and_then(|i| lines.get(i)) else {
+            continue;
         };
-        if !r.try_get::<bool, _>("covered")? || !released.contains(&line) {
+        // Covered only when the pending events above the cursor, up to the last
+        // completion, are exactly the completions: none skipped (delayed, late, requeued)
+        // and none gone (cancelled while in flight).
+        let pending: Option<Vec<i64>> = r.try_get("ids")?;
+        if pending.as_deref() != Some(completed.as_slice()) {
             continue;
         }
-        let ids: Vec<i64> = r.try_get("ids")?;
-        runs.covered.extend(ids);
-        let run = (
-            r.try_get("through")?,
-            r.try_get("n")?,
-            r.try_get("counted")?,
-        );
-        runs.per_key.insert(line, run);
+        runs.covered.extend(completed.iter().copied());
+        let n = i64::try_from(completed.len()).unwrap_or(i64::MAX);
+        let run = (completed[completed.len() - 1], n, r.try_get("counted")?);
+        runs.per_key.insert((*line).clone(), run);
     }
     Ok(runs)
 }

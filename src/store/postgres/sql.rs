@@ -416,32 +416,33 @@ impl Tables<'_> {
         )
     }
 
-    /// Which keys' cursors may move over their completed events ($1), one row per key
-    /// still leased by $2: only when those events are exactly the pending rows between
-    /// the cursor and the highest of them. A delayed event the window skipped, a row
-    /// requeued meanwhile or an event left unpublished keeps the cursor where it is;
-    /// those completions are written row by row instead. Read after the settle has
-    /// locked the keys, so the answer holds until it commits. The release then moves the
-    /// cursors (`release_advance`).
+    /// Which released keys' cursors may move over the events the settle completes on
+    /// them: per key ($1 topics, $2 keys) still leased by $4, the pending rows between the
+    /// cursor and the highest completion ($3). The cursor moves only when those rows are
+    /// exactly the completions: a delayed event the window skipped, a row requeued
+    /// meanwhile or one cancelled in flight keeps it where it is, and those completions
+    /// are written row by row instead. Read after the settle has locked the keys, so the
+    /// answer holds until it commits. The release then moves the cursors
+    /// (`release_advance`).
     fn check_runs(&self) -> String {
         let (events, keys) = (self.events, self.keys);
+        // Per released key still leased by the settle's token ($4): the cursor and the
+        // pending events between it and the highest event the settle completes on the key
+        // ($3), read once through the line index. The caller compares them with the
+        // completions it holds: equal, the cursor covers them.
         format!(
-            "SELECT g.topic, g.event_key, g.through, g.n, g.counted, g.ids,
-                            (g.first > k.published_through AND g.n = (
-                                SELECT count(*) FROM {events} e
-                                WHERE e.status = 'pending' AND e.topic = g.topic
-                                  AND e.event_key = g.event_key
-                                  AND e.id > k.published_through AND e.id <= g.through)) AS covered
-                     FROM (SELECT e.topic, e.event_key, max(e.id) AS through, min(e.id) AS first,
-                                  count(*) AS n, count(*) FILTER (WHERE e.counted) AS counted,
-                                  array_agg(e.id) AS ids
-                           FROM {events} e
-                           WHERE e.id = ANY($1) AND e.event_key IS NOT NULL AND e.status = 'pending'
-                           GROUP BY e.topic, e.event_key) g
+            "SELECT r.o, k.published_through, x.ids, x.counted
+                     FROM unnest($1::text[], $2::text[], $3::int8[])
+                          WITH ORDINALITY AS r(topic, event_key, through, o)
+                     JOIN {keys} k ON k.topic = r.topic AND k.event_key = r.event_key
+                                  AND k.lease_token = $4
                      CROSS JOIN LATERAL (
-                        SELECT k.published_through FROM {keys} k
-                        WHERE k.topic = g.topic AND k.event_key = g.event_key
-                          AND k.lease_token = $2) k"
+                        SELECT array_agg(e.id ORDER BY e.id) AS ids,
+                               count(*) FILTER (WHERE e.counted) AS counted
+                        FROM {events} e
+                        WHERE e.status = 'pending' AND e.topic = r.topic
+                          AND e.event_key = r.event_key
+                          AND e.id > k.published_through AND e.id <= r.through) x"
         )
     }
 }
