@@ -574,13 +574,13 @@ impl Shared {
                     domains.probe_abandoned(&o.domain);
                 }
                 if let Some(line) = o.plan.line {
-                    let mut completed: Vec<EventId> = lo
+                    // In run order, which is id order (the store normalises it anyway).
+                    let completed: Vec<EventId> = lo
                         .updates
                         .iter()
                         .filter(|u| matches!(u, EventUpdate::Completed { .. }))
                         .map(EventUpdate::id)
                         .collect();
-                    completed.sort_unstable();
                     releases.push(KeyRelease {
                         line: line.clone(),
                         ready: lo.ready,
