@@ -207,6 +207,7 @@ fn mailroom_config(db_url: &str, brokers: &str, relays: usize) -> anyhow::Result
         relay_batch_size: env_parse("MAILROOM_RELAY_BATCH_SIZE"),
         relay_max_keys: env_parse("MAILROOM_RELAY_MAX_KEYS"),
         relay_max_run: env_parse("MAILROOM_RELAY_MAX_RUN"),
+        intake_writers: env_parse("MAILROOM_INTAKE_WRITERS"),
         ..Default::default()
     })?)
 }
