@@ -212,6 +212,18 @@ fn mailroom_config(db_url: &str, brokers: &str, relays: usize) -> anyhow::Result
     })?)
 }
 
+/// Fails at once, naming the address, when no broker answers: otherwise every scenario
+/// would wait out its producers' retries with only librdkafka's log lines to say why.
+async fn broker_answers(brokers: &str) -> anyhow::Result<()> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    tokio::task::spawn_blocking(move || consumer.fetch_metadata(None, Duration::from_secs(10)))
+        .await?
+        .with_context(|| format!("no Kafka broker answered at {brokers} within 10 s"))?;
+    Ok(())
+}
+
 fn env_parse<T: std::str::FromStr>(name: &str) -> Option<T> {
     std::env::var(name).ok()?.parse().ok()
 }
@@ -350,6 +362,7 @@ async fn main() -> anyhow::Result<()> {
         .brokers
         .clone()
         .unwrap_or_else(|| broker.as_ref().map(|b| b.addr.clone()).unwrap_or_default());
+    broker_answers(&brokers).await?;
     let run = format!(
         "mrbench_{}_{}",
         std::process::id(),
