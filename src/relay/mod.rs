@@ -575,12 +575,7 @@ impl Shared {
                 }
                 if let Some(line) = o.plan.line {
                     // In run order, which is id order (the store normalises it anyway).
-                    let completed: Vec<EventId> = lo
-                        .updates
-                        .iter()
-                        .filter(|u| matches!(u, EventUpdate::Completed { .. }))
-                        .map(EventUpdate::id)
-                        .collect();
+                    let completed: Vec<EventId> = EventUpdate::completed_ids(&lo.updates).collect();
                     releases.push(KeyRelease {
                         line: line.clone(),
                         ready: lo.ready,

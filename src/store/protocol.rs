@@ -182,6 +182,14 @@ pub(crate) struct UpdateColumns<'a> {
 }
 
 impl EventUpdate {
+    /// The ids that `updates` complete, in their order.
+    pub fn completed_ids(updates: &[EventUpdate]) -> impl Iterator<Item = EventId> + '_ {
+        updates
+            .iter()
+            .filter(|u| matches!(u, EventUpdate::Completed { .. }))
+            .map(EventUpdate::id)
+    }
+
     /// The columns this update writes.
     pub(crate) fn columns(&self) -> UpdateColumns<'_> {
         let c = UpdateColumns {

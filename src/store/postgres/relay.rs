@@ -334,12 +334,7 @@ async fn covered_runs(
     let Some(check) = &sql.check_runs else {
         return Ok(runs);
     };
-    let done: HashSet<EventId> = s
-        .updates
-        .iter()
-        .filter(|u| matches!(u, EventUpdate::Completed { .. }))
-        .map(EventUpdate::id)
-        .collect();
+    let done: HashSet<EventId> = EventUpdate::completed_ids(s.updates).collect();
     // The released lines with completions, each completion one of this settle's updates.
     let lines: Vec<(&LineKey, Vec<EventId>)> = s
         .releases
