@@ -25,7 +25,7 @@ pub(super) struct RelayCollector {
 type RelayCounter = fn(&RelayStats) -> &AtomicU64;
 
 /// The relays' plain counters: name, help, field.
-const RELAY_COUNTERS: [(&str, &str, RelayCounter); 8] = [
+const RELAY_COUNTERS: [(&str, &str, RelayCounter); 9] = [
     (
         "mailroom_outbox_published",
         "Events the relays published (acknowledged by the destination).",
@@ -56,6 +56,12 @@ const RELAY_COUNTERS: [(&str, &str, RelayCounter); 8] = [
         "Lines (a key's run, or an unkeyed event) not sent because their topic looked \
          down and was not due for a probe.",
         |r| &r.held_back,
+    ),
+    (
+        "mailroom_relay_continued_runs",
+        "Runs a relay sent on a deep key it kept leased, right after the key's previous \
+         run was acknowledged (no release and new claim in between).",
+        |r| &r.continued,
     ),
     (
         "mailroom_relay_lease_renewals",

@@ -31,8 +31,8 @@ use crate::domain::{EventId, Queue};
 use crate::schema::SchemaGate;
 use crate::sink::{Delivery, Sink};
 use crate::store::{
-    Claim, ClaimLimits, EventUpdate, KeyRelease, LineKey, Readiness, Renewal, Settlement, Store,
-    StoreError,
+    Claim, ClaimLimits, Continued, EventUpdate, KeyRelease, LineKey, Readiness, Renewal,
+    Settlement, Store, StoreError,
 };
 use backoff::{ProbeBackoff, RetryPolicy};
 use domains::{Domains, Gate};
@@ -111,6 +111,8 @@ struct Shared {
     progress: Notify,
     /// Claims only while the database's schema allows this binary (`crate::schema`).
     schema: Option<SchemaGate>,
+    /// Cancelled when the relay stops: continued lines end after the run in flight.
+    stopping: CancellationToken,
 }
 
 impl Relay {
@@ -131,6 +133,7 @@ impl Relay {
                 domains: Mutex::new(Domains::new(config.probe_min, config.probe_max)),
                 progress: Notify::new(),
                 schema: None,
+                stopping: CancellationToken::new(),
             }),
             wake: Arc::new(Notify::new()),
         }
@@ -230,6 +233,7 @@ impl Relay {
                 _ = tokio::time::sleep(pause) => want = true,
             }
         }
+        shared.stopping.cancel();
         while let Some(done) = cycles.join_next().await {
             if let Ok(Err(e)) = done {
                 tracing::warn!(error = %e, "relay cycle failed during shutdown");
@@ -240,6 +244,32 @@ impl Relay {
 
 /// Cycles one relay keeps in flight at most, counting those that only wait on slow lines.
 const MAX_PARKED: usize = 64;
+
+/// A line goes on past its first run when that run held at least this fraction of a full
+/// run (`RelayConfig::max_run`).
+const CONTINUE_FRACTION: usize = 8;
+
+/// A finished line to settle: its deliveries, the lease to keep (`None`: release) and
+/// the earliest delayed schedule an earlier run of the line passed.
+type Finished<'o, 'a> = (
+    &'o Outgoing<'a>,
+    Vec<Delivery>,
+    Option<Duration>,
+    Option<chrono::DateTime<chrono::Utc>>,
+);
+
+/// Whether a continued line's next window has events to send now.
+fn has_run(c: &Continued) -> bool {
+    !plan_line(&c.window, c.now, usize::MAX).run.is_empty()
+}
+
+/// The earlier of two optional times.
+fn earliest<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
 
 /// A cycle's place among the relay's active cycles, given back once the cycle has
 /// settled something (or ends).
@@ -353,14 +383,16 @@ impl Shared {
         }
         report.attempted = out.iter().map(|o| o.plan.run.len()).sum();
         let delivered_at = Instant::now();
-        let failed = self
+        let (failed, continued) = self
             .deliver_and_settle(token, &out, &mut report, slot)
             .await;
         self.stats.publish_latency.observe(delivered_at.elapsed());
         if report.attempted > 0 {
             self.stats.cycle_latency.observe(started.elapsed());
         }
+        // Continued lines accounted for each of their runs as it settled.
         self.account(&report);
+        report.add(&continued);
         match failed {
             Some(e) => Err(e),
             None => Ok(report),
@@ -381,6 +413,7 @@ impl Shared {
                     line: w.line.clone(),
                     ready: p.readiness_untouched(),
                     completed: Vec::new(),
+                    keep: None,
                 });
             } else {
                 plans.push(p);
@@ -431,6 +464,7 @@ impl Shared {
                                 ..Default::default()
                             },
                             completed: Vec::new(),
+                            keep: None,
                         }),
                         None => held_unkeyed.entry(wait).or_default().push(plan.run[0].id),
                     }
@@ -469,14 +503,16 @@ impl Shared {
 
     /// Delivers the lines and settles them as they finish (finished lines linger a
     /// moment to settle together), renewing the leases of those still in flight. The
-    /// slot is given back at the first settle. Returns the first settle error.
+    /// slot is given back at the first settle. Deep lines go on past their first run
+    /// (`continue_line`). Returns the first settle error and what the continued lines
+    /// did after their first run.
     async fn deliver_and_settle(
         &self,
         token: i64,
         out: &[Outgoing<'_>],
         report: &mut CycleReport,
         mut slot: ActiveSlot,
-    ) -> Option<StoreError> {
+    ) -> (Option<StoreError>, CycleReport) {
         let lines: Vec<Vec<&_>> = out.iter().map(|o| o.plan.run.clone()).collect();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let sink = self.sink.clone();
@@ -486,6 +522,20 @@ impl Shared {
             };
             sink.deliver_each(&lines, &mut done).await;
         };
+        // Deep lines hand their first run's deliveries to a continuation of their own.
+        let mut handoff: HashMap<usize, tokio::sync::oneshot::Sender<Vec<Delivery>>> =
+            HashMap::new();
+        let continued = futures::future::join_all(
+            out.iter()
+                .enumerate()
+                .filter(|(_, o)| self.continues(o))
+                .map(|(i, o)| {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    handoff.insert(i, tx);
+                    self.continue_line(token, o, rx)
+                })
+                .collect::<Vec<_>>(),
+        );
         let settle_as_done = async {
             let mut outstanding: HashSet<usize> = (0..out.len()).collect();
             let mut finished: Vec<(usize, Vec<Delivery>)> = Vec::new();
@@ -498,6 +548,10 @@ impl Shared {
                     m = rx.recv() => match m {
                         Some((i, d)) => {
                             outstanding.remove(&i);
+                            if let Some(next) = handoff.remove(&i) {
+                                let _ = next.send(d);
+                                continue;
+                            }
                             finished.push((i, d));
                             linger.get_or_insert(tokio::time::Instant::now() + self.config.settle_linger);
                         }
@@ -522,18 +576,152 @@ impl Shared {
             {
                 first_error.get_or_insert(e);
             }
+            // Only continued lines remain: the relay may claim beside them.
+            slot.release();
+            self.progress.notify_one();
             first_error
         };
-        let ((), failed) = tokio::join!(deliver, settle_as_done);
-        failed
+        let ((), mut failed, continued) = tokio::join!(deliver, settle_as_done, continued);
+        let mut more = CycleReport::default();
+        for (r, e) in continued {
+            more.add(&r);
+            if let Some(e) = e {
+                failed.get_or_insert(e);
+            }
+        }
+        (failed, more)
     }
 
-    /// Settles finished lines in one transaction and updates the topics' health.
+    /// Whether a line goes on past its run in this cycle: a keyed line whose window a
+    /// limit cut while it held a good part of a full run (deep lines only: every
+    /// continued run is settled on its own, which a cycle of many short lines would pay
+    /// for), unless the relay is stopping.
+    fn continues(&self, o: &Outgoing<'_>) -> bool {
+        o.plan.line.is_some()
+            && !o.probe
+            && matches!(o.plan.stop, Stop::Budget | Stop::End { full: true })
+            && o.plan.run.len() >= (self.config.max_run as usize / CONTINUE_FRACTION).max(1)
+            && self.store.continues_lines(self.queue.box_kind())
+            && !self.stopping.is_cancelled()
+    }
+
+    /// Goes on with a deep line after its first run, keeping its key leased: the next
+    /// window is read while a run is in flight, and sent as soon as that run is
+    /// acknowledged whole, while the run's settle (which keeps the lease) commits beside
+    /// it. No run is sent before the one ahead of it is acknowledged, so the order and
+    /// the failure rules are a single run's. The line is released, as any other, after
+    /// a run that was not delivered whole, when nothing more is due, when the store says
+    /// the line cannot go on (`Store::continue_line`) or when the relay stops. Each run
+    /// is accounted for as it settles; returns the sum of the runs after the first and
+    /// the first settle error.
+    async fn continue_line(
+        &self,
+        token: i64,
+        first: &Outgoing<'_>,
+        deliveries: tokio::sync::oneshot::Receiver<Vec<Delivery>>,
+    ) -> (CycleReport, Option<StoreError>) {
+        let mut total = CycleReport::default();
+        let line = first.plan.line.expect("continued lines are keyed");
+        let mut next = self.read_on(token, line, &first.plan).await;
+        // The sink reports every line it was given; without a report, nothing went out.
+        let mut d = deliveries
+            .await
+            .unwrap_or_else(|_| vec![Delivery::NotAttempted; first.plan.run.len()]);
+        // The schedules of never-tried delayed events the line's earlier runs passed:
+        // the release must still wake the key for them.
+        let mut delayed: Option<chrono::DateTime<chrono::Utc>> = None;
+        let mut held: Option<Continued> = None;
+        let mut error = None;
+        loop {
+            let current = match &held {
+                None => first.plan.clone(),
+                Some(c) => plan_line(&c.window, c.now, usize::MAX),
+            };
+            let current = Outgoing {
+                plan: current,
+                domain: first.domain.clone(),
+                probe: false,
+            };
+            let whole = d.len() == current.plan.run.len()
+                && d.iter().all(|x| matches!(x, Delivery::Delivered));
+            let go_on = next
+                .take()
+                .filter(|c| whole && !self.stopping.is_cancelled() && has_run(c));
+            let Some(following) = go_on else {
+                let mut last = CycleReport::default();
+                let settled = self
+                    .settle_lines_with(token, vec![(&current, d, None, delayed)], &mut last)
+                    .await;
+                self.account(&last);
+                total.add(&last);
+                return (total, error.or(settled.err()));
+            };
+            let plan = plan_line(&following.window, following.now, usize::MAX);
+            let run = plan.run.clone();
+            let mut this = CycleReport {
+                attempted: run.len(),
+                ..Default::default()
+            };
+            let keep = Some(self.config.lease);
+            self.stats.continued.fetch_add(1, Ordering::Relaxed);
+            let (settled, mut delivered, read) = tokio::join!(
+                self.settle_lines_with(token, vec![(&current, d, keep, None)], &mut this),
+                self.sink.deliver(std::slice::from_ref(&run)),
+                self.read_on(token, line, &plan),
+            );
+            self.account(&this);
+            total.add(&this);
+            delayed = earliest(delayed, current.plan.delayed_min);
+            d = delivered.pop().unwrap_or_default();
+            next = read;
+            drop((run, plan, current));
+            held = Some(following);
+            if let Err(e) = settled {
+                // The run in flight is settled and the key released next; the lease of a
+                // key whose keeping failed runs out on its own.
+                error.get_or_insert(e);
+                next = None;
+            }
+        }
+    }
+
+    /// The line's next window after `plan`'s run, or `None` (released then).
+    async fn read_on(&self, token: i64, line: &LineKey, plan: &LinePlan<'_>) -> Option<Continued> {
+        let after = plan.run.last()?.id;
+        let read = self
+            .store
+            .continue_line(&self.queue, token, line, after, self.limits());
+        match read.await {
+            Ok(next) => next,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read a continued line's next run; it is released");
+                None
+            }
+        }
+    }
+
+    /// Settles finished lines of `out` in one transaction (see `settle_lines_with`).
     async fn settle_lines(
         &self,
         token: i64,
         out: &[Outgoing<'_>],
         finished: Vec<(usize, Vec<Delivery>)>,
+        report: &mut CycleReport,
+    ) -> Result<(), StoreError> {
+        let finished = finished
+            .into_iter()
+            .map(|(i, d)| (&out[i], d, None, None))
+            .collect();
+        self.settle_lines_with(token, finished, report).await
+    }
+
+    /// Settles finished lines in one transaction and updates the topics' health. Each
+    /// comes with its deliveries, whether its key stays leased (and for how long), and
+    /// the earliest delayed schedule an earlier run of the line passed.
+    async fn settle_lines_with(
+        &self,
+        token: i64,
+        finished: Vec<Finished<'_, '_>>,
         report: &mut CycleReport,
     ) -> Result<(), StoreError> {
         let mut updates = Vec::new();
@@ -544,8 +732,7 @@ impl Shared {
             let now = Instant::now();
             let mut rng = rand::rng();
             let mut domains = self.domains.lock().expect("domains lock");
-            for (i, d) in &finished {
-                let o = &out[*i];
+            for (o, d, keep, delayed) in &finished {
                 let lo = o.plan.settle(d, &self.config.retry, &mut rng);
                 report.delivered += lo.delivered;
                 report.retried += lo.retried;
@@ -574,12 +761,15 @@ impl Shared {
                     domains.probe_abandoned(&o.domain);
                 }
                 if let Some(line) = o.plan.line {
+                    let mut ready = lo.ready;
+                    ready.at = earliest(ready.at, *delayed);
                     // In run order, which is id order (the store normalises it anyway).
                     let completed: Vec<EventId> = EventUpdate::completed_ids(&lo.updates).collect();
                     releases.push(KeyRelease {
                         line: line.clone(),
-                        ready: lo.ready,
+                        ready,
                         completed,
+                        keep: *keep,
                     });
                 }
                 updates.extend(lo.updates);

@@ -72,6 +72,9 @@ pub struct RelayStats {
     pub renewals_lost: AtomicU64,
     /// Lines held back because their topic is down and not due for a probe.
     pub held_back: AtomicU64,
+    /// Runs sent on a deep key kept leased, right after its previous run (no release
+    /// and claim in between).
+    pub continued: AtomicU64,
 }
 
 impl RelayStats {
@@ -105,4 +108,18 @@ pub struct CycleReport {
     pub delivered_after_failure: usize,
     /// Events handed to the sink that came back transient (no attempt spent).
     pub transient_events: usize,
+}
+
+impl CycleReport {
+    /// Adds what a later part of the same cycle (a continued line's runs) did.
+    pub fn add(&mut self, other: &CycleReport) {
+        self.attempted += other.attempted;
+        self.delivered += other.delivered;
+        self.retried += other.retried;
+        self.failed += other.failed;
+        self.transient |= other.transient;
+        self.stale += other.stale;
+        self.delivered_after_failure += other.delivered_after_failure;
+        self.transient_events += other.transient_events;
+    }
 }

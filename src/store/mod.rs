@@ -32,7 +32,7 @@ use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, S
 pub use error::{StoreError, StoreResult};
 pub(crate) use protocol::Due;
 pub use protocol::{
-    Claim, ClaimLimits, EventUpdate, KeyRelease, KeyWindow, LineKey, Readiness, Renewal,
+    Claim, ClaimLimits, Continued, EventUpdate, KeyRelease, KeyWindow, LineKey, Readiness, Renewal,
     SettleReport, Settlement, fit_in_budget,
 };
 
@@ -112,6 +112,29 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
 
     /// Leases ready keys, reads their lines and claims due unkeyed events of `box_kind`.
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim>;
+
+    /// Whether `continue_line` can go on with lines of `box_kind` (else it always says
+    /// `None`, and the relay does not ask).
+    fn continues_lines(&self, _box_kind: BoxKind) -> bool {
+        false
+    }
+
+    /// The window of `line` after `after` (the last event of the run `token` is
+    /// delivering), read as a claim reads it, so the relay can send the line's next run
+    /// as soon as this one is acknowledged instead of releasing the key and claiming it
+    /// again. `None` when the line cannot go on now: `token` no longer leases the key,
+    /// its topic is paused, a SQL-API writer holds the key's order lock, or the engine
+    /// does not continue lines (the default); the relay then releases the key as usual.
+    async fn continue_line(
+        &self,
+        _queue: &Queue,
+        _token: i64,
+        _line: &LineKey,
+        _after: EventId,
+        _limits: ClaimLimits,
+    ) -> StoreResult<Option<Continued>> {
+        Ok(None)
+    }
 
     /// Applies the relay's decisions for a claim and releases its keys, in one
     /// transaction. Updates for keys or events no longer held by `token` are dropped

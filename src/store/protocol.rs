@@ -42,6 +42,15 @@ pub struct KeyWindow {
     pub line_end: Option<EventId>,
 }
 
+/// The next window of a line its relay keeps leased (`Store::continue_line`).
+#[derive(Debug, Clone)]
+pub struct Continued {
+    /// The database's clock when the window was read; planning compares schedules to it.
+    pub now: DateTime<Utc>,
+    /// The line's events after the run in flight, as a claim's window reads them.
+    pub window: KeyWindow,
+}
+
 /// How many of the leading items (of the given sizes) fit in `budget` bytes: always at
 /// least one, so an event larger than the budget still goes out, alone.
 pub fn fit_in_budget(sizes: impl IntoIterator<Item = u64>, budget: u64) -> usize {
@@ -290,6 +299,9 @@ pub struct KeyRelease {
     /// outbox moves the key's cursor over them instead of writing each row when they are
     /// exactly the pending events above the cursor; empty, every row is written.
     pub completed: Vec<EventId>,
+    /// Keep the lease for this long instead of releasing the key: the relay goes on with
+    /// the line (its next run is already being delivered). `ready` is then unused.
+    pub keep: Option<Duration>,
 }
 
 /// What a settle achieved.

@@ -889,3 +889,145 @@ async fn get_event_lists_each_counted_attempt_and_not_the_transient_ones() {
         s.app.stop().await.unwrap();
     }
 }
+
+/// Enqueues `events` in batches of 500; their ids, in order.
+async fn enqueue_ids(client: &mut OutboxClient, events: &[pb::Event]) -> Vec<EventId> {
+    let mut ids = Vec::with_capacity(events.len());
+    for chunk in events.chunks(500) {
+        let r = client
+            .enqueue_batch(pb::EnqueueBatchRequest {
+                events: chunk.to_vec(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        ids.extend(r.results.iter().map(|r| r.id));
+    }
+    ids
+}
+
+type OutboxClient = pb::outbox_service_client::OutboxServiceClient<tonic::transport::Channel>;
+
+/// Runs of 500, so a key 3,000 deep is several runs.
+fn short_runs(sink: Arc<dyn Sink>, s: &Service) -> Relay {
+    Relay::new(
+        s.app.store.clone(),
+        sink,
+        Queue::Outbox,
+        RelayConfig {
+            batch_size: 500,
+            max_run: 500,
+            ..relay_config(Duration::ZERO)
+        },
+    )
+}
+
+/// A deep key goes on without releasing its key: one cycle sends run after run, each
+/// as soon as the one before is acknowledged, while events keep arriving on the key
+/// (their writers wait for the key row the relay locks to read the next run); every
+/// event comes out once, in order, and the key is released at the end.
+#[tokio::test]
+async fn a_deep_key_goes_on_run_after_run_without_a_new_claim() {
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut s = Service::start(quiet_config(&url)).await;
+    let first: Vec<pb::Event> = (0..3000)
+        .map(|i| event("continued", "deep", format!("{i}").as_bytes()))
+        .collect();
+    enqueue_ids(&mut s.client, &first).await;
+    let mut relay = short_runs(kafka(&broker.addr(), &[]), &s);
+    let stats = relay.stats();
+    // More of the key arrives while the cycle runs.
+    let mut writer = s.client.clone();
+    let more = tokio::spawn(async move {
+        let later: Vec<pb::Event> = (3000..4000)
+            .map(|i| event("continued", "deep", format!("{i}").as_bytes()))
+            .collect();
+        for chunk in later.chunks(100) {
+            enqueue_ids(&mut writer, chunk).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    let r = relay.cycle().await.unwrap();
+    more.await.unwrap();
+    assert_eq!(stats.cycles.load(Ordering::Relaxed), 1);
+    let continued = stats.continued.load(Ordering::Relaxed);
+    assert!(continued >= 5, "runs after the first: {continued}, {r:?}");
+    assert!(r.delivered >= 3000, "{r:?}");
+    assert_eq!(r.delivered as u64, stats.delivered.load(Ordering::Relaxed));
+    // Whatever the cycle did not reach, later cycles do.
+    let mut cycles = 1;
+    while s.outbox_count(Some(Status::Pending)).await > 0 {
+        relay.cycle().await.unwrap();
+        cycles += 1;
+        assert!(cycles < 20, "did not drain");
+    }
+    let records = consume(&broker.addr(), "continued", 4000, Duration::from_secs(30));
+    let want: Vec<String> = (0..4000).map(|i| i.to_string()).collect();
+    assert_eq!(payloads_of(&records, "deep"), want);
+    let leased: Option<i64> = sqlx::query_scalar(
+        "SELECT lease_token FROM outbox_keys WHERE topic = 'continued' AND event_key = 'deep'",
+    )
+    .fetch_one(&sqlx::PgPool::connect(&url).await.unwrap())
+    .await
+    .unwrap();
+    assert_eq!(leased, None, "the key is released after its last run");
+    assert_no_gaps(&[stats]);
+    s.app.stop().await.unwrap();
+}
+
+/// A failure in a continued run stops the line there, as in any run: the events after
+/// it are not sent, the failed one spends its attempt (counted) or nothing (transient),
+/// the key is released, and the next cycle publishes from the failed event on, in order.
+#[tokio::test]
+async fn a_failure_in_a_continued_run_stops_the_line_and_keeps_order() {
+    let broker = Broker::start();
+    let mut s = accept_only().await;
+    let events: Vec<pb::Event> = (0..3000)
+        .map(|i| event("continued-f", "deep", format!("{i}").as_bytes()))
+        .collect();
+    let ids = enqueue_ids(&mut s.client, &events).await;
+    let sink = ScriptedSink::new(kafka(&broker.addr(), &[]));
+    // Runs of 500: 1,200 is in the third run, 2,300 in the fifth.
+    sink.fail(ids[1200], 1, counted());
+    sink.fail(
+        ids[2300],
+        1,
+        Failure::Transient {
+            error: "scripted outage".into(),
+        },
+    );
+    let mut relay = short_runs(sink.clone(), &s);
+    let stats = relay.stats();
+    let r = relay.cycle().await.unwrap();
+    assert_eq!((r.delivered, r.retried), (1200, 1), "{r:?}");
+    assert_eq!(stats.continued.load(Ordering::Relaxed), 2, "runs 2 and 3");
+    let failed = ev(&s.app.store, ids[1200]).await;
+    assert_eq!((failed.status, failed.attempts), (Status::Pending, 1));
+    let behind = ev(&s.app.store, ids[1201]).await;
+    assert_eq!((behind.status, behind.attempts), (Status::Pending, 0));
+    assert!(
+        !sink.seen().contains(&ids[1201]),
+        "nothing after the failure was sent"
+    );
+    let r = relay.cycle().await.unwrap();
+    assert_eq!(r.delivered, 1100, "up to the transient failure: {r:?}");
+    assert!(r.transient, "{r:?}");
+    let outage = ev(&s.app.store, ids[2300]).await;
+    assert_eq!(
+        (outage.status, outage.attempts),
+        (Status::Pending, 0),
+        "a transient failure spends nothing"
+    );
+    let mut cycles = 2;
+    while s.outbox_count(Some(Status::Pending)).await > 0 {
+        relay.cycle().await.unwrap();
+        cycles += 1;
+        assert!(cycles < 20, "did not drain");
+    }
+    let records = consume(&broker.addr(), "continued-f", 3000, Duration::from_secs(30));
+    let want: Vec<String> = (0..3000).map(|i| i.to_string()).collect();
+    assert_eq!(payloads_of(&records, "deep"), want, "once each, in order");
+    assert_no_gaps(&[stats]);
+    s.app.stop().await.unwrap();
+}

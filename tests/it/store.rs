@@ -110,6 +110,7 @@ async fn claims_lease_keys_and_settles_apply_once() {
                 ..Default::default()
             },
             completed: vec![keyed[0], keyed[1]],
+            keep: None,
         };
         // A settle with the wrong token changes nothing.
         let wrong = store
@@ -393,6 +394,7 @@ async fn an_event_enqueued_during_a_claim_wakes_its_key() {
                 ..Default::default()
             },
             completed: vec![first],
+            keep: None,
         };
         store
             .settle(Settlement::new(
@@ -499,6 +501,7 @@ async fn a_release_never_erases_the_wake_up_of_an_enqueue_during_the_lease() {
             line: c.keyed[0].line.clone(),
             ready: Readiness::default(),
             completed: vec![first],
+            keep: None,
         };
         store
             .settle(Settlement::new(
@@ -536,6 +539,7 @@ fn release_all(c: &Claim, ready: Readiness, updates: &[EventUpdate]) -> Vec<KeyR
                 .map(EventUpdate::id)
                 .filter(|id| w.rows.iter().any(|e| e.id == *id))
                 .collect(),
+            keep: None,
         })
         .collect()
 }

@@ -28,8 +28,8 @@ use self::sql::Sql;
 use super::rows::{Cols, decode_event};
 use super::schema;
 use super::{
-    Admission, Claim, ClaimLimits, HeldId, LineKey, Renewal, SettleReport, Settlement, Store,
-    StoreError, StoreResult,
+    Admission, Claim, ClaimLimits, Continued, HeldId, LineKey, Renewal, SettleReport, Settlement,
+    Store, StoreError, StoreResult,
 };
 use crate::domain::{BoxKind, EventId, InboundMessage, NewEvent, Queue, Status, StoredEvent};
 
@@ -366,6 +366,22 @@ impl Store for PgStore {
 
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {
         self.claim_lines(queue, token, limits).await
+    }
+
+    fn continues_lines(&self, box_kind: BoxKind) -> bool {
+        self.sql(box_kind).continue_line.is_some()
+    }
+
+    async fn continue_line(
+        &self,
+        queue: &Queue,
+        token: i64,
+        line: &LineKey,
+        after: EventId,
+        limits: ClaimLimits,
+    ) -> StoreResult<Option<Continued>> {
+        // Not retried: a line that cannot go on now is released as usual.
+        PgStore::continue_line(self, queue, token, line, after, limits).await
     }
 
     async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {

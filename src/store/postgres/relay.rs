@@ -13,8 +13,8 @@ use crate::domain::{EventId, Queue, Status, StoredEvent};
 use crate::store::Due;
 use crate::store::rows::in_due_order;
 use crate::store::{
-    Claim, ClaimLimits, EventUpdate, KeyWindow, LineKey, Renewal, SettleReport, Settlement,
-    StoreError, StoreResult,
+    Claim, ClaimLimits, Continued, EventUpdate, KeyWindow, LineKey, Renewal, SettleReport,
+    Settlement, StoreError, StoreResult,
 };
 
 /// SQL-API events folded into their keys per claim, at most (the rest in the next).
@@ -100,6 +100,55 @@ impl PgStore {
             keyed,
             unkeyed,
         })
+    }
+
+    /// The next window of a line `token` keeps leased, after `after` (`Store::continue_line`).
+    pub(super) async fn continue_line(
+        &self,
+        queue: &Queue,
+        token: i64,
+        line: &LineKey,
+        after: EventId,
+        limits: ClaimLimits,
+    ) -> StoreResult<Option<Continued>> {
+        let sql = self.sql(queue.box_kind());
+        let Some(check) = &sql.continue_line else {
+            return Ok(None);
+        };
+        let mut tx = self.relay_pool.begin().await?;
+        let Some(key) = q(check)
+            .bind(&line.topic)
+            .bind(&line.key)
+            .bind(token)
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(None);
+        };
+        if !key.try_get::<bool, _>("free")? {
+            return Ok(None);
+        }
+        let cursor: i64 = key.try_get(0)?;
+        let per_key = limits.max_run.max(1);
+        let rows = q(&sql.windows)
+            .bind(vec![line.topic.clone()])
+            .bind(vec![line.key.clone()])
+            .bind(i64::from(per_key))
+            .bind(vec![cursor.max(after)])
+            .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX))
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut windows = [KeyWindow {
+            line: line.clone(),
+            rows: Vec::new(),
+            full: false,
+            delayed_at: None,
+            line_end: None,
+        }];
+        let now = fill_windows(&rows, &mut windows, per_key)?;
+        tx.commit().await?;
+        let [window] = windows;
+        Ok(now.map(|now| Continued { now, window }))
     }
 
     /// Runs a read in the claim's transaction when it has one, else on the relay pool.
@@ -444,12 +493,15 @@ async fn release_keys(
     let mut at = Vec::with_capacity(n);
     let mut after = Vec::with_capacity(n);
     let mut seen = Vec::with_capacity(n);
+    let mut keep = Vec::with_capacity(n);
     for r in s.releases {
         topics.push(r.line.topic.clone());
         names.push(r.line.key.clone());
         at.push(r.ready.at);
-        after.push(r.ready.after.map(millis));
+        // A kept key's `after_ms` is its new lease.
+        after.push(r.keep.or(r.ready.after).map(millis));
         seen.push(r.ready.seen_up_to);
+        keep.push(r.keep.is_some());
     }
     let (statement, advance) = match &sql.release_advance {
         Some(advance) if !runs.is_empty() => (advance, true),
@@ -463,7 +515,12 @@ async fn release_keys(
         .bind(seen)
         .bind(s.token);
     if !advance {
-        scoped(release, s.queue).execute(tx).await?;
+        // The outbox's statement takes the keep flags; the inbox's, its subscription.
+        if sql.continue_line.is_some() {
+            release.bind(keep).execute(tx).await?;
+        } else {
+            scoped(release, s.queue).execute(tx).await?;
+        }
         return Ok(());
     }
     let mut through: Vec<Option<i64>> = Vec::with_capacity(n);
@@ -479,6 +536,7 @@ async fn release_keys(
         .bind(through)
         .bind(covered)
         .bind(counted)
+        .bind(keep)
         .execute(tx)
         .await?;
     Ok(())

@@ -21,6 +21,9 @@ pub(super) struct Sql {
     /// The outbox's fold of SQL-API events into their keys (migration 0015; `None` in
     /// the inbox, which has no SQL API).
     pub(super) fold: Option<Arc<str>>,
+    /// The outbox's check before a leased line's next window is read (`continue_line`;
+    /// `None` in the inbox, whose lines are released after each run).
+    pub(super) continue_line: Option<Arc<str>>,
 }
 
 impl Sql {
@@ -54,6 +57,7 @@ impl Sql {
             // advance with its time in `outbox_publishes`: one write per key row.
             release_advance: (!scoped).then(|| t.release(true).into()),
             fold: (!scoped).then(|| FOLD.into()),
+            continue_line: (!scoped).then(|| CONTINUE_LINE.into()),
         }
     }
 }
@@ -120,6 +124,18 @@ const FOLD: &str = "WITH f AS MATERIALIZED (
                  UPDATE outbox_events e SET counted = true
                  FROM f WHERE e.id = f.id AND NOT e.counted
                    AND (SELECT count(*) FROM keys) >= 0";
+
+/// Before a leased line's next window is read (in the same transaction): the key is
+/// still leased by the relay's token ($3) and its topic is not paused; its row is locked,
+/// as the claim's lease locks it, so no gRPC writer is between drawing an id and
+/// committing it (they upsert the key row first); and the key's order lock is tried in
+/// shared mode, as the lease tries it, for the SQL-API writers. Returns the cursor.
+const CONTINUE_LINE: &str = "SELECT k.published_through,
+            pg_try_advisory_xact_lock_shared(mailroom_order_lock(k.topic, k.event_key)) AS free
+     FROM outbox_keys k
+     WHERE k.topic = $1 AND k.event_key = $2 AND k.lease_token = $3
+       AND k.topic NOT IN (SELECT p.topic FROM outbox_paused_topics p)
+     FOR UPDATE OF k";
 
 /// The outbox's claims skip paused topics (migration 0017): their events stay pending and
 /// spend no attempt. The table is small (one row per paused topic), so the anti-join is a
@@ -324,20 +340,34 @@ impl Tables<'_> {
         let release_scope = self.scope(" AND k.subscription = $S", 7);
         let release_probe = self.scope(" AND r.subscription = $S", 7);
         let release_exists = self.scope(" AND e.subscription = k.subscription", 0);
-        let (cursor_cols, cursor_arrays, cursor_set) = if advance {
+        // The outbox may keep a key leased (`KeyRelease::keep`, its lease in `after_ms`):
+        // the cursor moves, the lease is extended as a renewal extends it. The inbox
+        // always releases.
+        let (cursor_cols, cursor_arrays, cursor_set, keep_col, keep_array, keep) = if advance {
             (
                 ", through, n, counted",
                 ", $7::int8[], $8::int8[], $9::int8[]",
                 // Only counted events were in `pending` (migration 0015).
                 ", published_through = COALESCE(u.through, k.published_through),
                        pending = k.pending - COALESCE(u.counted, 0)",
+                ", keep",
+                ", $10::bool[]",
+                "u.keep",
             )
+        } else if self.scoped {
+            ("", "", "", "", "", "false")
         } else {
-            ("", "", "")
+            ("", "", "", ", keep", ", $7::bool[]", "u.keep")
         };
         let update = format!(
-            "UPDATE {keys} k SET lease_token = NULL, lease_until = NULL{cursor_set},
-                    ready_at = LEAST(
+            "UPDATE {keys} k SET
+                    lease_token = CASE WHEN {keep} THEN k.lease_token END,
+                    lease_until = CASE WHEN {keep}
+                        THEN now() + u.after_ms * interval '1 millisecond' END{cursor_set},
+                    ready_at = CASE WHEN {keep} THEN
+                        CASE WHEN k.ready_at < k.lease_until THEN k.ready_at
+                             ELSE now() + u.after_ms * interval '1 millisecond' END
+                    ELSE LEAST(
                         -- An enqueue during the lease pulled ready_at below lease_until:
                         -- its wake-up must survive the release.
                         CASE WHEN k.ready_at < k.lease_until THEN k.ready_at END,
@@ -351,14 +381,14 @@ impl Tables<'_> {
                                 SELECT 1 FROM {events} e WHERE e.status = 'pending'
                                   AND e.topic = k.topic AND e.event_key = k.event_key{release_exists}
                                   AND e.id > GREATEST(u.seen, k.published_through))
-                             THEN now() ELSE 'infinity' END)
+                             THEN now() ELSE 'infinity' END) END
                  FROM u WHERE k.ctid = u.row_id AND k.lease_token = $6{release_scope}"
         );
         let u = format!(
             "u AS MATERIALIZED (
                     SELECT u.*, r.ctid AS row_id
-                    FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[]{cursor_arrays})
-                         AS u(topic, event_key, at, after_ms, seen{cursor_cols})
+                    FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int8[], $5::int8[]{cursor_arrays}{keep_array})
+                         AS u(topic, event_key, at, after_ms, seen{cursor_cols}{keep_col})
                     JOIN {keys} r ON r.topic = u.topic AND r.event_key = u.event_key{release_probe})"
         );
         if advance {

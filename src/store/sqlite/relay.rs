@@ -102,6 +102,18 @@ impl SqliteStore {
             applied += changed;
         }
         for r in s.releases {
+            if let Some(lease) = r.keep {
+                // Kept leased (the relay goes on with the line): a renewal.
+                sqlx::query(AssertSqlSafe(sql.renew_key.as_str()))
+                    .bind(&r.line.topic)
+                    .bind(&r.line.key)
+                    .bind(s.token)
+                    .bind(now.saturating_add(dur_micros(lease)))
+                    .bind(sub)
+                    .execute(&mut *tx)
+                    .await?;
+                continue;
+            }
             let at = r.ready.at.map(micros).unwrap_or(NEVER);
             let after = r
                 .ready
