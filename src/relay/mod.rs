@@ -249,6 +249,21 @@ const MAX_PARKED: usize = 64;
 /// run (`RelayConfig::max_run`).
 const CONTINUE_FRACTION: usize = 8;
 
+/// The longest run of a continued line after its first. Shorter than a claim's runs:
+/// the next run waits for the whole of this one to be acknowledged, and the time that
+/// takes is the pause between the two.
+const CONTINUED_RUN: u32 = 1000;
+
+/// What a settle writes, decided before its transaction.
+struct Decided {
+    updates: Vec<EventUpdate>,
+    releases: Vec<KeyRelease>,
+    /// Events the sink published after an earlier event of their run failed.
+    out_of_order: usize,
+    /// Events that came back transient.
+    transient_events: usize,
+}
+
 /// A finished line to settle: its deliveries, the lease to keep (`None`: release) and
 /// the earliest delayed schedule an earlier run of the line passed.
 type Finished<'o, 'a> = (
@@ -606,91 +621,106 @@ impl Shared {
     }
 
     /// Goes on with a deep line after its first run, keeping its key leased: the next
-    /// window is read while a run is in flight, and sent as soon as that run is
-    /// acknowledged whole, while the run's settle (which keeps the lease) commits beside
-    /// it. No run is sent before the one ahead of it is acknowledged, so the order and
-    /// the failure rules are a single run's. The line is released, as any other, after
-    /// a run that was not delivered whole, when nothing more is due, when the store says
-    /// the line cannot go on (`Store::continue_line`) or when the relay stops. Each run
-    /// is accounted for as it settles; returns the sum of the runs after the first and
-    /// the first settle error.
+    /// window (runs of `CONTINUED_RUN`) is read while a run is in flight, and sent as
+    /// soon as that run is acknowledged whole; the run's settle (which keeps the lease)
+    /// commits behind it, in a lane that applies the line's settles one at a time, in
+    /// order, at most one waiting. No run is sent before the one ahead of it is
+    /// acknowledged, so the order and the failure rules are a single run's. The line is
+    /// released, as any other, after a run that was not delivered whole, when nothing
+    /// more is due, when the store says the line cannot go on (`Store::continue_line`),
+    /// when a settle failed or when the relay stops. Each run is accounted for as it
+    /// settles; returns the sum of the line's runs and the first settle error.
     async fn continue_line(
         &self,
         token: i64,
         first: &Outgoing<'_>,
         deliveries: tokio::sync::oneshot::Receiver<Vec<Delivery>>,
     ) -> (CycleReport, Option<StoreError>) {
-        let mut total = CycleReport::default();
-        let line = first.plan.line.expect("continued lines are keyed");
-        let mut next = self.read_on(token, line, &first.plan).await;
-        // The sink reports every line it was given; without a report, nothing went out.
-        let mut d = deliveries
-            .await
-            .unwrap_or_else(|_| vec![Delivery::NotAttempted; first.plan.run.len()]);
-        // The schedules of never-tried delayed events the line's earlier runs passed:
-        // the release must still wake the key for them.
-        let mut delayed: Option<chrono::DateTime<chrono::Utc>> = None;
-        let mut held: Option<Continued> = None;
-        let mut error = None;
-        loop {
-            let current = match &held {
-                None => first.plan.clone(),
-                Some(c) => plan_line(&c.window, c.now, usize::MAX),
-            };
-            let current = Outgoing {
-                plan: current,
-                domain: first.domain.clone(),
-                probe: false,
-            };
-            let whole = d.len() == current.plan.run.len()
-                && d.iter().all(|x| matches!(x, Delivery::Delivered));
-            let go_on = next
-                .take()
-                .filter(|c| whole && !self.stopping.is_cancelled() && has_run(c));
-            let Some(following) = go_on else {
-                let mut last = CycleReport::default();
-                let settled = self
-                    .settle_lines_with(token, vec![(&current, d, None, delayed)], &mut last)
-                    .await;
-                self.account(&last);
-                total.add(&last);
-                return (total, error.or(settled.err()));
-            };
-            let plan = plan_line(&following.window, following.now, usize::MAX);
-            let run = plan.run.clone();
-            let mut this = CycleReport {
-                attempted: run.len(),
-                ..Default::default()
-            };
-            let keep = Some(self.config.lease);
-            self.stats.continued.fetch_add(1, Ordering::Relaxed);
-            let (settled, mut delivered, read) = tokio::join!(
-                self.settle_lines_with(token, vec![(&current, d, keep, None)], &mut this),
-                self.sink.deliver(std::slice::from_ref(&run)),
-                self.read_on(token, line, &plan),
-            );
-            self.account(&this);
-            total.add(&this);
-            delayed = earliest(delayed, current.plan.delayed_min);
-            d = delivered.pop().unwrap_or_default();
-            next = read;
-            drop((run, plan, current));
-            held = Some(following);
-            if let Err(e) = settled {
-                // The run in flight is settled and the key released next; the lease of a
-                // key whose keeping failed runs out on its own.
-                error.get_or_insert(e);
-                next = None;
+        let (lane_tx, mut lane_rx) = tokio::sync::mpsc::channel::<(Decided, CycleReport)>(1);
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        let lane_failed = &failed;
+        let lane = async {
+            let mut total = CycleReport::default();
+            let mut error = None;
+            while let Some((decided, mut this)) = lane_rx.recv().await {
+                if let Err(e) = self.commit(token, decided, &mut this).await {
+                    lane_failed.store(true, Ordering::Relaxed);
+                    error.get_or_insert(e);
+                }
+                self.account(&this);
+                total.add(&this);
             }
-        }
+            (total, error)
+        };
+        let line = async move {
+            let line = first.plan.line.expect("continued lines are keyed");
+            let mut next = self.read_on(token, line, &first.plan).await;
+            // The sink reports every line it was given; without a report, nothing went out.
+            let mut d = deliveries
+                .await
+                .unwrap_or_else(|_| vec![Delivery::NotAttempted; first.plan.run.len()]);
+            // The schedules of never-tried delayed events the line's earlier runs passed:
+            // the release must still wake the key for them.
+            let mut delayed: Option<chrono::DateTime<chrono::Utc>> = None;
+            let mut held: Option<Continued> = None;
+            loop {
+                let current = Outgoing {
+                    plan: match &held {
+                        None => first.plan.clone(),
+                        Some(c) => plan_line(&c.window, c.now, usize::MAX),
+                    },
+                    domain: first.domain.clone(),
+                    probe: false,
+                };
+                let whole = d.len() == current.plan.run.len()
+                    && d.iter().all(|x| matches!(x, Delivery::Delivered));
+                let go_on = next.take().filter(|c| {
+                    whole
+                        && !self.stopping.is_cancelled()
+                        && !lane_failed.load(Ordering::Relaxed)
+                        && has_run(c)
+                });
+                let Some(following) = go_on else {
+                    let mut last = CycleReport::default();
+                    let decided = self.decide(vec![(&current, d, None, delayed)], &mut last);
+                    let _ = lane_tx.send((decided, last)).await;
+                    return;
+                };
+                let plan = plan_line(&following.window, following.now, usize::MAX);
+                let run = plan.run.clone();
+                self.stats.continued.fetch_add(1, Ordering::Relaxed);
+                let mut this = CycleReport {
+                    attempted: run.len(),
+                    ..Default::default()
+                };
+                let keep = Some(self.config.lease);
+                let decided = self.decide(vec![(&current, d, keep, None)], &mut this);
+                delayed = earliest(delayed, current.plan.delayed_min);
+                let (_, mut delivered, read) = tokio::join!(
+                    lane_tx.send((decided, this)),
+                    self.sink.deliver(std::slice::from_ref(&run)),
+                    self.read_on(token, line, &plan),
+                );
+                d = delivered.pop().unwrap_or_default();
+                next = read;
+                drop((run, plan, current));
+                held = Some(following);
+            }
+        };
+        let ((), done) = tokio::join!(line, lane);
+        done
     }
 
     /// The line's next window after `plan`'s run, or `None` (released then).
     async fn read_on(&self, token: i64, line: &LineKey, plan: &LinePlan<'_>) -> Option<Continued> {
         let after = plan.run.last()?.id;
+        let limits = ClaimLimits {
+            max_run: self.config.max_run.min(CONTINUED_RUN),
+            ..self.limits()
+        };
         let read = self
             .store
-            .continue_line(&self.queue, token, line, after, self.limits());
+            .continue_line(&self.queue, token, line, after, limits);
         match read.await {
             Ok(next) => next,
             Err(e) => {
@@ -715,15 +745,22 @@ impl Shared {
         self.settle_lines_with(token, finished, report).await
     }
 
-    /// Settles finished lines in one transaction and updates the topics' health. Each
-    /// comes with its deliveries, whether its key stays leased (and for how long), and
-    /// the earliest delayed schedule an earlier run of the line passed.
+    /// Settles finished lines in one transaction (`decide`, then `commit`).
     async fn settle_lines_with(
         &self,
         token: i64,
         finished: Vec<Finished<'_, '_>>,
         report: &mut CycleReport,
     ) -> Result<(), StoreError> {
+        let decided = self.decide(finished, report);
+        self.commit(token, decided, report).await
+    }
+
+    /// What finished lines come to: their event updates and key releases, counted in
+    /// `report`; updates the topics' health. Each line comes with its deliveries,
+    /// whether its key stays leased (and for how long), and the earliest delayed
+    /// schedule an earlier run of the line passed.
+    fn decide(&self, finished: Vec<Finished<'_, '_>>, report: &mut CycleReport) -> Decided {
         let mut updates = Vec::new();
         let mut releases = Vec::new();
         let mut out_of_order = 0;
@@ -775,6 +812,27 @@ impl Shared {
                 updates.extend(lo.updates);
             }
         }
+        Decided {
+            updates,
+            releases,
+            out_of_order,
+            transient_events,
+        }
+    }
+
+    /// Applies what `decide` decided, in one transaction.
+    async fn commit(
+        &self,
+        token: i64,
+        decided: Decided,
+        report: &mut CycleReport,
+    ) -> Result<(), StoreError> {
+        let Decided {
+            updates,
+            releases,
+            out_of_order,
+            transient_events,
+        } = decided;
         let span = self.db_span("settle", updates.len());
         let settle = self
             .store
