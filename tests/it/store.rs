@@ -1551,3 +1551,132 @@ async fn claims_lease_keys_by_the_depth_of_their_lines() {
         }
     }
 }
+
+/// A leased line goes on (`continue_line`) only while its relay may: with its own lease
+/// token, no SQL-API writer holding the key's order lock, its topic not paused. A kept
+/// key (`KeyRelease::keep`) moves its cursor and stays leased to the same token, so no
+/// other claim takes it, until the release at the end.
+#[tokio::test]
+async fn a_line_goes_on_only_while_its_relay_may() {
+    let url = fresh_pg().await;
+    let store = open_store(&config(&url)).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let q = &Queue::Outbox;
+    let events: Vec<NewEvent> = (0..120)
+        .map(|i| new_event(Some("k"), &i.to_string()))
+        .collect();
+    let id = ids(&store.enqueue(&events, true).await.unwrap());
+    let lim = limits(Duration::from_secs(30));
+    let c = store.claim(q, 7, lim).await.unwrap();
+    let first: Vec<i64> = c.keyed[0].rows.iter().map(|e| e.id).collect();
+    assert_eq!(first, id[..50]);
+    let line = c.keyed[0].line.clone();
+    let after = id[49];
+    assert!(store.continues_lines(BoxKind::Outbox));
+    assert!(!store.continues_lines(BoxKind::Inbox));
+
+    let next = store.continue_line(q, 7, &line, after, lim).await.unwrap();
+    let next = next.expect("the lease holder goes on");
+    let got: Vec<i64> = next.window.rows.iter().map(|e| e.id).collect();
+    assert_eq!(got, id[50..100], "the window after the run in flight");
+    assert!(next.window.full);
+
+    assert!(
+        store
+            .continue_line(q, 8, &line, after, lim)
+            .await
+            .unwrap()
+            .is_none(),
+        "another token does not"
+    );
+
+    // A SQL-API writer holding the key's order lock (its transaction open).
+    let mut writer = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(mailroom_order_lock('conf', 'k'))")
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+    assert!(
+        store
+            .continue_line(q, 7, &line, after, lim)
+            .await
+            .unwrap()
+            .is_none(),
+        "a writer holds the order lock"
+    );
+    writer.rollback().await.unwrap();
+
+    sqlx::query(
+        "INSERT INTO outbox_paused_topics (topic, reason, actor, paused_at) \
+         VALUES ('conf', 'test', 'test', now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(
+        store
+            .continue_line(q, 7, &line, after, lim)
+            .await
+            .unwrap()
+            .is_none(),
+        "the topic is paused"
+    );
+    sqlx::query("DELETE FROM outbox_paused_topics")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    // The first run settles with the key kept: the cursor moves, the lease stays.
+    let updates: Vec<EventUpdate> = first
+        .iter()
+        .map(|&id| EventUpdate::Completed { id })
+        .collect();
+    let kept = KeyRelease {
+        line: line.clone(),
+        ready: Readiness::default(),
+        completed: first.clone(),
+        keep: Some(Duration::from_secs(30)),
+    };
+    let r = store
+        .settle(Settlement::new(q, 7, &updates, std::slice::from_ref(&kept)))
+        .await
+        .unwrap();
+    assert_eq!(r.stale, 0);
+    let (token, through): (Option<i64>, i64) = sqlx::query_as(
+        "SELECT lease_token, published_through FROM outbox_keys WHERE event_key = 'k'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((token, through), (Some(7), id[49]));
+    let other = store.claim(q, 9, lim).await.unwrap();
+    assert!(other.keyed.is_empty(), "a kept key is not claimed");
+    let rest = store
+        .continue_line(q, 7, &line, id[99], lim)
+        .await
+        .unwrap()
+        .expect("goes on");
+    let got: Vec<i64> = rest.window.rows.iter().map(|e| e.id).collect();
+    assert_eq!(got, id[100..]);
+    assert!(!rest.window.full);
+
+    // The end: released, idle-or-ready as any release says.
+    let release = KeyRelease {
+        keep: None,
+        ready: Readiness::now(),
+        ..kept
+    };
+    store
+        .settle(Settlement::new(q, 7, &[], &[release]))
+        .await
+        .unwrap();
+    let token: Option<i64> =
+        sqlx::query_scalar("SELECT lease_token FROM outbox_keys WHERE event_key = 'k'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(token, None);
+    let again = store.claim(q, 10, lim).await.unwrap();
+    let got: Vec<i64> = again.keyed[0].rows.iter().map(|e| e.id).collect();
+    assert_eq!(got, id[50..100], "the next claim starts after the cursor");
+}
