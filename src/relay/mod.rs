@@ -113,6 +113,8 @@ struct Shared {
     schema: Option<SchemaGate>,
     /// Cancelled when the relay stops: continued lines end after the run in flight.
     stopping: CancellationToken,
+    /// Lines of this relay going on past their first run.
+    continuing: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Relay {
@@ -134,6 +136,7 @@ impl Relay {
                 progress: Notify::new(),
                 schema: None,
                 stopping: CancellationToken::new(),
+                continuing: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             }),
             wake: Arc::new(Notify::new()),
         }
@@ -249,6 +252,10 @@ const MAX_PARKED: usize = 64;
 /// run (`RelayConfig::max_run`).
 const CONTINUE_FRACTION: usize = 8;
 
+/// Lines one relay continues at a time at most; the other deep lines are released after
+/// their run, as before, and go back in the ready order.
+const MAX_CONTINUING: usize = 2;
+
 /// The longest run of a continued line after its first. Shorter than a claim's runs:
 /// the next run waits for the whole of this one to be acknowledged, and the time that
 /// takes is the pause between the two.
@@ -286,8 +293,9 @@ fn earliest<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
     }
 }
 
-/// A cycle's place among the relay's active cycles, given back once the cycle has
-/// settled something (or ends).
+/// A place counted in a shared counter, given back when released or dropped: a cycle's
+/// among the relay's active cycles (until it has settled something, or ends), or a
+/// continued line's among those of the relay.
 struct ActiveSlot(Option<Arc<std::sync::atomic::AtomicUsize>>);
 
 impl ActiveSlot {
@@ -543,11 +551,11 @@ impl Shared {
         let continued = futures::future::join_all(
             out.iter()
                 .enumerate()
-                .filter(|(_, o)| self.continues(o))
-                .map(|(i, o)| {
+                .filter_map(|(i, o)| Some((i, o, self.continues(o)?)))
+                .map(|(i, o, permit)| {
                     let (tx, rx) = tokio::sync::oneshot::channel();
                     handoff.insert(i, tx);
-                    self.continue_line(token, o, rx)
+                    self.continue_line(token, o, rx, permit)
                 })
                 .collect::<Vec<_>>(),
         );
@@ -607,17 +615,25 @@ impl Shared {
         (failed, more)
     }
 
-    /// Whether a line goes on past its run in this cycle: a keyed line whose window a
-    /// limit cut while it held a good part of a full run (deep lines only: every
-    /// continued run is settled on its own, which a cycle of many short lines would pay
-    /// for), unless the relay is stopping.
-    fn continues(&self, o: &Outgoing<'_>) -> bool {
-        o.plan.line.is_some()
+    /// Whether a line goes on past its run in this cycle, with the permit it holds
+    /// meanwhile: a keyed line whose window a limit cut while it held a good part of a
+    /// full run (deep lines only: every continued run is settled on its own, which a
+    /// cycle of many short lines would pay for), while fewer than `MAX_CONTINUING` lines
+    /// of this relay go on, unless the relay is stopping. The bound keeps the other keys'
+    /// turn: a line that goes on does not go back in the ready order between its runs,
+    /// and a continuing cycle no longer counts among the relay's active cycles.
+    fn continues(&self, o: &Outgoing<'_>) -> Option<ActiveSlot> {
+        let deep = o.plan.line.is_some()
             && !o.probe
             && matches!(o.plan.stop, Stop::Budget | Stop::End { full: true })
             && o.plan.run.len() >= (self.config.max_run as usize / CONTINUE_FRACTION).max(1)
             && self.store.continues_lines(self.queue.box_kind())
-            && !self.stopping.is_cancelled()
+            && !self.stopping.is_cancelled();
+        if !deep {
+            return None;
+        }
+        let permit = ActiveSlot::take(&self.continuing);
+        (self.continuing.load(Ordering::Relaxed) <= MAX_CONTINUING).then_some(permit)
     }
 
     /// Goes on with a deep line after its first run, keeping its key leased: the next
@@ -635,6 +651,7 @@ impl Shared {
         token: i64,
         first: &Outgoing<'_>,
         deliveries: tokio::sync::oneshot::Receiver<Vec<Delivery>>,
+        _permit: ActiveSlot,
     ) -> (CycleReport, Option<StoreError>) {
         let (lane_tx, mut lane_rx) = tokio::sync::mpsc::channel::<(Decided, CycleReport)>(1);
         let failed = std::sync::atomic::AtomicBool::new(false);
