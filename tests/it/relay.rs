@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::probe::{body, sample, scrape};
 use crate::support::*;
 use mailroom::domain::{BoxKind, EventId, Queue, Status, StoredEvent};
 use mailroom::pb;
@@ -1030,4 +1031,68 @@ async fn a_failure_in_a_continued_run_stops_the_line_and_keeps_order() {
     assert_eq!(payloads_of(&records, "deep"), want, "once each, in order");
     assert_no_gaps(&[stats]);
     s.app.stop().await.unwrap();
+}
+
+/// Through the binary with its defaults: a key 12,000 deep, stored with the relays off,
+/// drains after a restart in one claim's run of 5,000 and continued runs (the metrics page
+/// counts them: the continuation fired), every event read back once and in order.
+#[tokio::test]
+async fn the_binary_drains_a_deep_key_in_continued_runs() {
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let start = |relays: Option<&str>| {
+        let (port, metrics) = (free_port(), free_port());
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"));
+        cmd.env("MAILROOM_LISTEN", format!("127.0.0.1:{port}"))
+            .env("MAILROOM_METRICS_LISTEN", format!("127.0.0.1:{metrics}"))
+            .env("MAILROOM_DATABASE_URL", &url)
+            .env("MAILROOM_KAFKA_BROKERS", broker.addr())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        if let Some(n) = relays {
+            cmd.env("MAILROOM_RELAYS", n);
+        }
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let metrics: std::net::SocketAddr = format!("127.0.0.1:{metrics}").parse().unwrap();
+        (cmd.spawn().unwrap(), addr, metrics)
+    };
+    let connect = |addr: std::net::SocketAddr| async move {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match tonic::transport::Channel::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .connect()
+                .await
+            {
+                Ok(c) => break OutboxClient::new(c),
+                Err(_) if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
+                Err(e) => panic!("mailroom did not start: {e}"),
+            }
+        }
+    };
+    let (mut fill, addr, _) = start(Some("0"));
+    let events: Vec<pb::Event> = (0..12_000)
+        .map(|i| event("binary.deep", "k", format!("{i}").as_bytes()))
+        .collect();
+    enqueue_ids(&mut connect(addr).await, &events).await;
+    let _ = fill.kill();
+    let _ = fill.wait();
+
+    let (mut run, addr, metrics) = start(None);
+    connect(addr).await;
+    let records = consume(
+        &broker.addr(),
+        "binary.deep",
+        12_000,
+        Duration::from_secs(60),
+    );
+    let want: Vec<String> = (0..12_000).map(|i| i.to_string()).collect();
+    assert_eq!(payloads_of(&records, "k"), want, "once each, in order");
+    let page = scrape(metrics).await;
+    let continued = sample(body(&page), "mailroom_relay_continued_runs_total");
+    assert!(continued >= 1.0, "continued runs: {continued}");
+    let _ = run.kill();
+    let _ = run.wait();
 }

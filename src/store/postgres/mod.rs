@@ -381,7 +381,7 @@ impl Store for PgStore {
         limits: ClaimLimits,
     ) -> StoreResult<Option<Continued>> {
         // Not retried: a line that cannot go on now is released as usual.
-        PgStore::continue_line(self, queue, token, line, after, limits).await
+        self.read_on_line(queue, token, line, after, limits).await
     }
 
     async fn get_event(&self, b: BoxKind, id: EventId) -> StoreResult<Option<StoredEvent>> {

@@ -103,7 +103,7 @@ impl PgStore {
     }
 
     /// The next window of a line `token` keeps leased, after `after` (`Store::continue_line`).
-    pub(super) async fn continue_line(
+    pub(super) async fn read_on_line(
         &self,
         queue: &Queue,
         token: i64,
