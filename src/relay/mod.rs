@@ -747,7 +747,7 @@ impl Shared {
         }
     }
 
-    /// Settles finished lines of `out` in one transaction (see `settle_lines_with`).
+    /// Settles finished lines of `out` in one transaction (`decide`, then `commit`).
     async fn settle_lines(
         &self,
         token: i64,
@@ -759,16 +759,6 @@ impl Shared {
             .into_iter()
             .map(|(i, d)| (&out[i], d, None, None))
             .collect();
-        self.settle_lines_with(token, finished, report).await
-    }
-
-    /// Settles finished lines in one transaction (`decide`, then `commit`).
-    async fn settle_lines_with(
-        &self,
-        token: i64,
-        finished: Vec<Finished<'_, '_>>,
-        report: &mut CycleReport,
-    ) -> Result<(), StoreError> {
         let decided = self.decide(finished, report);
         self.commit(token, decided, report).await
     }
