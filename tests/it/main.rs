@@ -14,6 +14,7 @@ mod admin;
 mod admin_inbox;
 mod byte_budgets;
 mod console;
+mod continued_lines;
 mod conventions;
 mod deploy;
 mod enqueue;
