@@ -256,31 +256,10 @@ const CONTINUE_FRACTION: usize = 8;
 /// their run, as before, and go back in the ready order.
 const MAX_CONTINUING: usize = 2;
 
-/// The longest run of a continued line after its first. Runs are handed to the sink one
-/// behind the other, each as soon as its window is read, so a line goes at the pace of
-/// these reads, and the pause between two runs is a read's time less the run's handing:
-/// shorter runs make shorter pauses (500: at most 12–20 ms here; 1,000: 18–22 ms; 2,000:
-/// 22–39 ms, docs/benchmarks.md) at a small cost in rate.
-const CONTINUED_RUN: u32 = 500;
-
-/// Runs of a continued line handed to the sink and not yet settled, beyond the one whose
-/// deliveries are awaited.
-const RUNS_AHEAD: usize = 2;
-
-/// A run of a continued line handed to the sink: its window (`None`: the line's first
-/// run, planned by the claim) and its deliveries to come.
-struct HandedRun<'s> {
-    window: Option<Continued>,
-    deliveries: futures::future::BoxFuture<'s, Vec<Delivery>>,
-}
-
-/// A continued run's plan (as planned when it was handed: planning is deterministic).
-fn plan_of<'a>(window: &'a Option<Continued>, first: &Outgoing<'a>) -> LinePlan<'a> {
-    match window {
-        None => first.plan.clone(),
-        Some(c) => plan_line(&c.window, c.now, usize::MAX),
-    }
-}
+/// The longest run of a continued line after its first. Shorter than a claim's runs:
+/// the next run waits for the whole of this one to be acknowledged, and the time that
+/// takes is the pause between the two.
+const CONTINUED_RUN: u32 = 1000;
 
 /// What a settle writes, decided before its transaction.
 struct Decided {
@@ -557,31 +536,31 @@ impl Shared {
         report: &mut CycleReport,
         mut slot: ActiveSlot,
     ) -> (Option<StoreError>, CycleReport) {
-        // Deep lines go to a continuation of their own, which hands their runs over one
-        // behind the other; the cycle delivers the rest together (`batch`: their indexes).
-        let mut batch: Vec<usize> = Vec::with_capacity(out.len());
-        let mut continuations = Vec::new();
-        for (i, o) in out.iter().enumerate() {
-            match self.continues(o) {
-                Some(permit) => continuations.push(self.continue_line(token, o, permit)),
-                None => batch.push(i),
-            }
-        }
-        let continued = futures::future::join_all(continuations);
-        let lines: Vec<Vec<&_>> = batch.iter().map(|&i| out[i].plan.run.clone()).collect();
+        let lines: Vec<Vec<&_>> = out.iter().map(|o| o.plan.run.clone()).collect();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let sink = self.sink.clone();
         let deliver = async move {
-            if lines.is_empty() {
-                return;
-            }
             let mut done = |i: usize, d: Vec<Delivery>| {
                 let _ = tx.send((i, d));
             };
             sink.deliver_each(&lines, &mut done).await;
         };
+        // Deep lines hand their first run's deliveries to a continuation of their own.
+        let mut handoff: HashMap<usize, tokio::sync::oneshot::Sender<Vec<Delivery>>> =
+            HashMap::new();
+        let continued = futures::future::join_all(
+            out.iter()
+                .enumerate()
+                .filter_map(|(i, o)| Some((i, o, self.continues(o)?)))
+                .map(|(i, o, permit)| {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    handoff.insert(i, tx);
+                    self.continue_line(token, o, rx, permit)
+                })
+                .collect::<Vec<_>>(),
+        );
         let settle_as_done = async {
-            let mut outstanding: HashSet<usize> = batch.iter().copied().collect();
+            let mut outstanding: HashSet<usize> = (0..out.len()).collect();
             let mut finished: Vec<(usize, Vec<Delivery>)> = Vec::new();
             let mut linger: Option<tokio::time::Instant> = None;
             let every = (self.config.lease / 3).max(Duration::from_millis(100));
@@ -590,9 +569,12 @@ impl Shared {
             loop {
                 tokio::select! {
                     m = rx.recv() => match m {
-                        Some((j, d)) => {
-                            let i = batch[j];
+                        Some((i, d)) => {
                             outstanding.remove(&i);
+                            if let Some(next) = handoff.remove(&i) {
+                                let _ = next.send(d);
+                                continue;
+                            }
                             finished.push((i, d));
                             linger.get_or_insert(tokio::time::Instant::now() + self.config.settle_linger);
                         }
@@ -654,23 +636,21 @@ impl Shared {
         (self.continuing.load(Ordering::Relaxed) <= MAX_CONTINUING).then_some(permit)
     }
 
-    /// Goes on with a deep line past its first run, keeping its key leased. Two halves:
-    /// the feeder hands the line's runs to the sink one behind the other (`Sink::hand`,
-    /// along one route) without waiting for their acknowledgements, reading each next
-    /// window (runs of `CONTINUED_RUN`) while the run ahead is handed, with at most
-    /// `RUNS_AHEAD` runs handed and not yet settled behind the one awaited; the settler takes the runs' deliveries in order and settles each run
-    /// (keeping the lease) in a lane that commits the line's settles one at a time, in
-    /// order. A run not delivered whole ends the line: the runs handed behind it are
-    /// cut (what they had published is flagged as a gap; the rest is left as it was)
-    /// and settled with it in the release, exactly as the tail of one run behind a
-    /// failure. The feeder also stops when nothing more is due, when the store says the
-    /// line cannot go on (`Store::continue_line`), when a settle failed or when the
-    /// relay stops; the last run's settle releases the key. Each run is accounted for as
-    /// it settles; returns the sum of the line's runs and the first settle error.
+    /// Goes on with a deep line after its first run, keeping its key leased: the next
+    /// window (runs of `CONTINUED_RUN`) is read while a run is in flight, and sent as
+    /// soon as that run is acknowledged whole; the run's settle (which keeps the lease)
+    /// commits behind it, in a lane that applies the line's settles one at a time, in
+    /// order, at most one waiting. No run is sent before the one ahead of it is
+    /// acknowledged, so the order and the failure rules are a single run's. The line is
+    /// released, as any other, after a run that was not delivered whole, when nothing
+    /// more is due, when the store says the line cannot go on (`Store::continue_line`),
+    /// when a settle failed or when the relay stops. Each run is accounted for as it
+    /// settles; returns the sum of the line's runs and the first settle error.
     async fn continue_line(
         &self,
         token: i64,
         first: &Outgoing<'_>,
+        deliveries: tokio::sync::oneshot::Receiver<Vec<Delivery>>,
         _permit: ActiveSlot,
     ) -> (CycleReport, Option<StoreError>) {
         let (lane_tx, mut lane_rx) = tokio::sync::mpsc::channel::<(Decided, CycleReport)>(1);
@@ -689,130 +669,68 @@ impl Shared {
             }
             (total, error)
         };
-        let line = first.plan.line.expect("continued lines are keyed");
-        let cut = CancellationToken::new();
-        let (runs_tx, mut runs_rx) = tokio::sync::mpsc::channel::<HandedRun<'_>>(RUNS_AHEAD);
-        let feeder = async {
-            // Owned here: the settler's drain ends when the feeder does.
-            let runs_tx = runs_tx;
-            let mut route = None;
-            let stopped = || {
-                self.stopping.is_cancelled()
-                    || lane_failed.load(Ordering::Relaxed)
-                    || cut.is_cancelled()
-            };
-            // The run to hand: `None` is the first, planned by the claim.
-            let mut window: Option<Continued> = None;
-            loop {
-                let plan = plan_of(&window, first);
-                let after = plan.run.last().map(|e| e.id);
-                let hand = async {
-                    let permit = runs_tx.reserve().await.ok()?;
-                    if window.is_some() && stopped() {
-                        return None;
-                    }
-                    let handed = self.sink.hand(&plan.run, &mut route, cut.clone()).await;
-                    Some((permit, handed))
-                };
-                // The next window is read while this run is handed (the read first: its
-                // query is on its way while the records are produced).
-                let read = async {
-                    match after {
-                        Some(after) => self.read_on(token, line, after).await,
-                        None => None,
-                    }
-                };
-                let (read, handed) = tokio::join!(read, hand);
-                let Some((permit, handed)) = handed else {
-                    return;
-                };
-                if window.is_some() {
-                    self.stats.continued.fetch_add(1, Ordering::Relaxed);
-                }
-                let whole = handed.whole;
-                permit.send(HandedRun {
-                    window,
-                    deliveries: handed.deliveries,
-                });
-                if !whole || stopped() {
-                    return;
-                }
-                match read {
-                    Some(next) if has_run(&next) => window = Some(next),
-                    _ => return,
-                }
-            }
-        };
-        let settler = async {
-            let lane_tx = lane_tx;
+        let line = async move {
+            let line = first.plan.line.expect("continued lines are keyed");
+            let mut next = self.read_on(token, line, &first.plan).await;
+            // The sink reports every line it was given; without a report, nothing went out.
+            let mut d = deliveries
+                .await
+                .unwrap_or_else(|_| vec![Delivery::NotAttempted; first.plan.run.len()]);
             // The schedules of never-tried delayed events the line's earlier runs passed:
             // the release must still wake the key for them.
             let mut delayed: Option<chrono::DateTime<chrono::Utc>> = None;
-            let Some(mut current) = runs_rx.recv().await else {
-                return;
-            };
+            let mut held: Option<Continued> = None;
             loop {
-                let HandedRun { window, deliveries } = current;
-                let plan = plan_of(&window, first);
-                let d = deliveries.await;
-                let whole =
-                    d.len() == plan.run.len() && d.iter().all(|x| matches!(x, Delivery::Delivered));
-                if !whole {
-                    // The runs handed behind this one are its tail behind a failure.
-                    cut.cancel();
-                    let mut behind: Vec<(Option<Continued>, Vec<Delivery>)> = Vec::new();
-                    while let Some(r) = runs_rx.recv().await {
-                        let d = r.deliveries.await;
-                        behind.push((r.window, d));
-                    }
-                    let mut last = CycleReport::default();
-                    let mut tail = plan;
-                    let mut all = d;
-                    for (window, d) in &behind {
-                        let p = plan_of(window, first);
-                        delayed = earliest(delayed, p.delayed_min);
-                        last.attempted += p.run.len();
-                        tail.run.extend(p.run);
-                        all.extend(d.iter().cloned());
-                    }
-                    let o = Outgoing {
-                        plan: tail,
-                        domain: first.domain.clone(),
-                        probe: false,
-                    };
-                    let decided = self.decide(vec![(&o, all, None, delayed)], &mut last);
-                    let _ = lane_tx.send((decided, last)).await;
-                    return;
-                }
-                let o = Outgoing {
-                    plan,
+                let current = Outgoing {
+                    plan: match &held {
+                        None => first.plan.clone(),
+                        Some(c) => plan_line(&c.window, c.now, usize::MAX),
+                    },
                     domain: first.domain.clone(),
                     probe: false,
                 };
-                let Some(next) = runs_rx.recv().await else {
+                let whole = d.len() == current.plan.run.len()
+                    && d.iter().all(|x| matches!(x, Delivery::Delivered));
+                let go_on = next.take().filter(|c| {
+                    whole
+                        && !self.stopping.is_cancelled()
+                        && !lane_failed.load(Ordering::Relaxed)
+                        && has_run(c)
+                });
+                let Some(following) = go_on else {
                     let mut last = CycleReport::default();
-                    let decided = self.decide(vec![(&o, d, None, delayed)], &mut last);
+                    let decided = self.decide(vec![(&current, d, None, delayed)], &mut last);
                     let _ = lane_tx.send((decided, last)).await;
                     return;
                 };
-                // Each continued run is counted as attempted with the settle ahead of it.
+                let plan = plan_line(&following.window, following.now, usize::MAX);
+                let run = plan.run.clone();
+                self.stats.continued.fetch_add(1, Ordering::Relaxed);
                 let mut this = CycleReport {
-                    attempted: plan_of(&next.window, first).run.len(),
+                    attempted: run.len(),
                     ..Default::default()
                 };
                 let keep = Some(self.config.lease);
-                let decided = self.decide(vec![(&o, d, keep, None)], &mut this);
-                delayed = earliest(delayed, o.plan.delayed_min);
-                let _ = lane_tx.send((decided, this)).await;
-                current = next;
+                let decided = self.decide(vec![(&current, d, keep, None)], &mut this);
+                delayed = earliest(delayed, current.plan.delayed_min);
+                let (_, mut delivered, read) = tokio::join!(
+                    lane_tx.send((decided, this)),
+                    self.sink.deliver(std::slice::from_ref(&run)),
+                    self.read_on(token, line, &plan),
+                );
+                d = delivered.pop().unwrap_or_default();
+                next = read;
+                drop((run, plan, current));
+                held = Some(following);
             }
         };
-        let ((), (), done) = tokio::join!(feeder, settler, lane);
+        let ((), done) = tokio::join!(line, lane);
         done
     }
 
-    /// The line's next window after event `after`, or `None` (released then).
-    async fn read_on(&self, token: i64, line: &LineKey, after: EventId) -> Option<Continued> {
+    /// The line's next window after `plan`'s run, or `None` (released then).
+    async fn read_on(&self, token: i64, line: &LineKey, plan: &LinePlan<'_>) -> Option<Continued> {
+        let after = plan.run.last()?.id;
         let limits = ClaimLimits {
             max_run: self.config.max_run.min(CONTINUED_RUN),
             ..self.limits()

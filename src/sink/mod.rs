@@ -7,7 +7,6 @@ pub mod kafka;
 pub mod local;
 
 use chrono::{DateTime, Utc};
-use tokio_util::sync::CancellationToken;
 
 use crate::domain::StoredEvent;
 
@@ -131,29 +130,6 @@ pub enum Delivery {
 /// Receives one line's deliveries (the line's index in `lines`) as soon as they are known.
 pub type LineDone<'a> = &'a mut (dyn FnMut(usize, Vec<Delivery>) + Send);
 
-/// The way a line's runs went to the destination (Kafka: its producer), kept by the
-/// engine between the runs of one line so that the next run goes the same way. Opaque to
-/// the engine.
-pub type Route = std::sync::Arc<dyn std::any::Any + Send + Sync>;
-
-/// One run handed to the destination (`Sink::hand`).
-pub struct Handed<'s> {
-    /// Every event of the run was handed over: none was refused or held back at once.
-    pub whole: bool,
-    /// The run's deliveries, shaped like the run, once they are known.
-    pub deliveries: futures::future::BoxFuture<'s, Vec<Delivery>>,
-}
-
-impl Handed<'_> {
-    /// A run whose deliveries are already known (delivered before `hand` returned).
-    pub fn done(d: Vec<Delivery>) -> Self {
-        Handed {
-            whole: d.iter().all(|x| matches!(x, Delivery::Delivered)),
-            deliveries: Box::pin(std::future::ready(d)),
-        }
-    }
-}
-
 /// A destination for claimed events. `lines` are ordered runs (one per key, or one
 /// unkeyed event each). A sink may deliver many lines concurrently but within a line
 /// must not send an event once an earlier one of that line has failed: the deliveries
@@ -172,29 +148,6 @@ pub trait Sink: Send + Sync + 'static {
         for (i, d) in self.deliver(lines).await.into_iter().enumerate() {
             done(i, d);
         }
-    }
-
-    /// Hands one run of a line to the destination and returns once it is handed over;
-    /// its deliveries follow. The runs of one line handed along one `route` reach the
-    /// destination in the order they were handed, each behind the ones still in flight
-    /// (`None`: the line has nothing in flight; the route taken is written back). `cut`
-    /// is cancelled when a run ahead failed: this run's events not yet acknowledged are
-    /// then reported `NotAttempted` at once (the relay leaves them as they were). A sink
-    /// that cannot keep runs in order across requests in flight delivers the run before
-    /// returning (the default), so the next run waits for it.
-    async fn hand<'s>(
-        &'s self,
-        run: &[&StoredEvent],
-        route: &mut Option<Route>,
-        cut: CancellationToken,
-    ) -> Handed<'s> {
-        let _ = (route, cut);
-        let d = self
-            .deliver(&[run.to_vec()])
-            .await
-            .pop()
-            .unwrap_or_default();
-        Handed::done(d)
     }
 
     /// The fault domain `e` is delivered through: what one transient failure takes out
@@ -232,14 +185,6 @@ impl Sink for std::sync::Arc<dyn Sink> {
     }
     async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: LineDone<'_>) {
         self.as_ref().deliver_each(lines, done).await
-    }
-    async fn hand<'s>(
-        &'s self,
-        run: &[&StoredEvent],
-        route: &mut Option<Route>,
-        cut: CancellationToken,
-    ) -> Handed<'s> {
-        self.as_ref().hand(run, route, cut).await
     }
     fn domain(&self, e: &StoredEvent) -> String {
         self.as_ref().domain(e)

@@ -1,9 +1,8 @@
-//! A deep key's runs handed to the producer one behind the other, before the run ahead
-//! is acknowledged (docs/relay.md, "A deep key goes on without a new claim"), under the
-//! faults that can strike a run while the runs behind it are already in flight: a broker
-//! that goes silent past the delivery deadline, and a broker that refuses a batch. Real
-//! PostgreSQL, tansu behind a TCP or Kafka-protocol proxy, read back by an independent
-//! consumer.
+//! A deep key that goes on run after run without a new claim (docs/relay.md, "A deep key
+//! goes on without a new claim"), under the faults that can strike a continued run while
+//! the next window is already read: a broker that goes silent past the delivery
+//! deadline, and a broker that refuses a batch. Real PostgreSQL, tansu behind a TCP or
+//! Kafka-protocol proxy, read back by an independent consumer.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -81,10 +80,10 @@ async fn drained(s: &Service, within: Duration) -> bool {
 }
 
 /// The broker connection goes silent (a proxy holds every byte, nothing is closed) past
-/// the delivery deadline while a deep key's runs are in flight, twice. The run that
-/// outlives its deadline ends the line; the runs already handed behind it are cut, left
-/// as they were, and go again after it: read back, every event is there, the first
-/// copies in order, and nothing is flagged as published after a failure.
+/// the delivery deadline while a deep key's continued runs are in flight, twice. The run
+/// that outlives its deadline ends the line (its records stay queued in the producer,
+/// and go again after it): read back, every event is there, the first copies in order,
+/// no attempt is spent and nothing is flagged as published after a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_broker_under_runs_in_flight_loses_and_reorders_nothing() {
     let broker_port = free_port();
@@ -157,8 +156,8 @@ async fn a_silent_broker_under_runs_in_flight_loses_and_reorders_nothing() {
     s.app.stop().await.unwrap();
 }
 
-/// The broker refuses the batch holding one event 1,100 deep in a key's backlog, while
-/// the run behind it may already be handed: the refused event alone spends its attempts until
+/// The broker refuses the batch holding one event 1,100 deep in a key's backlog, in a
+/// continued run: the refused event alone spends its attempts until
 /// `failed`; the events around it spend none; the broker holds every other event once,
 /// in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,8 +7,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio_util::sync::CancellationToken;
-
 use crate::support::probe::{body, sample, scrape};
 use crate::support::*;
 use mailroom::domain::{BoxKind, EventId, Queue, Status, StoredEvent};
@@ -16,7 +14,7 @@ use mailroom::pb;
 use mailroom::relay::backoff::RetryPolicy;
 use mailroom::relay::{Relay, RelayConfig};
 use mailroom::sink::kafka::{KafkaSink, producer_config};
-use mailroom::sink::{Delivery, Failure, Handed, Route, Sink};
+use mailroom::sink::{Delivery, Failure, Sink};
 use mailroom::store::postgres::PgStore;
 use mailroom::store::{LineKey, Store};
 
@@ -90,62 +88,39 @@ impl ScriptedSink {
     }
 }
 
-impl ScriptedSink {
-    /// The events of `line` that pass (up to the first scripted failure), and that failure.
-    fn script_line<'e>(&self, line: &[&'e StoredEvent]) -> (Vec<&'e StoredEvent>, Option<Failure>) {
-        let mut script = self.script.lock().unwrap();
-        let mut pass = Vec::new();
-        for e in line {
-            self.seen.lock().unwrap().push(e.id);
-            if let Some((n, failure)) = script.get_mut(&e.id)
-                && *n > 0
-            {
-                *n -= 1;
-                return (pass, Some(failure.clone()));
-            }
-            pass.push(*e);
-        }
-        (pass, None)
-    }
-}
-
-/// A line's deliveries from the inner sink's for the events that passed, then the
-/// scripted failure, then `NotAttempted`.
-fn scripted(mut d: Vec<Delivery>, failed: Option<Failure>, len: usize) -> Vec<Delivery> {
-    if let Some(f) = failed {
-        d.push(Delivery::Failed(f));
-    }
-    d.resize(len, Delivery::NotAttempted);
-    d
-}
-
 #[async_trait::async_trait]
 impl Sink for ScriptedSink {
     async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>> {
-        let (pass, failed_at): (Vec<_>, Vec<_>) = lines.iter().map(|l| self.script_line(l)).unzip();
-        let out = self.inner.deliver(&pass).await;
-        out.into_iter()
-            .zip(failed_at)
-            .zip(lines)
-            .map(|((d, f), line)| scripted(d, f, line.len()))
-            .collect()
-    }
-
-    /// Runs go on to the inner sink's `hand` (continued lines are handed one behind the
-    /// other, as in production); a scripted failure is known when the run is handed.
-    async fn hand<'s>(
-        &'s self,
-        run: &[&StoredEvent],
-        route: &mut Option<Route>,
-        cut: CancellationToken,
-    ) -> Handed<'s> {
-        let (pass, failed) = self.script_line(run);
-        let handed = self.inner.hand(&pass, route, cut).await;
-        let len = run.len();
-        Handed {
-            whole: handed.whole && failed.is_none(),
-            deliveries: Box::pin(async move { scripted(handed.deliveries.await, failed, len) }),
+        let mut pass = Vec::new();
+        let mut failed_at = Vec::new();
+        {
+            let mut script = self.script.lock().unwrap();
+            for line in lines {
+                let mut p = Vec::new();
+                let mut f = None;
+                for e in line {
+                    self.seen.lock().unwrap().push(e.id);
+                    if let Some((n, failure)) = script.get_mut(&e.id)
+                        && *n > 0
+                    {
+                        *n -= 1;
+                        f = Some(failure.clone());
+                        break;
+                    }
+                    p.push(*e);
+                }
+                pass.push(p);
+                failed_at.push(f);
+            }
         }
+        let mut out = self.inner.deliver(&pass).await;
+        for ((o, f), line) in out.iter_mut().zip(failed_at).zip(lines) {
+            if let Some(f) = f {
+                o.push(Delivery::Failed(f));
+            }
+            o.resize(line.len(), Delivery::NotAttempted);
+        }
+        out
     }
 }
 

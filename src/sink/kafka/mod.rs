@@ -32,7 +32,6 @@ use rdkafka::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
-use tokio_util::sync::CancellationToken;
 
 mod classify;
 mod cloudevents;
@@ -43,7 +42,7 @@ pub mod topic_limits;
 pub use classify::{ErrorClass, classify};
 pub use cloudevents::{DEFAULT_CONTENT_TYPE, cloud_event_headers};
 
-use super::{Delivery, Failure, Handed, LineDone, Route, Sink};
+use super::{Delivery, Failure, LineDone, Sink};
 use crate::domain::StoredEvent;
 use classify::{class_of, failure};
 
@@ -455,15 +454,7 @@ fn release(producer: Arc<FutureProducer>) {
     }
 }
 
-/// How long a line's acknowledgements are awaited: until `deadline` (mailroom's
-/// `timeout` after the line was handed), or until `cut` (a run ahead of it failed).
-struct Wait {
-    deadline: tokio::time::Instant,
-    timeout: Duration,
-    cut: Option<CancellationToken>,
-}
-
-/// Awaits a line's acknowledgements in order, as `wait` allows. After the first record
+/// Awaits a line's acknowledgements in order until `deadline`. After the first record
 /// that is not acknowledged, later ones are reported only if they already were (a gap
 /// the relay counts as `delivered_after_failure`); otherwise they were not attempted.
 /// `exact`: each record was alone in its batch (see [`refusal`]). `producer`: the one
@@ -472,7 +463,8 @@ async fn await_line(
     futures: Vec<DeliveryFuture>,
     refused: Option<(Delivery, ErrorClass, String)>,
     len: usize,
-    wait: Wait,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
     exact: bool,
     producer: Weak<FutureProducer>,
 ) -> (Vec<Delivery>, LineNotes) {
@@ -480,34 +472,15 @@ async fn await_line(
     let mut notes = LineNotes::default();
     let mut failed = false;
     let sent = futures.len();
-    let Wait {
-        deadline,
-        timeout,
-        cut,
-    } = wait;
-    for (i, mut fut) in futures.into_iter().enumerate() {
+    for (i, fut) in futures.into_iter().enumerate() {
         if failed {
             // Only an acknowledgement that has already arrived can be a gap.
-            if let Some(Ok(Ok(_))) = (&mut fut).now_or_never() {
+            if let Some(Ok(Ok(_))) = fut.now_or_never() {
                 out[i] = Delivery::Delivered;
             }
             continue;
         }
-        let acked = match &cut {
-            Some(cut) => tokio::select! {
-                biased;
-                r = tokio::time::timeout_at(deadline, &mut fut) => Some(r),
-                _ = cut.cancelled() => None,
-            },
-            None => Some(tokio::time::timeout_at(deadline, &mut fut).await),
-        };
-        let Some(acked) = acked else {
-            // A run ahead of this one failed: what is not acknowledged yet is left as
-            // it was (the relay sends it again after the failed event).
-            failed = true;
-            continue;
-        };
-        out[i] = match acked {
+        out[i] = match tokio::time::timeout_at(deadline, fut).await {
             Ok(Ok(Ok(_))) => {
                 notes.delivered = true;
                 Delivery::Delivered
@@ -595,12 +568,8 @@ impl Sink for KafkaSink {
             let through = Arc::downgrade(&through);
             let (len, timeout) = (line.len(), self.deadline);
             running.push(async move {
-                let wait = Wait {
-                    deadline,
-                    timeout,
-                    cut: None,
-                };
-                let (d, notes) = await_line(futures, refused, len, wait, head_only, through).await;
+                let (d, notes) =
+                    await_line(futures, refused, len, deadline, timeout, head_only, through).await;
                 // A producer span ends at its record's acknowledgement (or failure).
                 for (span, d) in spans.iter().zip(&d) {
                     if !matches!(d, Delivery::Delivered) {
@@ -632,81 +601,6 @@ impl Sink for KafkaSink {
         }
         self.judge(&producer, health);
         release(producer);
-    }
-
-    /// A line's runs along one route go through one producer, whose idempotence keeps a
-    /// partition's records in the order they were handed, across requests in flight, and
-    /// whose gapless guarantee stops it rather than skip a refused batch; so a run is
-    /// handed before the one ahead of it is acknowledged. A route whose producer was
-    /// replaced meanwhile is not followed (the new one could publish this run ahead of the
-    /// old one's tail): nothing is sent, and the line ends there. A narrowed topic's runs
-    /// go one record at a time, delivered before `hand` returns.
-    async fn hand<'s>(
-        &'s self,
-        run: &[&StoredEvent],
-        route: &mut Option<Route>,
-        cut: CancellationToken,
-    ) -> Handed<'s> {
-        let Some(head) = run.first() else {
-            return Handed::done(Vec::new());
-        };
-        let narrowed = self.narrowed.is_narrowed(&head.topic);
-        let producer = match route.as_ref() {
-            None if narrowed => {
-                let d = self
-                    .deliver(&[run.to_vec()])
-                    .await
-                    .pop()
-                    .unwrap_or_default();
-                return Handed::done(d);
-            }
-            None => self.healthy_producer(),
-            Some(r) => {
-                let followed = r
-                    .clone()
-                    .downcast::<Weak<FutureProducer>>()
-                    .ok()
-                    .and_then(|w| w.upgrade())
-                    .filter(|p| !narrowed && Arc::ptr_eq(p, &self.current()));
-                match followed {
-                    Some(p) => p,
-                    None => return Handed::done(vec![Delivery::NotAttempted; run.len()]),
-                }
-            }
-        };
-        self.learn_topics(&[run.to_vec()], &producer).await;
-        let deadline = tokio::time::Instant::now() + self.deadline;
-        let (futures, refused, spans) = self.produce_line(&producer, run);
-        let whole = refused.is_none();
-        *route = Some(Arc::new(Arc::downgrade(&producer)));
-        let head = (*head).clone();
-        let (len, timeout, through) = (run.len(), self.deadline, Arc::downgrade(&producer));
-        let deliveries = async move {
-            let wait = Wait {
-                deadline,
-                timeout,
-                cut: Some(cut),
-            };
-            let (d, notes) = await_line(futures, refused, len, wait, false, through).await;
-            for (span, d) in spans.iter().zip(&d) {
-                if !matches!(d, Delivery::Delivered) {
-                    span.record("otel.status_code", "ERROR");
-                }
-            }
-            drop(spans);
-            if notes.refused {
-                self.narrowed.narrow(&head.topic);
-            }
-            let mut health = CycleHealth::default();
-            health.note(self, &head, &producer, notes);
-            self.judge(&producer, health);
-            release(producer);
-            d
-        };
-        Handed {
-            whole,
-            deliveries: Box::pin(deliveries),
-        }
     }
 
     fn topic_limits(&self) -> Option<topic_limits::TopicLimits> {
