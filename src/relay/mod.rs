@@ -671,7 +671,7 @@ impl Shared {
         };
         let line = async move {
             let line = first.plan.line.expect("continued lines are keyed");
-            let mut next = self.read_on(token, line, &first.plan).await;
+            let mut next = self.read_on(token, line, &first.plan, None).await;
             // The sink reports every line it was given; without a report, nothing went out.
             let mut d = deliveries
                 .await
@@ -716,7 +716,7 @@ impl Shared {
                 let (_, mut delivered, read) = tokio::join!(
                     lane_tx.send((decided, this)),
                     self.sink.deliver(std::slice::from_ref(&run)),
-                    self.read_on(token, line, &plan),
+                    self.read_on(token, line, &plan, following.horizon),
                 );
                 d = delivered.pop().unwrap_or_default();
                 next = read;
@@ -728,8 +728,15 @@ impl Shared {
         done
     }
 
-    /// The line's next window after `plan`'s run, or `None` (released then).
-    async fn read_on(&self, token: i64, line: &LineKey, plan: &LinePlan<'_>) -> Option<Continued> {
+    /// The line's next window after `plan`'s run, or `None` (released then); `horizon`
+    /// is the one the line's last window came with (`Store::continue_line`).
+    async fn read_on(
+        &self,
+        token: i64,
+        line: &LineKey,
+        plan: &LinePlan<'_>,
+        horizon: Option<EventId>,
+    ) -> Option<Continued> {
         let after = plan.run.last()?.id;
         let limits = ClaimLimits {
             max_run: self.config.max_run.min(CONTINUED_RUN),
@@ -737,7 +744,7 @@ impl Shared {
         };
         let read = self
             .store
-            .continue_line(&self.queue, token, line, after, limits);
+            .continue_line(&self.queue, token, line, after, horizon, limits);
         match read.await {
             Ok(next) => next,
             Err(e) => {

@@ -122,15 +122,18 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
     /// The window of `line` after `after` (the last event of the run `token` is
     /// delivering), read as a claim reads it, so the relay can send the line's next run
     /// as soon as this one is acknowledged instead of releasing the key and claiming it
-    /// again. `None` when the line cannot go on now: `token` no longer leases the key,
-    /// its topic is paused, a SQL-API writer holds the key's order lock, or the engine
-    /// does not continue lines (the default); the relay then releases the key as usual.
+    /// again. `horizon` is the one the line's previous `Continued` returned: while
+    /// `after` is below it, the window is read up to it without a lock. `None` when the
+    /// line cannot go on now: `token` no longer leases the key, its topic is paused, a
+    /// SQL-API writer holds the key's order lock (past the horizon), or the engine does
+    /// not continue lines (the default); the relay then releases the key as usual.
     async fn continue_line(
         &self,
         _queue: &Queue,
         _token: i64,
         _line: &LineKey,
         _after: EventId,
+        _horizon: Option<EventId>,
         _limits: ClaimLimits,
     ) -> StoreResult<Option<Continued>> {
         Ok(None)

@@ -49,6 +49,10 @@ pub struct Continued {
     pub now: DateTime<Utc>,
     /// The line's events after the run in flight, as a claim's window reads them.
     pub window: KeyWindow,
+    /// The line's horizon: the highest id no writer can still change below (the
+    /// engine's check under lock found it). The next read passes it back, and reads up
+    /// to it need no lock. `None` when the engine has none.
+    pub horizon: Option<EventId>,
 }
 
 /// How many of the leading items (of the given sizes) fit in `budget` bytes: always at

@@ -7,7 +7,7 @@ use crate::support::*;
 use mailroom::app::open_store;
 use mailroom::domain::{BoxKind, NewEvent, Queue, Status};
 use mailroom::store::{
-    Admission, Claim, ClaimLimits, EventUpdate, KeyRelease, LineKey, Readiness, Renewal,
+    Admission, Claim, ClaimLimits, Continued, EventUpdate, KeyRelease, LineKey, Readiness, Renewal,
     Settlement, Store,
 };
 
@@ -1566,6 +1566,7 @@ async fn goes_on(
             token,
             line,
             after,
+            None,
             limits(Duration::from_secs(30)),
         )
         .await
@@ -1596,7 +1597,10 @@ async fn a_line_goes_on_only_while_its_relay_may() {
     assert!(store.continues_lines(BoxKind::Outbox));
     assert!(!store.continues_lines(BoxKind::Inbox));
 
-    let next = store.continue_line(q, 7, &line, after, lim).await.unwrap();
+    let next = store
+        .continue_line(q, 7, &line, after, None, lim)
+        .await
+        .unwrap();
     let next = next.expect("the lease holder goes on");
     let got: Vec<i64> = next.window.rows.iter().map(|e| e.id).collect();
     assert_eq!(got, id[50..100], "the window after the run in flight");
@@ -1661,7 +1665,7 @@ async fn a_line_goes_on_only_while_its_relay_may() {
     let other = store.claim(q, 9, lim).await.unwrap();
     assert!(other.keyed.is_empty(), "a kept key is not claimed");
     let rest = store
-        .continue_line(q, 7, &line, id[99], lim)
+        .continue_line(q, 7, &line, id[99], None, lim)
         .await
         .unwrap()
         .expect("goes on");
@@ -1688,4 +1692,101 @@ async fn a_line_goes_on_only_while_its_relay_may() {
     let again = store.claim(q, 10, lim).await.unwrap();
     let got: Vec<i64> = again.keyed[0].rows.iter().map(|e| e.id).collect();
     assert_eq!(got, id[50..100], "the next claim starts after the cursor");
+}
+
+/// A continued line reads up to its horizon without a lock: the check under lock returns
+/// the key's highest pending id, and the windows up to it go on while a SQL-API writer
+/// holds the key's order lock (its event is above the horizon, so it cannot be passed);
+/// past the horizon the read takes the locks again and waits for that writer. The lease
+/// and the pause still stop a read within the horizon.
+#[tokio::test]
+async fn a_continued_line_reads_up_to_its_horizon_without_a_lock() {
+    let url = fresh_pg().await;
+    let store = open_store(&config(&url)).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let q = &Queue::Outbox;
+    let events: Vec<NewEvent> = (0..120)
+        .map(|i| new_event(Some("k"), &i.to_string()))
+        .collect();
+    let id = ids(&store.enqueue(&events, true).await.unwrap());
+    let lim = limits(Duration::from_secs(30));
+    let c = store.claim(q, 7, lim).await.unwrap();
+    let line = c.keyed[0].line.clone();
+    let read = |after: i64, horizon: Option<i64>, token: i64| {
+        let (store, line) = (store.clone(), line.clone());
+        async move {
+            store
+                .continue_line(q, token, &line, after, horizon, lim)
+                .await
+                .unwrap()
+        }
+    };
+    let ids_of = |c: &Continued| c.window.rows.iter().map(|e| e.id).collect::<Vec<i64>>();
+
+    let first = read(id[49], None, 7).await.expect("goes on");
+    assert_eq!(ids_of(&first), id[50..100]);
+    assert_eq!(first.horizon, Some(id[119]), "the key's highest pending id");
+    // An event committed after the horizon was taken: not read until the line passes it.
+    let extra = ids(&store
+        .enqueue(&[new_event(Some("k"), "extra")], true)
+        .await
+        .unwrap())[0];
+
+    // A SQL-API writer enqueues on the key and keeps its transaction open.
+    let mut writer = pool.begin().await.unwrap();
+    let held: i64 = sqlx::query_scalar("SELECT mailroom.enqueue('conf', 'k', 'late'::bytea)")
+        .fetch_one(&mut *writer)
+        .await
+        .unwrap();
+    assert!(held > extra);
+    assert!(
+        read(id[49], None, 7).await.is_none(),
+        "under lock, the writer stops the line"
+    );
+    let within = tokio::time::timeout(Duration::from_secs(5), read(id[49], first.horizon, 7))
+        .await
+        .expect("a read within the horizon waits for no writer")
+        .expect("goes on");
+    assert_eq!(ids_of(&within), id[50..100]);
+    let tail = read(id[99], first.horizon, 7).await.expect("goes on");
+    assert_eq!(
+        ids_of(&tail),
+        id[100..120],
+        "up to the horizon, not past it"
+    );
+    assert!(tail.window.full, "more may follow the horizon");
+    assert_eq!(tail.horizon, first.horizon);
+    assert!(
+        read(id[119], first.horizon, 7).await.is_none(),
+        "past the horizon the read takes the locks again"
+    );
+    assert!(
+        read(id[99], first.horizon, 8).await.is_none(),
+        "another token"
+    );
+    sqlx::query(
+        "INSERT INTO outbox_paused_topics (topic, reason, actor, paused_at) \
+         VALUES ('conf', 'test', 'test', now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(
+        read(id[99], first.horizon, 7).await.is_none(),
+        "a paused topic"
+    );
+    sqlx::query("DELETE FROM outbox_paused_topics")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    writer.commit().await.unwrap();
+    let last = read(id[119], first.horizon, 7).await.expect("goes on");
+    assert_eq!(
+        ids_of(&last),
+        vec![extra, held],
+        "past the horizon, once the writer committed"
+    );
+    assert_eq!(last.horizon, Some(held));
+    assert!(!last.window.full);
 }

@@ -378,9 +378,17 @@ impl Store for PgStore {
         token: i64,
         line: &LineKey,
         after: EventId,
+        horizon: Option<EventId>,
         limits: ClaimLimits,
     ) -> StoreResult<Option<Continued>> {
         // Not retried: a line that cannot go on now is released as usual.
+        if let Some(h) = horizon.filter(|&h| after < h)
+            && let Some(c) = self
+                .read_within(queue, token, line, after, h, limits)
+                .await?
+        {
+            return Ok(Some(c));
+        }
         self.read_on_line(queue, token, line, after, limits).await
     }
 

@@ -2,6 +2,7 @@
 //! claim due unkeyed events), settle and renew.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
@@ -102,7 +103,8 @@ impl PgStore {
         })
     }
 
-    /// The next window of a line `token` keeps leased, after `after` (`Store::continue_line`).
+    /// The next window of a line `token` keeps leased, after `after` (`Store::continue_line`),
+    /// read under the check's locks; the window comes with the line's horizon.
     pub(super) async fn read_on_line(
         &self,
         queue: &Queue,
@@ -129,26 +131,64 @@ impl PgStore {
             return Ok(None);
         }
         let cursor: i64 = key.try_get(0)?;
-        let per_key = limits.max_run.max(1);
-        let rows = q(&sql.windows)
-            .bind(vec![line.topic.clone()])
-            .bind(vec![line.key.clone()])
-            .bind(i64::from(per_key))
-            .bind(vec![cursor.max(after)])
-            .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX))
+        let horizon: Option<i64> = key.try_get("horizon")?;
+        let rows = self
+            .line_window(&sql.windows, line, cursor.max(after), limits)
             .fetch_all(&mut *tx)
             .await?;
-        let mut windows = [KeyWindow {
-            line: line.clone(),
-            rows: Vec::new(),
-            full: false,
-            delayed_at: None,
-            line_end: None,
-        }];
-        let now = fill_windows(&rows, &mut windows, per_key)?;
+        let continued = continued(&rows, line, limits, horizon)?;
         tx.commit().await?;
-        let [window] = windows;
-        Ok(now.map(|now| Continued { now, window }))
+        Ok(continued)
+    }
+
+    /// The next window of a line `token` keeps leased, after `after` and up to its
+    /// horizon, in one statement without a lock (`Sql::windows_within`): `None` when
+    /// the key is no longer leased by `token`, its topic is paused, or nothing due is
+    /// left up to the horizon (the caller then reads under lock, past it).
+    pub(super) async fn read_within(
+        &self,
+        queue: &Queue,
+        token: i64,
+        line: &LineKey,
+        after: EventId,
+        horizon: EventId,
+        limits: ClaimLimits,
+    ) -> StoreResult<Option<Continued>> {
+        let Some(within) = &self.sql(queue.box_kind()).windows_within else {
+            return Ok(None);
+        };
+        let rows = self
+            .line_window(within, line, after, limits)
+            .bind(token)
+            .bind(horizon)
+            .fetch_all(&self.relay_pool)
+            .await?;
+        let Some(mut c) = continued(&rows, line, limits, Some(horizon))? else {
+            return Ok(None);
+        };
+        if c.window.rows.is_empty() {
+            return Ok(None);
+        }
+        // More may follow the horizon: a line released after this window is looked at
+        // again at once, as after a window a limit cut.
+        c.window.full = true;
+        Ok(Some(c))
+    }
+
+    /// The windows statement (`statement`) for one line, after `after`.
+    fn line_window(
+        &self,
+        statement: &Arc<str>,
+        line: &LineKey,
+        after: EventId,
+        limits: ClaimLimits,
+    ) -> PgQuery {
+        q(statement)
+            .bind(vec![line.topic.clone()])
+            .bind(vec![line.key.clone()])
+            .bind(i64::from(limits.max_run.max(1)))
+            .bind(vec![after])
+            .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX))
     }
 
     /// Runs a read in the claim's transaction when it has one, else on the relay pool.
@@ -306,6 +346,30 @@ impl Leased {
         }
         Ok(l)
     }
+}
+
+/// A continued line's window from the windows statement's rows (`None` without a row:
+/// the statement found the key not leased to the caller).
+fn continued(
+    rows: &[PgRow],
+    line: &LineKey,
+    limits: ClaimLimits,
+    horizon: Option<EventId>,
+) -> StoreResult<Option<Continued>> {
+    let mut windows = [KeyWindow {
+        line: line.clone(),
+        rows: Vec::new(),
+        full: false,
+        delayed_at: None,
+        line_end: None,
+    }];
+    let now = fill_windows(rows, &mut windows, limits.max_run.max(1))?;
+    let [window] = windows;
+    Ok(now.map(|now| Continued {
+        now,
+        window,
+        horizon,
+    }))
 }
 
 /// Fills the windows from the windows statement's rows: in claim order, ids ascending;

@@ -24,6 +24,9 @@ pub(super) struct Sql {
     /// The outbox's check before a leased line's next window is read (`continue_line`;
     /// `None` in the inbox, whose lines are released after each run).
     pub(super) continue_line: Option<Arc<str>>,
+    /// The outbox's read of a leased line's next window within the horizon the check
+    /// returned: no lock (see `Tables::windows`).
+    pub(super) windows_within: Option<Arc<str>>,
 }
 
 impl Sql {
@@ -37,7 +40,7 @@ impl Sql {
         };
         Sql {
             lease_keys: t.lease_keys().into(),
-            windows: t.windows().into(),
+            windows: t.windows(false).into(),
             claim_unkeyed: t.claim_unkeyed().into(),
             lock_keys: t.lock_keys().into(),
             settle_events: t.settle_events().into(),
@@ -58,6 +61,7 @@ impl Sql {
             release_advance: (!scoped).then(|| t.release(true).into()),
             fold: (!scoped).then(|| FOLD.into()),
             continue_line: (!scoped).then(|| CONTINUE_LINE.into()),
+            windows_within: (!scoped).then(|| t.windows(true).into()),
         }
     }
 }
@@ -129,9 +133,18 @@ const FOLD: &str = "WITH f AS MATERIALIZED (
 /// still leased by the relay's token ($3) and its topic is not paused; its row is locked,
 /// as the claim's lease locks it, so no gRPC writer is between drawing an id and
 /// committing it (they upsert the key row first); and the key's order lock is tried in
-/// shared mode, as the lease tries it, for the SQL-API writers. Returns the cursor.
+/// shared mode, as the lease tries it, for the SQL-API writers. Returns the cursor and
+/// the line's *horizon*, its highest id in this statement's snapshot. Every writer of a
+/// key holds the key row or the order lock from drawing its id to its end, so once both
+/// are held here every id up to the horizon belongs to a transaction that has ended,
+/// and every id drawn later is above it: the line's events up to the horizon can no
+/// longer change by a writer, and the next windows are read up to it without a lock
+/// (`windows_within`).
 const CONTINUE_LINE: &str = "SELECT k.published_through,
-            pg_try_advisory_xact_lock_shared(mailroom_order_lock(k.topic, k.event_key)) AS free
+            pg_try_advisory_xact_lock_shared(mailroom_order_lock(k.topic, k.event_key)) AS free,
+            (SELECT max(h.id) FROM outbox_events h
+             WHERE h.status = 'pending' AND h.topic = k.topic AND h.event_key = k.event_key)
+              AS horizon
      FROM outbox_keys k
      WHERE k.topic = $1 AND k.event_key = $2 AND k.lease_token = $3
        AND k.topic NOT IN (SELECT p.topic FROM outbox_paused_topics p)
@@ -216,9 +229,32 @@ impl Tables<'_> {
     /// and 1,000 index probes a cycle). The sort under the running sum holds large
     /// payloads as TOAST pointers, and the `CASE` leaves those of rows past the budget
     /// unread.
-    fn windows(&self) -> String {
+    ///
+    /// `within` (the outbox's continued lines): only the events up to the line's horizon
+    /// ($7), and no row at all unless the key is still leased by the token $6 and its
+    /// topic is not paused, the check `CONTINUE_LINE` makes under lock (docs/relay.md,
+    /// "Continued lines").
+    fn windows(&self, within: bool) -> String {
+        debug_assert!(!(within && self.scoped), "continued lines are the outbox's");
         let events = self.events;
-        let window_scope = |alias: &str| self.scope(&format!(" AND {alias}.subscription = $S"), 6);
+        let keys = self.keys;
+        let window_scope = |alias: &str| {
+            let bound = if within {
+                format!(" AND {alias}.id <= $7")
+            } else {
+                String::new()
+            };
+            self.scope(&format!(" AND {alias}.subscription = $S"), 6) + &bound
+        };
+        let leased = if within {
+            format!(
+                " WHERE EXISTS (SELECT 1 FROM {keys} lk WHERE lk.topic = k.topic
+                      AND lk.event_key = k.event_key AND lk.lease_token = $6
+                      AND lk.{NOT_PAUSED})"
+            )
+        } else {
+            String::new()
+        };
         let (e_scope, d_scope, b_scope) = (window_scope("e"), window_scope("d"), window_scope("b"));
         let (e_delayed, d_delayed, b_delayed) = (delayed("e"), delayed("d"), delayed("b"));
         let e_size = size("e");
@@ -257,7 +293,7 @@ impl Tables<'_> {
                       FROM {events} e
                       WHERE e.status = 'pending'{e_scope} AND e.topic = k.topic
                         AND e.event_key = k.event_key AND e.id > k.through AND NOT ({e_delayed})
-                      ORDER BY e.id LIMIT $3) l ON true) v) w
+                      ORDER BY e.id LIMIT $3) l ON true{leased}) v) w
                  ORDER BY w.o, w.id"
         )
     }
