@@ -148,7 +148,8 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Te
     // above, or `MAILROOM_TRACE_FILTER` when set), so that
     // quieting the logs never silences the traces.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
+        .add_directive(no_record_spans());
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let fmt = match format {
         LogFormat::Human => fmt.fmt_fields(human_fields()).with_filter(filter).boxed(),
@@ -196,10 +197,14 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Te
         (None, LogFormat::Json) => Some(SdkTracerProvider::builder().build()),
         (p, _) => p,
     };
-    let trace_filter = std::env::var("MAILROOM_TRACE_FILTER")
+    let mut trace_filter = std::env::var("MAILROOM_TRACE_FILTER")
         .ok()
         .and_then(|f| tracing_subscriber::EnvFilter::try_new(f).ok())
         .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
+    if !EXPORTING.load(Ordering::Relaxed) {
+        // Spans only name JSON log lines here; no log line is written inside a record's.
+        trace_filter = trace_filter.add_directive(no_record_spans());
+    }
     let otel = provider.as_ref().map(|p| {
         tracing_opentelemetry::layer()
             .with_tracer(p.tracer("mailroom"))
@@ -210,6 +215,19 @@ pub fn init(format: LogFormat, otlp_endpoint: Option<&str>) -> anyhow::Result<Te
         .with(otel)
         .try_init()?;
     Ok(Telemetry { provider })
+}
+
+/// The target of the spans made for each record (the outbox's producer span, `send`):
+/// exported over OTLP, never formatted into log lines. The log formatter writes every
+/// field of every span it is given as the span opens, and one span per record cost the
+/// relay more CPU than handing the record to librdkafka did (docs/benchmarks.md).
+pub const RECORD_SPANS: &str = "mailroom::record";
+
+/// The filter directive that leaves the per-record spans out.
+fn no_record_spans() -> tracing_subscriber::filter::Directive {
+    format!("{RECORD_SPANS}=off")
+        .parse()
+        .expect("a valid directive")
 }
 
 /// Where spans are exported: `MAILROOM_OTLP_ENDPOINT`, else OpenTelemetry's own

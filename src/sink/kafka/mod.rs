@@ -298,6 +298,7 @@ impl KafkaSink {
         let mut spans = Vec::with_capacity(line.len());
         for e in line {
             let span = tracing::info_span!(
+                target: crate::telemetry::RECORD_SPANS,
                 "send",
                 otel.name = %format!("send {}", e.topic),
                 otel.kind = "producer",
