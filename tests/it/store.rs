@@ -1574,22 +1574,32 @@ async fn goes_on(
         .is_some()
 }
 
+/// A fresh database with 120 events on key `k` of topic `conf`, claimed by token 7 (runs
+/// of 50): the store, a pool, the events' ids and the claim.
+async fn leased_deep_line() -> (std::sync::Arc<dyn Store>, sqlx::PgPool, Vec<i64>, Claim) {
+    let url = fresh_pg().await;
+    let store = open_store(&config(&url)).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let events: Vec<NewEvent> = (0..120)
+        .map(|i| new_event(Some("k"), &i.to_string()))
+        .collect();
+    let id = ids(&store.enqueue(&events, true).await.unwrap());
+    let c = store
+        .claim(&Queue::Outbox, 7, limits(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    (store, pool, id, c)
+}
+
 /// A leased line goes on (`continue_line`) only while its relay may: with its own lease
 /// token, no SQL-API writer holding the key's order lock, its topic not paused. A kept
 /// key (`KeyRelease::keep`) moves its cursor and stays leased to the same token, so no
 /// other claim takes it, until the release at the end.
 #[tokio::test]
 async fn a_line_goes_on_only_while_its_relay_may() {
-    let url = fresh_pg().await;
-    let store = open_store(&config(&url)).await.unwrap();
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let (store, pool, id, c) = leased_deep_line().await;
     let q = &Queue::Outbox;
-    let events: Vec<NewEvent> = (0..120)
-        .map(|i| new_event(Some("k"), &i.to_string()))
-        .collect();
-    let id = ids(&store.enqueue(&events, true).await.unwrap());
     let lim = limits(Duration::from_secs(30));
-    let c = store.claim(q, 7, lim).await.unwrap();
     let first: Vec<i64> = c.keyed[0].rows.iter().map(|e| e.id).collect();
     assert_eq!(first, id[..50]);
     let line = c.keyed[0].line.clone();
@@ -1701,16 +1711,9 @@ async fn a_line_goes_on_only_while_its_relay_may() {
 /// and the pause still stop a read within the horizon.
 #[tokio::test]
 async fn a_continued_line_reads_up_to_its_horizon_without_a_lock() {
-    let url = fresh_pg().await;
-    let store = open_store(&config(&url)).await.unwrap();
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let (store, pool, id, c) = leased_deep_line().await;
     let q = &Queue::Outbox;
-    let events: Vec<NewEvent> = (0..120)
-        .map(|i| new_event(Some("k"), &i.to_string()))
-        .collect();
-    let id = ids(&store.enqueue(&events, true).await.unwrap());
     let lim = limits(Duration::from_secs(30));
-    let c = store.claim(q, 7, lim).await.unwrap();
     let line = c.keyed[0].line.clone();
     let read = |after: i64, horizon: Option<i64>, token: i64| {
         let (store, line) = (store.clone(), line.clone());
