@@ -1591,6 +1591,18 @@ async fn leased_deep_line() -> (std::sync::Arc<dyn Store>, sqlx::PgPool, Vec<i64
     (store, pool, id, c)
 }
 
+/// Pauses the topic `conf` (the outbox's pause table, as the admin RPC writes it), or
+/// resumes every topic.
+async fn pause_conf(pool: &sqlx::PgPool, paused: bool) {
+    let sql = if paused {
+        "INSERT INTO outbox_paused_topics (topic, reason, actor, paused_at) \
+         VALUES ('conf', 'test', 'test', now())"
+    } else {
+        "DELETE FROM outbox_paused_topics"
+    };
+    sqlx::query(sql).execute(pool).await.unwrap();
+}
+
 /// A leased line goes on (`continue_line`) only while its relay may: with its own lease
 /// token, no SQL-API writer holding the key's order lock, its topic not paused. A kept
 /// key (`KeyRelease::keep`) moves its cursor and stays leased to the same token, so no
@@ -1633,21 +1645,12 @@ async fn a_line_goes_on_only_while_its_relay_may() {
     );
     writer.rollback().await.unwrap();
 
-    sqlx::query(
-        "INSERT INTO outbox_paused_topics (topic, reason, actor, paused_at) \
-         VALUES ('conf', 'test', 'test', now())",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    pause_conf(&pool, true).await;
     assert!(
         !goes_on(&store, 7, &line, after).await,
         "the topic is paused"
     );
-    sqlx::query("DELETE FROM outbox_paused_topics")
-        .execute(&pool)
-        .await
-        .unwrap();
+    pause_conf(&pool, false).await;
 
     // The first run settles with the key kept: the cursor moves, the lease stays.
     let updates: Vec<EventUpdate> = first
@@ -1767,21 +1770,12 @@ async fn a_continued_line_reads_up_to_its_horizon_without_a_lock() {
         read(id[99], first.horizon, 8).await.is_none(),
         "another token"
     );
-    sqlx::query(
-        "INSERT INTO outbox_paused_topics (topic, reason, actor, paused_at) \
-         VALUES ('conf', 'test', 'test', now())",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    pause_conf(&pool, true).await;
     assert!(
         read(id[99], first.horizon, 7).await.is_none(),
         "a paused topic"
     );
-    sqlx::query("DELETE FROM outbox_paused_topics")
-        .execute(&pool)
-        .await
-        .unwrap();
+    pause_conf(&pool, false).await;
 
     writer.commit().await.unwrap();
     let last = read(id[119], first.horizon, 7).await.expect("goes on");
