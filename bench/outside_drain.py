@@ -6,7 +6,7 @@ CreateTime (set when mailroom handed each record to the producer) and the gaps b
 
 usage: python3 bench/outside_drain.py BROKERS EVENTS KEYS TAG
   env: FILL=grpc|sql (grpc), READ_AFTER=seconds to wait before reading (0: read while it
-       drains; the reader then competes for the CPU), SCRAPE=1 (save /metrics), MAILROOM_BIN,
+       drains; the reader then competes for the CPU), SCRAPE=1 (save /metrics), DUMP=file (the sorted CreateTimes), MAILROOM_BIN,
        PG (postgresql://postgres@127.0.0.1:5432), LOGS (/tmp)
 Needs: cargo build --release --bin mailroom; pip install -r scripts/requirements-test.txt;
 PostgreSQL and a broker (tansu: see docs/benchmarks.md). Exits non-zero when a record is missing.
@@ -77,6 +77,8 @@ if os.environ.get("SCRAPE"):
     open(f"{LOGS}/{TAG}-metrics.txt", "w").write(m)
 p.terminate(); p.wait()
 ts.sort()
+if os.environ.get("DUMP"):
+    open(os.environ["DUMP"], "w").write("\n".join(map(str, ts)))
 if not ts:
     sys.exit(f"{TAG}: no record read back")
 gaps = sorted(((ts[i+1]-ts[i]), i) for i in range(len(ts)-1))[::-1]
