@@ -291,6 +291,7 @@ fn relay(
         max_bytes: s.relay_max_bytes.unwrap_or(64 * 1024 * 1024),
         lease: Duration::from_millis(s.relay_lease_ms.unwrap_or(60_000)),
         poll_interval: Duration::from_millis(s.relay_poll_ms.unwrap_or(250)),
+        claim_spacing: Duration::from_millis(s.relay_claim_spacing_ms.unwrap_or(25)),
         retry,
         ..RelayConfig::default()
     };
@@ -310,6 +311,12 @@ fn relay(
         return Err(bad(
             "relay_max_run (MAILROOM_RELAY_MAX_RUN)",
             "must be at least 1",
+        ));
+    }
+    if relay.claim_spacing > Duration::from_secs(1) {
+        return Err(bad(
+            "relay_claim_spacing_ms (MAILROOM_RELAY_CLAIM_SPACING_MS)",
+            "must be 0..=1000",
         ));
     }
     if relay.poll_interval.is_zero() {

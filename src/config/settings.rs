@@ -90,6 +90,10 @@ pub struct Settings {
     /// Fallback poll interval in ms [default: 250].
     #[arg(long, env = "MAILROOM_RELAY_POLL_MS", global = true)]
     pub relay_poll_ms: Option<u64>,
+    /// After a claim that took all there was, an outbox relay's next claim waits this
+    /// many ms from its start (0: none) [default: 25].
+    #[arg(long, env = "MAILROOM_RELAY_CLAIM_SPACING_MS", global = true)]
+    pub relay_claim_spacing_ms: Option<u64>,
     /// Wake other processes through PostgreSQL LISTEN/NOTIFY; false = poll only (for
     /// poolers without LISTEN) [default: true].
     #[arg(long, env = "MAILROOM_LISTEN_NOTIFY", global = true)]
@@ -361,6 +365,7 @@ impl Settings {
             relay_max_run,
             relay_lease_ms,
             relay_poll_ms,
+            relay_claim_spacing_ms,
             listen_notify,
             retry_base_ms,
             retry_cap_ms,

@@ -124,6 +124,9 @@ pub fn start(
             // Leases of lines in flight are renewed every third of the lease, so one
             // must outlive a handler call and a renewal.
             lease: config.relay.lease.max(sub.handler_timeout * 3),
+            // A slow handler keeps a cycle going for long: new messages are claimed
+            // beside it at once, in cycles of their own.
+            claim_spacing: Duration::ZERO,
             ..config.relay
         };
         let relay = Relay::new(

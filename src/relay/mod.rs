@@ -70,6 +70,13 @@ pub struct RelayConfig {
     /// After the first line of a cycle finishes, how long to gather others before
     /// settling them together (one transaction for many lines).
     pub settle_linger: Duration,
+    /// After a claim that took all there was (it hit no limit), the relay's next claim
+    /// begins no sooner than this after it began, whatever wakes the relay: under a
+    /// steady trickle, claiming on every commit and every settle made many claims of a
+    /// few events each, and their cost saturated the database (docs/relay.md, "Claim
+    /// spacing"). A claim that hit a limit is followed at once, and a relay idle for
+    /// longer claims at once. Zero: no spacing.
+    pub claim_spacing: Duration,
 }
 
 impl Default for RelayConfig {
@@ -87,6 +94,7 @@ impl Default for RelayConfig {
             renew_leases: true,
             max_cycles_in_flight: 4,
             settle_linger: Duration::from_millis(20),
+            claim_spacing: Duration::from_millis(25),
         }
     }
 }
@@ -192,24 +200,32 @@ impl Relay {
         // and only waits on slow ones (a topic that is down) no longer counts, so it
         // does not hold the healthy topics back; `MAX_PARKED` bounds those.
         let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        // Claim at once, then again whenever a cycle settled something, a wake-up came
-        // or the poll interval passed.
+        // Claim at once, then again whenever a cycle ended or settled something, a
+        // wake-up came or the poll interval passed; after a claim that hit no limit, not
+        // before `claim_spacing` (`due` holds the time it is due). An empty claim is not
+        // spaced from: the next event found nothing in flight to wait with.
         let mut want = true;
         let mut pause = config.poll_interval;
+        let mut spaced_from: Option<tokio::time::Instant> = None;
+        let mut due: Option<tokio::time::Instant> = None;
         while !shutdown.is_cancelled() {
             if want
                 && active.load(Ordering::Relaxed) < config.max_cycles_in_flight.max(1)
                 && cycles.len() < MAX_PARKED
             {
                 want = false;
+                due = None;
+                let began = tokio::time::Instant::now();
                 pause = config.poll_interval;
                 let token: i64 = rand::rng().random();
                 match shared.claim_if_allowed(token).await {
                     Ok(claim) if claim.keyed.is_empty() && claim.unkeyed.is_empty() => {
                         db_backoff.succeeded();
+                        spaced_from = None;
                     }
                     Ok(claim) => {
                         db_backoff.succeeded();
+                        spaced_from = (!shared.filled(&claim)).then_some(began);
                         let slot = ActiveSlot::take(&active);
                         cycles.spawn(shared.clone().run_cycle(claim, true, slot));
                     }
@@ -223,7 +239,7 @@ impl Relay {
                 _ = shutdown.cancelled() => break,
                 Some(done) = cycles.join_next(), if !cycles.is_empty() => {
                     match done {
-                        Ok(Ok(_)) => want = true,
+                        Ok(Ok(_)) => spaced(&mut want, &mut due, spaced_from, config.claim_spacing),
                         Ok(Err(e)) => {
                             pause = db_backoff.failed(&mut rand::rng());
                             tracing::warn!(error = %e, pause_ms = millis(pause), "relay cycle failed");
@@ -231,8 +247,12 @@ impl Relay {
                         Err(e) => tracing::error!(error = %e, "relay cycle panicked"),
                     }
                 }
-                _ = shared.progress.notified() => want = true,
-                _ = self.wake.notified() => want = true,
+                _ = shared.progress.notified() => spaced(&mut want, &mut due, spaced_from, config.claim_spacing),
+                _ = self.wake.notified() => spaced(&mut want, &mut due, spaced_from, config.claim_spacing),
+                _ = async { tokio::time::sleep_until(due.expect("set")).await }, if due.is_some() => {
+                    due = None;
+                    want = true;
+                }
                 _ = tokio::time::sleep(pause) => want = true,
             }
         }
@@ -279,6 +299,22 @@ type Finished<'o, 'a> = (
     Option<Duration>,
     Option<chrono::DateTime<chrono::Utc>>,
 );
+
+/// Something asks for a claim: it is wanted at once, or (the last claim took all there
+/// was and began at `spaced_from`) `spacing` after that claim began, a timer set in `due`.
+fn spaced(
+    want: &mut bool,
+    due: &mut Option<tokio::time::Instant>,
+    spaced_from: Option<tokio::time::Instant>,
+    spacing: Duration,
+) {
+    match spaced_from.map(|t| t + spacing) {
+        Some(at) if tokio::time::Instant::now() < at => {
+            due.get_or_insert(at);
+        }
+        _ => *want = true,
+    }
+}
 
 /// Whether a continued line's next window has events to send now.
 fn has_run(c: &Continued) -> bool {
@@ -420,6 +456,17 @@ impl Shared {
             Some(e) => Err(e),
             None => Ok(report),
         }
+    }
+
+    /// Whether a claim hit one of its limits (keys, events, a window cut): a backlog
+    /// likely remains, so the next claim is not spaced (`RelayConfig::claim_spacing`).
+    fn filled(&self, claim: &Claim) -> bool {
+        let limits = self.limits();
+        let events: usize = claim.keyed.iter().map(|w| w.rows.len()).sum();
+        claim.keyed.len() >= limits.max_keys as usize
+            || events >= limits.max_events as usize
+            || claim.keyed.iter().any(|w| w.full)
+            || claim.unkeyed.len() >= limits.max_unkeyed as usize
     }
 
     /// Plans every line of a claim, the event budget shared in claim order; keys with

@@ -1103,3 +1103,108 @@ async fn the_binary_drains_a_deep_key_in_continued_runs() {
     let _ = run.kill();
     let _ = run.wait();
 }
+
+/// Marks every event delivered and notes when each was handed over, by payload.
+#[derive(Default)]
+struct TimedSink {
+    at: Mutex<HashMap<String, std::time::Instant>>,
+}
+
+impl TimedSink {
+    fn when(&self, payload: &str) -> Option<std::time::Instant> {
+        self.at.lock().unwrap().get(payload).copied()
+    }
+    async fn wait_for(&self, payload: &str) -> std::time::Instant {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(t) = self.when(payload) {
+                return t;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{payload} never delivered"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Sink for TimedSink {
+    async fn deliver(&self, lines: &[Vec<&StoredEvent>]) -> Vec<Vec<Delivery>> {
+        let now = std::time::Instant::now();
+        let mut at = self.at.lock().unwrap();
+        for e in lines.iter().flatten() {
+            at.insert(String::from_utf8(e.payload.clone()).unwrap(), now);
+        }
+        lines
+            .iter()
+            .map(|l| vec![Delivery::Delivered; l.len()])
+            .collect()
+    }
+}
+
+/// Claim spacing (`RelayConfig::claim_spacing`): after a claim that took all there was,
+/// the relay's next claim waits out the spacing from that claim's start, whatever wakes
+/// it; an idle relay, and one whose claim hit a limit, claim at once. Spacing here is
+/// 1.5 s so that the bounds hold on a loaded machine; polls are off (60 s).
+#[tokio::test]
+async fn a_relay_spaces_its_claims_unless_a_claim_hit_a_limit() {
+    let mut s = accept_only().await;
+    let sink = Arc::new(TimedSink::default());
+    let spacing = Duration::from_millis(1500);
+    let relay = Relay::new(
+        s.app.store.clone(),
+        sink.clone(),
+        Queue::Outbox,
+        RelayConfig {
+            batch_size: 2,
+            poll_interval: Duration::from_secs(60),
+            claim_spacing: spacing,
+            ..relay_config(Duration::ZERO)
+        },
+    );
+    let wake = relay.waker();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(relay.run(shutdown.clone()));
+    // The relay's first claim finds nothing: the next one is not spaced from it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    enqueue(&mut s.client, event("spaced", "a", b"a")).await;
+    let woke = std::time::Instant::now();
+    wake.notify_one();
+    let a = sink.wait_for("a").await;
+    assert!(
+        a - woke < Duration::from_secs(1),
+        "an idle relay took {:?} to claim",
+        a - woke
+    );
+    // That claim took all there was: a wake-up now is held until the spacing has passed
+    // since it began (after `woke`).
+    enqueue(&mut s.client, event("spaced", "b", b"b")).await;
+    wake.notify_one();
+    let b = sink.wait_for("b").await;
+    assert!(
+        b - woke >= spacing - Duration::from_millis(20),
+        "the second claim came {:?} after the first was woken",
+        b - woke
+    );
+    // Idle again (past the spacing). Three keys with cycles of 2 events: the first claim
+    // hits its limit, so the third event is claimed at once after it, not a spacing later.
+    tokio::time::sleep(spacing + Duration::from_millis(200)).await;
+    for k in ["c1", "c2", "c3"] {
+        enqueue(&mut s.client, event("spaced", k, k.as_bytes())).await;
+    }
+    let woke = std::time::Instant::now();
+    wake.notify_one();
+    for k in ["c1", "c2", "c3"] {
+        let t = sink.wait_for(k).await;
+        assert!(
+            t - woke < Duration::from_secs(1),
+            "{k} came {:?} after the wake-up",
+            t - woke
+        );
+    }
+    shutdown.cancel();
+    running.await.unwrap();
+    s.app.stop().await.unwrap();
+}
