@@ -164,10 +164,34 @@ impl Partitions {
             topics.into_iter().filter(|t| !m.contains_key(*t)).collect()
         };
         let reads: Vec<_> = unknown
-            .into_iter()
+            .iter()
             .filter_map(|t| self.read_in_background(t, producer))
             .collect();
-        let _ = tokio::time::timeout(within, futures::future::join_all(reads)).await;
+        // A read another cycle started (the other relay's first cycle, at the same
+        // moment) is waited for too: without it, that cycle's records went out before
+        // the metadata said which partitions have no leader, and waited out the
+        // delivery deadline in a leaderless one.
+        let others = async {
+            while unknown
+                .iter()
+                .any(|t| !self.is_known(t) && self.is_reading(t))
+            {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        let _ = tokio::time::timeout(within, async {
+            futures::future::join_all(reads).await;
+            others.await;
+        })
+        .await;
+    }
+
+    fn is_known(&self, topic: &str) -> bool {
+        self.counts.read().is_ok_and(|m| m.contains_key(topic))
+    }
+
+    fn is_reading(&self, topic: &str) -> bool {
+        self.reading.lock().is_ok_and(|r| r.contains(topic))
     }
 
     /// Reads `topic`'s metadata again now, in the background (a delivery to it came back
@@ -231,6 +255,39 @@ fn read(topic: &str, producer: &FutureProducer, counts: &RwLock<Counts>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cycle that finds another cycle's metadata read of its topic running waits for
+    /// that read (up to its bound) instead of producing blind.
+    #[tokio::test]
+    async fn learn_waits_for_a_read_another_cycle_started() {
+        let producer: Arc<FutureProducer> = Arc::new(
+            rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", "127.0.0.1:1")
+                .create()
+                .unwrap(),
+        );
+        let p = Arc::new(Partitions::default());
+        p.reading.lock().unwrap().insert("t".to_string());
+        let other = p.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            other.set("t", 3, HashSet::from([1]));
+            other.reading.lock().unwrap().remove("t");
+        });
+        let started = std::time::Instant::now();
+        p.learn(["t"], &producer, Duration::from_secs(5)).await;
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(250) && took < Duration::from_secs(4),
+            "learn returned after {took:?}"
+        );
+        assert!(p.leaderless("t", 1, &producer));
+        // Bounded: a read that never ends is waited for `within` at most.
+        p.reading.lock().unwrap().insert("u".to_string());
+        let started = std::time::Instant::now();
+        p.learn(["u"], &producer, Duration::from_millis(200)).await;
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
 
     /// Kafka's own vectors (`UtilsTest.testMurmur2`).
     #[test]
