@@ -291,7 +291,7 @@ fn relay(
         max_bytes: s.relay_max_bytes.unwrap_or(64 * 1024 * 1024),
         lease: Duration::from_millis(s.relay_lease_ms.unwrap_or(60_000)),
         poll_interval: Duration::from_millis(s.relay_poll_ms.unwrap_or(250)),
-        claim_spacing: Duration::from_millis(s.relay_claim_spacing_ms.unwrap_or(0)),
+        claim_spacing: Duration::from_millis(s.relay_claim_spacing_ms.unwrap_or(25)),
         retry,
         ..RelayConfig::default()
     };

@@ -91,7 +91,7 @@ pub struct Settings {
     #[arg(long, env = "MAILROOM_RELAY_POLL_MS", global = true)]
     pub relay_poll_ms: Option<u64>,
     /// After a claim that took all there was, an outbox relay's next claim waits this
-    /// many ms from its start (0: none) [default: 0; 25 measured, docs/relay.md].
+    /// many ms from its start (0: none) [default: 25].
     #[arg(long, env = "MAILROOM_RELAY_CLAIM_SPACING_MS", global = true)]
     pub relay_claim_spacing_ms: Option<u64>,
     /// Wake other processes through PostgreSQL LISTEN/NOTIFY; false = poll only (for

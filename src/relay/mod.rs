@@ -75,8 +75,7 @@ pub struct RelayConfig {
     /// steady trickle, claiming on every commit and every settle made many claims of a
     /// few events each, and their cost saturated the database (docs/relay.md, "Claim
     /// spacing"). A claim that hit a limit is followed at once, and a relay idle for
-    /// longer claims at once. Zero (the default): no spacing; see docs/relay.md for why
-    /// it is not on by default yet.
+    /// longer claims at once. Zero: no spacing.
     pub claim_spacing: Duration,
 }
 
@@ -95,7 +94,7 @@ impl Default for RelayConfig {
             renew_leases: true,
             max_cycles_in_flight: 4,
             settle_linger: Duration::from_millis(20),
-            claim_spacing: Duration::ZERO,
+            claim_spacing: Duration::from_millis(25),
         }
     }
 }
