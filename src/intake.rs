@@ -6,12 +6,20 @@
 //! `max.message.bytes` as the cluster reports it (`sink::kafka::topic_limits`), when the
 //! sink has such limits: an event the broker would refuse is never stored.
 //!
+//! Groups follow one another: a group starts while another is in flight only once that
+//! one has run for `overlap_after` (a lock wait, a large batch). Groups that overlap on
+//! one database wait on each other's key rows and split the callers into smaller
+//! transactions; measured, one group at a time stored more, with 1 instance or 3
+//! (docs/benchmarks.md). The overlap is what keeps one stuck transaction (an
+//! idempotency key an open SQL transaction holds) from stopping the intake.
+//!
 //! The queue in front of the writers is bounded; when it is full the caller is told at
 //! once (`Overloaded`) rather than queued without bound. A caller is answered only after
 //! the commit of its events.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
@@ -41,8 +49,11 @@ struct Job {
 pub struct IntakeConfig {
     /// Requests waiting for a writer before callers are turned away.
     pub queue_depth: usize,
-    /// Transactions in flight at once.
+    /// Transactions in flight at once, at most.
     pub writers: usize,
+    /// A group starts while the previous one is still in flight only once that one has
+    /// run this long; zero starts groups whenever a writer is free.
+    pub overlap_after: Duration,
     /// Events per group transaction at most.
     pub max_group: usize,
     /// Bytes (payload, headers, key, topic) of the requests queued or being written,
@@ -58,6 +69,7 @@ impl Default for IntakeConfig {
         IntakeConfig {
             queue_depth: 10_000,
             writers: 4,
+            overlap_after: Duration::from_millis(20),
             max_group: 1_000,
             queue_bytes: 256 * 1024 * 1024,
             max_group_bytes: 16 * 1024 * 1024,
@@ -246,6 +258,8 @@ async fn run_committer(
     let n_writers = u32::try_from(config.writers.max(1)).unwrap_or(u32::MAX);
     let writers = Arc::new(Semaphore::new(n_writers as usize));
     let mut carry: Option<Job> = None;
+    // The last group started: when, and a receiver that completes when it ends.
+    let mut last: Option<(tokio::time::Instant, oneshot::Receiver<()>)> = None;
     loop {
         // Wait for a free writer first: while all are busy, requests pile up in the
         // queue and the next group takes them all.
@@ -261,6 +275,15 @@ async fn run_committer(
                 None => break,
             },
         };
+        // Every other group in flight had run `overlap_after` when the last one started,
+        // so waiting for the last one (or for it to reach that age) is enough. Requests
+        // arriving meanwhile join this group.
+        if let Some((started, mut ended)) = last.take() {
+            tokio::select! {
+                _ = &mut ended => {}
+                _ = tokio::time::sleep_until(started + config.overlap_after) => {}
+            }
+        }
         let mut group = vec![first];
         if !group[0].solo {
             let mut size = group[0].events.len();
@@ -282,9 +305,12 @@ async fn run_committer(
         }
         let store = store.clone();
         let wakeup = wakeup.clone();
+        let (end, ended) = oneshot::channel::<()>();
+        last = Some((tokio::time::Instant::now(), ended));
         tokio::spawn(async move {
             commit_group(store.as_ref(), group, &wakeup).await;
             drop(permit);
+            drop(end);
         });
     }
     // Wait for the last transactions before the committer ends.

@@ -75,7 +75,8 @@ const ALL: &[&str] = &[
     "sql-api",
     "wal",
     "retention",
-    "scale",
+    "scale-drain",
+    "scale-intake",
 ];
 
 const PAYLOAD_BYTES: usize = 256;
@@ -104,7 +105,8 @@ fn diag_writers() -> usize {
 )]
 struct Args {
     /// Scenarios, comma-separated: raw-pg, raw-kafka, raw-e2e, enqueue, batch, relay-keys,
-    /// relay-key, relay-deep, e2e, list-pending, status-reads, sql-api, wal, scale; `relay` = the three relay
+    /// relay-key, relay-deep, e2e, list-pending, status-reads, sql-api, wal, retention,
+    /// scale-drain, scale-intake; `relay` = the three relay scenarios, `scale` = both scale
     /// scenarios, `all` = everything.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     scenarios: Vec<String>,
@@ -208,6 +210,7 @@ fn mailroom_config(db_url: &str, brokers: &str, relays: usize) -> anyhow::Result
         relay_max_keys: env_parse("MAILROOM_RELAY_MAX_KEYS"),
         relay_max_run: env_parse("MAILROOM_RELAY_MAX_RUN"),
         intake_writers: env_parse("MAILROOM_INTAKE_WRITERS"),
+        intake_overlap_ms: env_parse("MAILROOM_INTAKE_OVERLAP_MS"),
         ..Default::default()
     })?)
 }
@@ -274,10 +277,11 @@ fn selected(args: &[String]) -> anyhow::Result<Vec<&'static str>> {
         let names: Vec<&'static str> = match a.trim() {
             "all" => ALL.to_vec(),
             "relay" => vec!["relay-keys", "relay-key", "relay-deep"],
+            "scale" => vec!["scale-drain", "scale-intake"],
             other => match ALL.iter().find(|n| **n == other) {
                 Some(n) => vec![*n],
                 None => bail!(
-                    "unknown scenario {other:?}; known: {}, relay, all",
+                    "unknown scenario {other:?}; known: {}, relay, scale, all",
                     ALL.join(", ")
                 ),
             },
@@ -453,14 +457,8 @@ async fn main() -> anyhow::Result<()> {
             "sql-api" => bench.sql_api().await,
             "wal" => bench.wal().await,
             "retention" => bench.retention(sizes.retention).await,
-            "scale" => {
-                async {
-                    let mut rows = bench.scale(sizes.relay_keys).await?;
-                    rows.extend(bench.scale_intake().await?);
-                    Ok(rows)
-                }
-                .await
-            }
+            "scale-drain" => bench.scale(sizes.relay_keys).await,
+            "scale-intake" => bench.scale_intake().await,
             _ => unreachable!("validated by selected()"),
         };
         match result {

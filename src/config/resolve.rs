@@ -440,10 +440,18 @@ fn intake(
             "must be at least max_batch_bytes (one batch must fit)",
         ));
     }
+    let overlap_ms = s.intake_overlap_ms.unwrap_or(20);
+    if overlap_ms > 1000 {
+        return Err(bad(
+            "intake_overlap_ms (MAILROOM_INTAKE_OVERLAP_MS)",
+            "must be 0..=1000",
+        ));
+    }
     let intake = IntakeConfig {
         queue_bytes,
         queue_depth: s.intake_queue.unwrap_or(10_000).max(1),
         writers: s.intake_writers.unwrap_or(if is_pg { 4 } else { 1 }).max(1),
+        overlap_after: Duration::from_millis(overlap_ms),
         max_group: limits.max_batch.max(1000),
         ..IntakeConfig::default()
     };

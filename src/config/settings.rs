@@ -133,6 +133,11 @@ pub struct Settings {
     /// Concurrent enqueue transactions [default: 4 on PostgreSQL, 1 on SQLite].
     #[arg(long, env = "MAILROOM_INTAKE_WRITERS", global = true)]
     pub intake_writers: Option<usize>,
+    /// An enqueue transaction starts while the previous one is still running only once
+    /// that one has run this long, in ms; 0 starts one whenever a writer is free
+    /// [default: 20].
+    #[arg(long, env = "MAILROOM_INTAKE_OVERLAP_MS", global = true)]
+    pub intake_overlap_ms: Option<u64>,
     /// Grace period for in-flight work on SIGTERM, in ms [default: 30000].
     #[arg(long, env = "MAILROOM_SHUTDOWN_GRACE_MS", global = true)]
     pub shutdown_grace_ms: Option<u64>,
@@ -378,6 +383,7 @@ impl Settings {
             intake_queue,
             intake_queue_bytes,
             intake_writers,
+            intake_overlap_ms,
             shutdown_grace_ms,
             health_interval_ms,
             ready_max_broker_down_ms,

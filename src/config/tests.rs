@@ -327,3 +327,21 @@ fn secrets_come_from_files_and_debug_shows_none() {
     .to_string();
     assert!(err.contains("MAILROOM_DATABASE_URL_FILE"), "{err}");
 }
+
+#[test]
+fn intake_overlap_has_a_default_and_a_bound() {
+    let c = Config::resolve(Settings::default()).unwrap();
+    assert_eq!(c.intake.overlap_after, Duration::from_millis(20));
+    let c = Config::resolve(Settings {
+        intake_overlap_ms: Some(0),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(c.intake.overlap_after, Duration::ZERO);
+    let e = Config::resolve(Settings {
+        intake_overlap_ms: Some(1001),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("MAILROOM_INTAKE_OVERLAP_MS"), "{e}");
+}

@@ -1337,6 +1337,74 @@ async fn an_open_sql_transaction_holds_back_only_its_own_key() {
     s.app.stop().await.unwrap();
 }
 
+/// A gRPC `Enqueue` whose idempotency key an open SQL transaction holds waits for that
+/// transaction (the unique index decides when it ends); the intake's other calls do not
+/// wait for it. Transactions follow one another, so the next call waits for the stuck one
+/// until it has run `overlap_after` (here 500 ms), then starts beside it; and once the
+/// caller commits, the stuck call is answered as a duplicate of the caller's event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_enqueue_holds_back_only_itself() {
+    let url = fresh_pg().await;
+    let mut c = quiet_config(&url);
+    c.intake.overlap_after = Duration::from_millis(500);
+    let s = Service::start(c).await;
+    let (_, pool) = app_role(&url).await;
+    let topic = "sql.stuck";
+    let mut held = pool.begin().await.unwrap();
+    let sql_id: i64 = sqlx::query_scalar(
+        "SELECT mailroom.enqueue('sql.stuck', 'k', 'same'::bytea, idempotency_key => 'taken')",
+    )
+    .fetch_one(&mut *held)
+    .await
+    .unwrap();
+    let mut client = s.client.clone();
+    let began = Instant::now();
+    let stuck = tokio::spawn(async move {
+        let mut e = event(topic, "k", b"same");
+        e.idempotency_key = "taken".into();
+        client.enqueue(pb::EnqueueRequest { event: Some(e) }).await
+    });
+    // The fault fired: the gRPC transaction waits on the caller's.
+    eventually(
+        Duration::from_secs(10),
+        "the Enqueue waits on the open transaction",
+        || async {
+            count_rows(
+                &url,
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND wait_event = 'transactionid' AND datname = current_database()",
+            )
+            .await
+                == 1
+        },
+    )
+    .await;
+    let sent = began.elapsed();
+    let mut client = s.client.clone();
+    let other = enqueue(&mut client, event(topic, "other", b"x")).await;
+    let answered = began.elapsed();
+    assert!(other > sql_id);
+    // Not before the stuck transaction had run 500 ms (it began after `began`)...
+    assert!(
+        answered >= Duration::from_millis(500),
+        "sent {sent:?} after the stuck call, answered {answered:?}: no wait for it"
+    );
+    // ...and not long after: the caller's transaction is still open.
+    assert!(
+        answered < Duration::from_secs(3),
+        "an Enqueue waited until {answered:?} behind a stuck transaction"
+    );
+    assert!(!stuck.is_finished(), "the stuck call is still waiting");
+    held.commit().await.unwrap();
+    let r = stuck
+        .await
+        .unwrap()
+        .expect("answered once the caller committed");
+    let r = r.into_inner();
+    assert_eq!(r.id, sql_id, "a duplicate of the caller's event");
+    s.app.stop().await.unwrap();
+}
+
 /// The issue's scenario for stricter isolation (issue 24, item 2): a least-privileged
 /// role's business transactions (a row in its own table plus `mailroom.enqueue` on 6
 /// shared keys), two writers at READ COMMITTED and two at SERIALIZABLE, while two gRPC
