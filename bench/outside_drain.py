@@ -7,7 +7,8 @@ CreateTime (set when mailroom handed each record to the producer) and the gaps b
 usage: python3 bench/outside_drain.py BROKERS EVENTS KEYS TAG
   env: FILL=grpc|sql (grpc), READ_AFTER=seconds to wait before reading (0: read while it
        drains; the reader then competes for the CPU), SCRAPE=1 (save /metrics), DUMP=file (the sorted CreateTimes), MAILROOM_BIN,
-       PG (postgresql://postgres@127.0.0.1:5432), LOGS (/tmp)
+       PG (postgresql://postgres@127.0.0.1:5432), LOGS (/tmp).
+       With READ_AFTER, also the CPU seconds PostgreSQL and mailroom spent over the run
 Needs: cargo build --release --bin mailroom; pip install -r scripts/requirements-test.txt;
 PostgreSQL and a broker (tansu: see docs/benchmarks.md). Exits non-zero when a record is missing.
 """
@@ -57,9 +58,32 @@ p.terminate(); p.wait()
 if os.environ.get("FILL_ONLY"):
     print(db, topic); sys.exit(0)
 t0 = time.time()
+def pg_cpu():
+    """PostgreSQL's CPU seconds so far: its live processes' own and, through the
+    postmaster's cutime/cstime, those of the backends it has reaped."""
+    hz, total = os.sysconf("SC_CLK_TCK"), 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if not open(f"/proc/{pid}/comm").read().startswith("postgres"):
+                continue
+            f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            total += int(f[11]) + int(f[12])
+            if not open(f"/proc/{f[1]}/comm").read().startswith("postgres"):
+                total += int(f[13]) + int(f[14])
+        except OSError:
+            pass
+    return total / hz
+def proc_cpu(pid):
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+pg0 = pg_cpu()
 p = start({"MAILROOM_METRICS_LISTEN": "127.0.0.1:9391"} if os.environ.get("SCRAPE") else {}, f"{LOGS}/{TAG}-run.log")
+cpu_note = ""
 if os.environ.get("READ_AFTER"):
     time.sleep(float(os.environ["READ_AFTER"]))
+    # Read before the reader starts: the drain is over by then, and the reader's fetches
+    # cost neither process anything.
+    cpu_note = f", CPU over the run: PostgreSQL {pg_cpu() - pg0:.2f} s, mailroom {proc_cpu(p.pid):.2f} s"
 cons = KafkaConsumer(bootstrap_servers=BROKERS, enable_auto_commit=False, fetch_max_wait_ms=5)
 parts = None
 while not parts:
@@ -87,7 +111,7 @@ span = max(ts[-1] - ts[0], 1)
 # and their median, steadier than the longest gap on a noisy machine.
 pauses = sorted(g for g, _ in gaps if g >= 3)
 pause_median = pauses[len(pauses) // 2] if pauses else 0
-print(f"{TAG}: {len(ts)}/{N} records, span {span} ms = {len(ts)*1000/span:.0f}/s, top gaps (ms@index): {gaps[:6]}, gaps>20ms: {sum(1 for g,_ in gaps if g>20)}, pauses>=3ms: {len(pauses)} median {pause_median} ms")
+print(f"{TAG}: {len(ts)}/{N} records, span {span} ms = {len(ts)*1000/span:.0f}/s, top gaps (ms@index): {gaps[:6]}, gaps>20ms: {sum(1 for g,_ in gaps if g>20)}, pauses>=3ms: {len(pauses)} median {pause_median} ms{cpu_note}")
 with psycopg.connect(PG + "/postgres", autocommit=True) as c:
     c.execute(f"DROP DATABASE {db} WITH (FORCE)")
 if len(ts) < N:

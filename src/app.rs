@@ -43,6 +43,7 @@ pub async fn pg_pool(
     config: &Config,
     statement_timeout: Option<std::time::Duration>,
     max_connections: u32,
+    generic_plans: bool,
 ) -> anyhow::Result<sqlx::PgPool> {
     let redacted = redact_url(&config.database_url.0);
     crate::store::postgres::pool(
@@ -52,6 +53,7 @@ pub async fn pg_pool(
             acquire_timeout: config.database_acquire_timeout,
             statement_timeout,
             lazy: false,
+            generic_plans,
         },
     )
     .await
@@ -65,9 +67,9 @@ pub async fn pg_pools(config: &Config) -> anyhow::Result<PgPools> {
     let n = config.database_max_connections;
     let t = config.database_timeouts;
     Ok(PgPools {
-        enqueue: pg_pool(config, t.enqueue, n).await?,
-        relay: pg_pool(config, t.relay, (n / 2).max(2)).await?,
-        admin: pg_pool(config, t.admin, (n / 4).max(2)).await?,
+        enqueue: pg_pool(config, t.enqueue, n, false).await?,
+        relay: pg_pool(config, t.relay, (n / 2).max(2), true).await?,
+        admin: pg_pool(config, t.admin, (n / 4).max(2), false).await?,
     })
 }
 
@@ -77,7 +79,7 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
         if config.migrate {
             // Migrations run without the statement timeout: building an index on a large
             // table may take longer than any query of the service should.
-            let pool = pg_pool(config, None, 2).await?;
+            let pool = pg_pool(config, None, 2, false).await?;
             PgStore::from_pool(pool.clone())
                 .migrate()
                 .await

@@ -211,6 +211,7 @@ fn mailroom_config(db_url: &str, brokers: &str, relays: usize) -> anyhow::Result
         relay_max_run: env_parse("MAILROOM_RELAY_MAX_RUN"),
         intake_writers: env_parse("MAILROOM_INTAKE_WRITERS"),
         intake_overlap_ms: env_parse("MAILROOM_INTAKE_OVERLAP_MS"),
+        relay_claim_spacing_ms: env_parse("MAILROOM_RELAY_CLAIM_SPACING_MS"),
         ..Default::default()
     })?)
 }

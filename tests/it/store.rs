@@ -1787,3 +1787,69 @@ async fn a_continued_line_reads_up_to_its_horizon_without_a_lock() {
     assert_eq!(last.horizon, Some(held));
     assert!(!last.window.full);
 }
+
+/// The relay's sessions plan their prepared statements once (`plan_cache_mode =
+/// force_generic_plan`, docs/relay.md "Generic plans"); the enqueue and admin classes
+/// keep PostgreSQL's default, and the relay's windows statement is planned once per
+/// session however often it runs.
+#[tokio::test]
+async fn relay_sessions_plan_their_statements_once() {
+    let db = fresh_pg().await;
+    let mut c = config(&db);
+    c.relays = 0;
+    open_store(&c).await.expect("migrated");
+    let pools = mailroom::app::pg_pools(&c).await.unwrap();
+    for (pool, want) in [
+        (&pools.enqueue, "auto"),
+        (&pools.relay, "force_generic_plan"),
+        (&pools.admin, "auto"),
+    ] {
+        let mode: String = sqlx::query_scalar("SHOW plan_cache_mode")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        assert_eq!(mode, want);
+    }
+    // Claims through a store on these pools: the relay sessions' cached statements then
+    // hold generic plans only (`pg_prepared_statements`, PostgreSQL 14+); under the
+    // default mode the first five calls of each are custom plans.
+    let store =
+        mailroom::store::postgres::PgStore::from_pools(mailroom::store::postgres::PgPools {
+            enqueue: pools.enqueue.clone(),
+            relay: pools.relay.clone(),
+            admin: pools.admin.clone(),
+        });
+    for i in 0..8 {
+        // A new key each time: the keys claimed before stay leased.
+        store
+            .enqueue(&[new_event(Some(&format!("k{i}")), "x")], false)
+            .await
+            .unwrap();
+        let claim = store
+            .claim(&Queue::Outbox, i, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert_eq!(claim.keyed.len(), 1, "claim {i} leased its key");
+    }
+    let mut sessions = Vec::new();
+    for _ in 0..pools.relay.size() {
+        sessions.push(pools.relay.acquire().await.unwrap());
+    }
+    let (mut custom, mut generic) = (0i64, 0i64);
+    for s in &mut sessions {
+        let (c, g): (i64, i64) = sqlx::query_as(
+            "SELECT coalesce(sum(custom_plans), 0)::int8, coalesce(sum(generic_plans), 0)::int8
+             FROM pg_prepared_statements",
+        )
+        .fetch_one(&mut **s)
+        .await
+        .unwrap();
+        custom += c;
+        generic += g;
+    }
+    assert_eq!(custom, 0, "relay sessions made custom plans");
+    assert!(
+        generic >= 16,
+        "8 claims of 2+ statements ran generic plans: {generic}"
+    );
+}

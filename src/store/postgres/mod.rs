@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::{AssertSqlSafe, Executor, Row};
 
 use self::sql::Sql;
 use super::rows::{Cols, decode_event};
@@ -70,6 +70,11 @@ pub struct PoolShape {
     pub statement_timeout: Option<Duration>,
     /// Connect on first use instead of at once.
     pub lazy: bool,
+    /// Plan prepared statements once per session (`plan_cache_mode =
+    /// force_generic_plan`) instead of for every call's parameters: for the relay's
+    /// fixed-shape claims and settles, whose best plan does not depend on the values
+    /// (docs/relay.md, "Generic plans").
+    pub generic_plans: bool,
 }
 
 impl Default for PoolShape {
@@ -79,6 +84,7 @@ impl Default for PoolShape {
             acquire_timeout: Duration::from_secs(3),
             statement_timeout: None,
             lazy: false,
+            generic_plans: false,
         }
     }
 }
@@ -92,9 +98,24 @@ pub async fn pool(url: &str, shape: PoolShape) -> StoreResult<PgPool> {
     if let Some(t) = shape.statement_timeout {
         opts = opts.options([("statement_timeout", t.as_millis().to_string())]);
     }
-    let options = PgPoolOptions::new()
+    let mut options = PgPoolOptions::new()
         .max_connections(shape.max_connections)
         .acquire_timeout(shape.acquire_timeout);
+    if shape.generic_plans {
+        // A statement after connecting rather than a startup option: PgBouncer refuses
+        // unknown startup parameters. `plan_cache_mode` is PostgreSQL 12's; older servers
+        // keep planning per call.
+        options = options.after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute(
+                    "SELECT set_config('plan_cache_mode', 'force_generic_plan', false)
+                     WHERE current_setting('server_version_num')::int >= 120000",
+                )
+                .await
+                .map(drop)
+            })
+        });
+    }
     if shape.lazy {
         Ok(options.connect_lazy_with(opts))
     } else {
