@@ -8,7 +8,8 @@ usage: python3 bench/outside_drain.py BROKERS EVENTS KEYS TAG
   env: FILL=grpc|sql (grpc), READ_AFTER=seconds to wait before reading (0: read while it
        drains; the reader then competes for the CPU), SCRAPE=1 (save /metrics), DUMP=file (the sorted CreateTimes), MAILROOM_BIN,
        PG (postgresql://postgres@127.0.0.1:5432), LOGS (/tmp).
-       With READ_AFTER, also the CPU seconds PostgreSQL and mailroom spent over the run
+       With READ_AFTER, also the CPU seconds PostgreSQL and mailroom spent over the run;
+       SAMPLE_CPU=1: the machine's busy share between the first and last CreateTime
 Needs: cargo build --release --bin mailroom; pip install -r scripts/requirements-test.txt;
 PostgreSQL and a broker (tansu: see docs/benchmarks.md). Exits non-zero when a record is missing.
 """
@@ -76,6 +77,19 @@ def pg_cpu():
 def proc_cpu(pid):
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+# The machine's busy share over the drain itself (SAMPLE_CPU=1): /proc/stat every 20 ms
+# from the service's start, later cut to the span of the records' CreateTimes.
+samples = []
+if os.environ.get("SAMPLE_CPU"):
+    import threading
+    def sample():
+        while not stop_sampling.is_set():
+            f = open("/proc/stat").readline().split()[1:]
+            ticks = list(map(int, f))
+            samples.append((time.time() * 1000, sum(ticks) - ticks[3] - ticks[4], sum(ticks)))
+            time.sleep(0.02)
+    stop_sampling = threading.Event()
+    threading.Thread(target=sample, daemon=True).start()
 pg0 = pg_cpu()
 p = start({"MAILROOM_METRICS_LISTEN": "127.0.0.1:9391"} if os.environ.get("SCRAPE") else {}, f"{LOGS}/{TAG}-run.log")
 cpu_note = ""
@@ -101,6 +115,12 @@ if os.environ.get("SCRAPE"):
     open(f"{LOGS}/{TAG}-metrics.txt", "w").write(m)
 p.terminate(); p.wait()
 ts.sort()
+if samples and ts:
+    stop_sampling.set()
+    inside = [x for x in samples if ts[0] <= x[0] <= ts[-1]]
+    if len(inside) >= 2:
+        busy = (inside[-1][1] - inside[0][1]) / max(inside[-1][2] - inside[0][2], 1)
+        cpu_note += f", machine {busy * 100:.0f} % busy over the drain ({len(inside)} samples)"
 if os.environ.get("DUMP"):
     open(os.environ["DUMP"], "w").write("\n".join(map(str, ts)))
 if not ts:
