@@ -24,7 +24,7 @@ use crate::health::Health;
 use crate::intake::{Intake, Wakeup};
 use crate::metrics::Metrics;
 use crate::pb;
-use crate::relay::{Relay, RelayStats};
+use crate::relay::{ClaimCadence, Relay, RelayStats};
 use crate::schema::SchemaGate;
 use crate::sink::Sink;
 use crate::sink::SinkConfig;
@@ -426,10 +426,12 @@ async fn start_outbox(
     let wakeup = Wakeup::default();
     let mut stats = Vec::new();
     let (cycle_latency, publish_latency) = Default::default();
+    let cadence = ClaimCadence::new(config.relays);
     for _ in 0..config.relays {
         let relay = Relay::new(store.clone(), sink.clone(), Queue::Outbox, config.relay)
             .with_latency(&cycle_latency, &publish_latency)
-            .with_schema(schema.clone());
+            .with_schema(schema.clone())
+            .with_cadence(&cadence);
         wakeup.register(relay.waker());
         stats.push(relay.stats());
         bg.spawn(relay.run(bg.token.clone()));

@@ -105,6 +105,47 @@ impl Default for RelayConfig {
 pub struct Relay {
     shared: Arc<Shared>,
     wake: Arc<Notify>,
+    cadence: Arc<ClaimCadence>,
+}
+
+/// When the relays of one box in this process last began a claim that took all there
+/// was, so that they space such claims between them and not only each its own: with the
+/// spacing `s` and `n` relays, a relay's next claim waits until `s` after its own last
+/// one and `s / n` after anyone's. Without it the relays' claims fell close together
+/// (one relay's claim, then the other's on the next commit), and an event committed
+/// after both waited nearly a whole spacing (docs/relay.md, "Claim spacing").
+#[derive(Debug)]
+pub struct ClaimCadence {
+    relays: u32,
+    last: Mutex<Option<tokio::time::Instant>>,
+}
+
+impl ClaimCadence {
+    /// A cadence for `relays` relays (at least one).
+    pub fn new(relays: usize) -> Arc<Self> {
+        Arc::new(ClaimCadence {
+            relays: u32::try_from(relays.max(1)).unwrap_or(u32::MAX),
+            last: Mutex::new(None),
+        })
+    }
+
+    /// A claim that took all there was began at `at`.
+    fn began(&self, at: tokio::time::Instant) {
+        let mut last = self.last.lock().expect("cadence lock");
+        *last = Some(last.map_or(at, |l| l.max(at)));
+    }
+
+    /// When a relay whose last claim took all there was and began at `own` may claim
+    /// again (`None`: at once).
+    fn next_claim(
+        &self,
+        own: Option<tokio::time::Instant>,
+        spacing: Duration,
+    ) -> Option<tokio::time::Instant> {
+        let own = own? + spacing;
+        let anyone = *self.last.lock().expect("cadence lock");
+        Some(anyone.map_or(own, |t| own.max(t + spacing / self.relays)))
+    }
 }
 
 /// What the cycles of one relay share.
@@ -147,7 +188,15 @@ impl Relay {
                 continuing: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             }),
             wake: Arc::new(Notify::new()),
+            cadence: ClaimCadence::new(1),
         }
+    }
+
+    /// Spaces this relay's claims with the other relays sharing `cadence` (see
+    /// `ClaimCadence`). Call before the relay runs.
+    pub fn with_cadence(mut self, cadence: &Arc<ClaimCadence>) -> Self {
+        self.cadence = cadence.clone();
+        self
     }
 
     /// Records this relay's latencies into the given histograms (shared by the relays
@@ -226,6 +275,9 @@ impl Relay {
                     Ok(claim) => {
                         db_backoff.succeeded();
                         spaced_from = (!shared.filled(&claim)).then_some(began);
+                        if spaced_from.is_some() {
+                            self.cadence.began(began);
+                        }
                         let slot = ActiveSlot::take(&active);
                         cycles.spawn(shared.clone().run_cycle(claim, true, slot));
                     }
@@ -239,7 +291,7 @@ impl Relay {
                 _ = shutdown.cancelled() => break,
                 Some(done) = cycles.join_next(), if !cycles.is_empty() => {
                     match done {
-                        Ok(Ok(_)) => spaced(&mut want, &mut due, spaced_from, config.claim_spacing),
+                        Ok(Ok(_)) => spaced(&mut want, &mut due, self.cadence.next_claim(spaced_from, config.claim_spacing)),
                         Ok(Err(e)) => {
                             pause = db_backoff.failed(&mut rand::rng());
                             tracing::warn!(error = %e, pause_ms = millis(pause), "relay cycle failed");
@@ -247,11 +299,12 @@ impl Relay {
                         Err(e) => tracing::error!(error = %e, "relay cycle panicked"),
                     }
                 }
-                _ = shared.progress.notified() => spaced(&mut want, &mut due, spaced_from, config.claim_spacing),
-                _ = self.wake.notified() => spaced(&mut want, &mut due, spaced_from, config.claim_spacing),
+                _ = shared.progress.notified() => spaced(&mut want, &mut due, self.cadence.next_claim(spaced_from, config.claim_spacing)),
+                _ = self.wake.notified() => spaced(&mut want, &mut due, self.cadence.next_claim(spaced_from, config.claim_spacing)),
                 _ = async { tokio::time::sleep_until(due.expect("set")).await }, if due.is_some() => {
+                    // Another relay may have claimed since the timer was set.
                     due = None;
-                    want = true;
+                    spaced(&mut want, &mut due, self.cadence.next_claim(spaced_from, config.claim_spacing));
                 }
                 _ = tokio::time::sleep(pause) => want = true,
             }
@@ -301,14 +354,13 @@ type Finished<'o, 'a> = (
 );
 
 /// Something asks for a claim: it is wanted at once, or (the last claim took all there
-/// was and began at `spaced_from`) `spacing` after that claim began, a timer set in `due`.
+/// was) at `next`, a timer set in `due` (`ClaimCadence::next_claim`).
 fn spaced(
     want: &mut bool,
     due: &mut Option<tokio::time::Instant>,
-    spaced_from: Option<tokio::time::Instant>,
-    spacing: Duration,
+    next: Option<tokio::time::Instant>,
 ) {
-    match spaced_from.map(|t| t + spacing) {
+    match next {
         Some(at) if tokio::time::Instant::now() < at => {
             due.get_or_insert(at);
         }

@@ -1144,6 +1144,81 @@ impl Sink for TimedSink {
     }
 }
 
+/// Two relays sharing a `ClaimCadence` space their claims between them: after one
+/// relay's claim that took all there was, the other's next claim waits half the spacing
+/// from it, so under a trickle their claims alternate rather than fall together (one
+/// relay right after the other, then both a whole spacing later). Spacing 1.5 s so the
+/// bounds hold on a loaded machine; polls off.
+#[tokio::test]
+async fn relays_sharing_a_cadence_alternate_their_spaced_claims() {
+    let mut s = accept_only().await;
+    let sink = Arc::new(TimedSink::default());
+    let spacing = Duration::from_millis(1500);
+    let cadence = mailroom::relay::ClaimCadence::new(2);
+    let config = RelayConfig {
+        poll_interval: Duration::from_secs(60),
+        claim_spacing: spacing,
+        ..relay_config(Duration::ZERO)
+    };
+    let relay = |c: &Arc<mailroom::relay::ClaimCadence>| {
+        Relay::new(s.app.store.clone(), sink.clone(), Queue::Outbox, config).with_cadence(c)
+    };
+    let (a, b) = (relay(&cadence), relay(&cadence));
+    let (wake_a, wake_b) = (a.waker(), b.waker());
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let running = [
+        tokio::spawn(a.run(shutdown.clone())),
+        tokio::spawn(b.run(shutdown.clone())),
+    ];
+    // Both first claims find nothing. Relay A claims "a"; relay B, idle, claims "b" at
+    // once after it: both are now spaced, B's from just after A's.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    enqueue(&mut s.client, event("cadence", "ka", b"a")).await;
+    wake_a.notify_one();
+    let at_a = sink.wait_for("a").await;
+    enqueue(&mut s.client, event("cadence", "kb", b"b")).await;
+    let woke = std::time::Instant::now();
+    wake_b.notify_one();
+    let at_b = sink.wait_for("b").await;
+    assert!(
+        at_b - woke < Duration::from_secs(1),
+        "idle B took {:?}",
+        at_b - woke
+    );
+    // "c" goes with A's next claim, a spacing after its first.
+    enqueue(&mut s.client, event("cadence", "kc", b"c")).await;
+    wake_a.notify_one();
+    wake_b.notify_one();
+    let at_c = sink.wait_for("c").await;
+    assert!(
+        at_c - at_a >= spacing - Duration::from_millis(20),
+        "c came {:?} after a",
+        at_c - at_a
+    );
+    // B's own spacing has passed by now, but A claimed at `at_c`: B waits half a
+    // spacing from that (without the cadence it claims "d" at once).
+    enqueue(&mut s.client, event("cadence", "kd", b"d")).await;
+    wake_a.notify_one();
+    wake_b.notify_one();
+    let at_d = sink.wait_for("d").await;
+    let half = spacing / 2;
+    assert!(
+        at_d - at_c >= half - Duration::from_millis(20),
+        "d came {:?} after c, under half a spacing",
+        at_d - at_c
+    );
+    assert!(
+        at_d - at_c < spacing - Duration::from_millis(100),
+        "d came {:?} after c: a whole spacing, not half",
+        at_d - at_c
+    );
+    shutdown.cancel();
+    for r in running {
+        r.await.unwrap();
+    }
+    s.app.stop().await.unwrap();
+}
+
 /// Claim spacing (`RelayConfig::claim_spacing`): after a claim that took all there was,
 /// the relay's next claim waits out the spacing from that claim's start, whatever wakes
 /// it; an idle relay, and one whose claim hit a limit, claim at once. Spacing here is
