@@ -59,23 +59,26 @@ p.terminate(); p.wait()
 if os.environ.get("FILL_ONLY"):
     print(db, topic); sys.exit(0)
 t0 = time.time()
+def stat(pid):
+    """The fields of /proc/PID/stat after the command name (utime is [11])."""
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
 def pg_cpu():
     """PostgreSQL's CPU seconds so far: its live processes' own and, through the
     postmaster's cutime/cstime, those of the backends it has reaped."""
-    hz, total = os.sysconf("SC_CLK_TCK"), 0
+    total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if not open(f"/proc/{pid}/comm").read().startswith("postgres"):
                 continue
-            f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            f = stat(pid)
             total += int(f[11]) + int(f[12])
             if not open(f"/proc/{f[1]}/comm").read().startswith("postgres"):
                 total += int(f[13]) + int(f[14])
         except OSError:
             pass
-    return total / hz
+    return total / os.sysconf("SC_CLK_TCK")
 def proc_cpu(pid):
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    f = stat(pid)
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 # The machine's busy share over the drain itself (SAMPLE_CPU=1): /proc/stat every 20 ms
 # from the service's start, later cut to the span of the records' CreateTimes.

@@ -1813,12 +1813,8 @@ async fn relay_sessions_plan_their_statements_once() {
     // Claims through a store on these pools: the relay sessions' cached statements then
     // hold generic plans only (`pg_prepared_statements`, PostgreSQL 14+); under the
     // default mode the first five calls of each are custom plans.
-    let store =
-        mailroom::store::postgres::PgStore::from_pools(mailroom::store::postgres::PgPools {
-            enqueue: pools.enqueue.clone(),
-            relay: pools.relay.clone(),
-            admin: pools.admin.clone(),
-        });
+    let relay_pool = pools.relay.clone();
+    let store = mailroom::store::postgres::PgStore::from_pools(pools);
     for i in 0..8 {
         // A new key each time: the keys claimed before stay leased.
         store
@@ -1832,8 +1828,8 @@ async fn relay_sessions_plan_their_statements_once() {
         assert_eq!(claim.keyed.len(), 1, "claim {i} leased its key");
     }
     let mut sessions = Vec::new();
-    for _ in 0..pools.relay.size() {
-        sessions.push(pools.relay.acquire().await.unwrap());
+    for _ in 0..relay_pool.size() {
+        sessions.push(relay_pool.acquire().await.unwrap());
     }
     let (mut custom, mut generic) = (0i64, 0i64);
     for s in &mut sessions {
