@@ -55,6 +55,7 @@ pub async fn pg_pool(
             lazy: false,
             generic_plans,
         },
+        &config.database_profile,
     )
     .await
     .with_context(|| format!("connecting to {redacted}"))
@@ -70,6 +71,7 @@ pub async fn pg_pools(config: &Config) -> anyhow::Result<PgPools> {
         enqueue: pg_pool(config, t.enqueue, n, false).await?,
         relay: pg_pool(config, t.relay, (n / 2).max(2), true).await?,
         admin: pg_pool(config, t.admin, (n / 4).max(2), false).await?,
+        schema: config.database_profile.schema.clone(),
     })
 }
 
@@ -80,13 +82,19 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
             // Migrations run without the statement timeout: building an index on a large
             // table may take longer than any query of the service should.
             let pool = pg_pool(config, None, 2, false).await?;
-            PgStore::from_pool(pool.clone())
-                .migrate()
-                .await
-                .context("running migrations")?;
+            PgStore::from_pools(PgPools {
+                enqueue: pool.clone(),
+                relay: pool.clone(),
+                admin: pool.clone(),
+                schema: config.database_profile.schema.clone(),
+            })
+            .migrate()
+            .await
+            .context("running migrations")?;
             pool.close().await;
         }
         let store = PgStore::from_pools(pg_pools(config).await?);
+        check_schema_privileges(&store, config.database_refuse_shared_schema).await?;
         sync_sql_limits(&store, &config.limits).await;
         Arc::new(store)
     } else {
@@ -101,6 +109,32 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
         store
     };
     Ok(store)
+}
+
+/// Warns, or refuses to start when `refuse`, when roles other than mailroom's may create
+/// objects in the schema of its tables (docs/security.md, "A shared database"). Service
+/// sessions never search that schema, so nothing planted there runs in them; the
+/// migrator does search it, and such a role also sees mailroom's table names.
+async fn check_schema_privileges(store: &PgStore, refuse: bool) -> anyhow::Result<()> {
+    let Some(shared) = store
+        .schema_creators()
+        .await
+        .context("reading who may create in mailroom's schema")?
+    else {
+        return Ok(());
+    };
+    let schema = store.schema_name();
+    if refuse {
+        anyhow::bail!(
+            "roles other than mailroom's may create in schema {schema:?}: {shared}              (MAILROOM_DATABASE_REFUSE_SHARED_SCHEMA is set; REVOKE CREATE ON SCHEMA from them,              or give mailroom a schema of its own with MAILROOM_DATABASE_SCHEMA)"
+        );
+    }
+    tracing::warn!(
+        schema,
+        roles = %shared,
+        "other roles may create in the schema of mailroom's tables: mailroom's sessions never          search it, but its migrations do; REVOKE CREATE ON SCHEMA from them, or give mailroom          a schema of its own (MAILROOM_DATABASE_SCHEMA); MAILROOM_DATABASE_REFUSE_SHARED_SCHEMA          makes this fatal"
+    );
+    Ok(())
 }
 
 /// Keeps the SQL API's limits equal to the service's (a replica that may not write them
@@ -444,6 +478,7 @@ async fn start_outbox(
                 lazy: true,
                 ..Default::default()
             },
+            &config.database_profile,
         )
         .await
         .context("LISTEN/NOTIFY pool")?;

@@ -102,6 +102,11 @@ pub struct Config {
     pub database_acquire_timeout: Duration,
     /// PostgreSQL `statement_timeout` per query class.
     pub database_timeouts: DatabaseTimeouts,
+    /// What every PostgreSQL session of the service sets after connecting: the schema
+    /// of mailroom's tables, the lock and idle-in-transaction timeouts.
+    pub database_profile: crate::store::postgres::profile::SessionProfile,
+    /// Refuse to start (instead of warning) when other roles may create in that schema.
+    pub database_refuse_shared_schema: bool,
     /// What retention deletes, and how often.
     pub retention: crate::retention::RetentionConfig,
 }

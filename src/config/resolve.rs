@@ -18,6 +18,7 @@ use crate::relay::backoff::RetryPolicy;
 use crate::retention::RetentionConfig;
 use crate::secret::Secret;
 use crate::sink::SinkConfig;
+use crate::store::postgres::profile::SessionProfile;
 use crate::telemetry::LogFormat;
 use crate::tls::{ClientTls, ServerTls};
 
@@ -93,6 +94,8 @@ impl Config {
                 s.database_acquire_timeout_ms.unwrap_or(3000).max(10),
             ),
             database_timeouts: database_timeouts(&s),
+            database_profile: database_profile(&s)?,
+            database_refuse_shared_schema: s.database_refuse_shared_schema.unwrap_or(false),
             retention: retention(&s)?,
             sink,
             database_url: crate::secret::Secret(database_url),
@@ -586,6 +589,39 @@ fn faults(s: &Settings) -> Result<(f64, f64), ConfigError> {
         return Err(bad("fault_*_rate", "must be within 0..=1"));
     }
     Ok(f)
+}
+
+/// The service sessions' profile. The schema is any PostgreSQL name except the SQL
+/// API's own schema `mailroom` (whose USAGE producers hold) and the system schemas.
+fn database_profile(s: &Settings) -> Result<SessionProfile, ConfigError> {
+    use crate::store::postgres::profile::{
+        self, DEFAULT_IDLE_IN_TRANSACTION, DEFAULT_LOCK_TIMEOUT,
+    };
+    let schema = s
+        .database_schema
+        .clone()
+        .unwrap_or_else(|| profile::DEFAULT_SCHEMA.to_string());
+    const SETTING: &str = "database_schema (MAILROOM_DATABASE_SCHEMA)";
+    if schema.is_empty() || schema.len() > 63 || schema.contains('\0') {
+        return Err(bad(SETTING, "must be a PostgreSQL name of 1 to 63 bytes"));
+    }
+    if schema == "mailroom" || schema.starts_with("pg_") || schema == "information_schema" {
+        return Err(bad(
+            SETTING,
+            "must not be `mailroom` (the SQL API's schema), `information_schema` or start with `pg_`",
+        ));
+    }
+    let ms = |v: Option<u64>, default: Duration| {
+        v.map_or(Some(default), |ms| Some(Duration::from_millis(ms)))
+            .filter(|d| !d.is_zero())
+    };
+    let mut p = SessionProfile::service(&schema);
+    p.lock_timeout = ms(s.database_lock_timeout_ms, DEFAULT_LOCK_TIMEOUT);
+    p.idle_in_transaction = ms(
+        s.database_idle_in_transaction_timeout_ms,
+        DEFAULT_IDLE_IN_TRANSACTION,
+    );
+    Ok(p)
 }
 
 /// A query class's own statement timeout, else the general one, else the class default.

@@ -278,6 +278,27 @@ pub struct Settings {
     /// [default: 30000].
     #[arg(long, env = "MAILROOM_DATABASE_ADMIN_TIMEOUT_MS", global = true)]
     pub database_admin_timeout_ms: Option<u64>,
+    /// The PostgreSQL schema that holds mailroom's tables; every statement names it, and
+    /// no session of mailroom's searches it [default: public].
+    #[arg(long, env = "MAILROOM_DATABASE_SCHEMA", global = true)]
+    pub database_schema: Option<String>,
+    /// PostgreSQL `lock_timeout` of the service's sessions, in ms: how long a statement
+    /// waits for a lock another session holds before UNAVAILABLE; 0 = none
+    /// [default: 5000].
+    #[arg(long, env = "MAILROOM_DATABASE_LOCK_TIMEOUT_MS", global = true)]
+    pub database_lock_timeout_ms: Option<u64>,
+    /// PostgreSQL `idle_in_transaction_session_timeout` of every session, in ms; 0 =
+    /// none [default: 60000].
+    #[arg(
+        long,
+        env = "MAILROOM_DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_MS",
+        global = true
+    )]
+    pub database_idle_in_transaction_timeout_ms: Option<u64>,
+    /// Refuse to start when roles other than mailroom's may create objects in the
+    /// schema of its tables, instead of warning [default: false].
+    #[arg(long, env = "MAILROOM_DATABASE_REFUSE_SHARED_SCHEMA", global = true)]
+    pub database_refuse_shared_schema: Option<bool>,
     /// Completed events are deleted this many hours after publication; 0 = keep
     /// forever [default: 168].
     #[arg(long, env = "MAILROOM_RETENTION_COMPLETED_HOURS", global = true)]
@@ -415,6 +436,10 @@ impl Settings {
             database_enqueue_timeout_ms,
             database_relay_timeout_ms,
             database_admin_timeout_ms,
+            database_schema,
+            database_lock_timeout_ms,
+            database_idle_in_transaction_timeout_ms,
+            database_refuse_shared_schema,
             retention_completed_hours,
             retention_failed_hours,
             retention_interval_ms,

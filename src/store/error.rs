@@ -21,7 +21,8 @@ pub enum StoreError {
     #[error("database refused the data: {0}")]
     Refused(#[source] Cause),
     /// PostgreSQL cancelled the statement after the `statement_timeout` of its query
-    /// class (`57014`): the statement, and its transaction, changed nothing.
+    /// class (`57014`), or after waiting `lock_timeout` for a lock another session
+    /// holds (`55P03`): the statement, and its transaction, changed nothing.
     #[error("database statement timed out: {0}")]
     TimedOut(#[source] Cause),
     /// Explicit ids that name no event; nothing was changed. The message names at most
@@ -150,20 +151,26 @@ impl From<sqlx::Error> for StoreError {
             | sqlx::Error::Protocol(_) => StoreError::Unavailable(Cause::from(e)),
             sqlx::Error::Database(db) => {
                 // Class 08 (connection), 57P (operator intervention: shutdown), 53 (resources),
-                // SQLite BUSY, LOCKED, BUSY_SNAPSHOT: all say "try again later", not "bad
-                // request". 40001/40P01 (serialization, deadlock): run the call again.
+                // 25P03 (the server ended a transaction idle past
+                // `idle_in_transaction_session_timeout`), SQLite BUSY, LOCKED,
+                // BUSY_SNAPSHOT: all say "try again later", not "bad request".
+                // 40001/40P01 (serialization, deadlock): run the call again. 57014 (the
+                // statement timeout) and 55P03 (a lock another session holds outlasted
+                // the session's `lock_timeout`): the statement waited too long and
+                // changed nothing.
                 let code = db.code().map(|c| c.to_string()).unwrap_or_default();
                 if code == "40001" || code == "40P01" {
                     StoreError::Retryable(Cause::from(e))
                 } else if code.starts_with("08")
                     || code.starts_with("57P")
+                    || code == "25P03"
                     || code.starts_with("53")
                     || code == "5"
                     || code == "6"
                     || code == "517"
                 {
                     StoreError::Unavailable(Cause::from(e))
-                } else if code == "57014" {
+                } else if code == "57014" || code == "55P03" {
                     StoreError::TimedOut(Cause::from(e))
                 } else if refusal(&code) {
                     StoreError::Refused(Cause::from(e))

@@ -28,8 +28,13 @@ pub struct SchemaState {
     pub required: i64,
 }
 
-/// Reads a database's [`SchemaState`] (the same two statements on every engine).
-pub async fn read_state<DB>(pool: &sqlx::Pool<DB>) -> Result<SchemaState, sqlx::Error>
+/// Reads a database's [`SchemaState`] with the engine's text of [`DATABASE_SCHEMA_SQL`]
+/// and [`REQUIRED_SCHEMA_SQL`] (PostgreSQL qualifies the names).
+pub async fn read_state<DB>(
+    pool: &sqlx::Pool<DB>,
+    database_sql: &str,
+    required_sql: &str,
+) -> Result<SchemaState, sqlx::Error>
 where
     DB: sqlx::Database,
     i64: sqlx::Type<DB> + for<'r> sqlx::Decode<'r, DB>,
@@ -37,13 +42,13 @@ where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     usize: sqlx::ColumnIndex<DB::Row>,
 {
-    let database: i64 = sqlx::query_scalar(DATABASE_SCHEMA_SQL)
+    let database: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(database_sql))
         .fetch_one(pool)
         .await?;
     let required: i64 = if database < COMPAT_SINCE {
         0
     } else {
-        sqlx::query_scalar(REQUIRED_SCHEMA_SQL)
+        sqlx::query_scalar(sqlx::AssertSqlSafe(required_sql))
             .fetch_one(pool)
             .await?
     };

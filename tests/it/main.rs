@@ -36,6 +36,7 @@ mod relay_under_load;
 mod retention;
 mod schema_compat;
 mod security;
+mod shared_database;
 mod sql_api;
 mod store;
 mod tls;

@@ -70,35 +70,13 @@ fn pending_sql(sh: &Shape, order: PendingOrder) -> String {
     )
 }
 
-type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
+/// The statement `stmt` of box `b`, with mailroom's names unqualified (`PgStore::built`
+/// qualifies them).
+fn admin_sql(b: BoxKind, stmt: Stmt) -> String {
+    let sh = Shape::postgres(b);
 
-/// Binds the flows' parameters: times as `timestamptz`, id lists as `int8[]`; `Now` is
-/// the statement's own `now()`.
-fn bind<'q>(sql: &'q str, params: &[Param<'q>]) -> PgQuery<'q> {
-    let mut q = sqlx::query(AssertSqlSafe(sql));
-    for p in params {
-        q = match *p {
-            Param::Int(v) => q.bind(v),
-            Param::Text(v) => q.bind(v),
-            Param::Flag(v) => q.bind(v),
-            Param::Time(v) => q.bind(v),
-            Param::Micros(v) => q.bind(v.and_then(DateTime::from_timestamp_micros)),
-            Param::Ids(v) => q.bind(v),
-            Param::Now => q,
-        };
-    }
-    q
-}
-
-#[async_trait::async_trait]
-impl AdminSql for PgStore {
-    type Row = PgRow;
-    type Tx = Transaction<'static, Postgres>;
-
-    fn sql(&self, b: BoxKind, stmt: Stmt) -> String {
-        let sh = Shape::postgres(b);
-        let (events, keys) = (sh.events, sh.keys);
-        match stmt {
+    let (events, keys) = (sh.events, sh.keys);
+    match stmt {
             Stmt::Shared(shared) => sh.shared(shared, &sh.detail_columns("false", false)),
             Stmt::InsertAudit => "INSERT INTO admin_audit
                      (actor, action, box, selection, count, principal, request_id)
@@ -135,6 +113,35 @@ impl AdminSql for PgStore {
                 }
             ),
         }
+}
+
+type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
+
+/// Binds the flows' parameters: times as `timestamptz`, id lists as `int8[]`; `Now` is
+/// the statement's own `now()`.
+fn bind<'q>(sql: &'q str, params: &[Param<'q>]) -> PgQuery<'q> {
+    let mut q = sqlx::query(AssertSqlSafe(sql));
+    for p in params {
+        q = match *p {
+            Param::Int(v) => q.bind(v),
+            Param::Text(v) => q.bind(v),
+            Param::Flag(v) => q.bind(v),
+            Param::Time(v) => q.bind(v),
+            Param::Micros(v) => q.bind(v.and_then(DateTime::from_timestamp_micros)),
+            Param::Ids(v) => q.bind(v),
+            Param::Now => q,
+        };
+    }
+    q
+}
+
+#[async_trait::async_trait]
+impl AdminSql for PgStore {
+    type Row = PgRow;
+    type Tx = Transaction<'static, Postgres>;
+
+    fn sql(&self, b: BoxKind, stmt: Stmt) -> String {
+        self.built(&admin_sql(b, stmt))
     }
 
     async fn begin(&self) -> StoreResult<Self::Tx> {
@@ -201,7 +208,7 @@ impl AdminSql for PgStore {
         let topics: Vec<&str> = keys.iter().map(|k| k.1).collect();
         let names: Vec<&str> = keys.iter().map(|k| k.2).collect();
         let rows = match b {
-            BoxKind::Outbox => sqlx::query_as(
+            BoxKind::Outbox => sqlx::query_as(AssertSqlSafe(self.text(
                 "INSERT INTO outbox_keys (topic, event_key, ready_at)
                  SELECT t, k, now() FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS u(t, k, o)
                  ORDER BY o
@@ -209,8 +216,8 @@ impl AdminSql for PgStore {
                  DO UPDATE SET ready_at = LEAST(outbox_keys.ready_at, now())
                  RETURNING ''::text AS subscription, topic, event_key,
                            COALESCE(lease_until > now(), false) AS leased",
-            ),
-            BoxKind::Inbox => sqlx::query_as(
+            ))),
+            BoxKind::Inbox => sqlx::query_as(AssertSqlSafe(self.text(
                 "INSERT INTO inbox_keys (subscription, topic, event_key, ready_at)
                  SELECT s, t, k, now()
                  FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS u(s, t, k, o)
@@ -219,7 +226,7 @@ impl AdminSql for PgStore {
                  DO UPDATE SET ready_at = LEAST(inbox_keys.ready_at, now())
                  RETURNING subscription, topic, event_key,
                            COALESCE(lease_until > now(), false) AS leased",
-            )
+            )))
             .bind(&subs),
         };
         let rows: Vec<(String, String, String, bool)> =

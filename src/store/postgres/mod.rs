@@ -11,6 +11,7 @@
 
 mod admin;
 pub mod notify;
+pub mod profile;
 mod relay;
 mod retention;
 mod sql;
@@ -24,6 +25,7 @@ use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Executor, Row};
 
+use self::profile::{Qualifier, SessionProfile};
 use self::sql::Sql;
 use super::rows::{Cols, decode_event};
 use super::schema;
@@ -41,6 +43,8 @@ pub struct PgStore {
     relay_pool: PgPool,
     /// Admin reads and actions.
     admin_pool: PgPool,
+    /// Qualifies mailroom's names in every statement with the data schema (`profile`).
+    names: Qualifier,
     outbox: Sql,
     inbox: Sql,
 }
@@ -54,6 +58,8 @@ pub struct PgPools {
     pub relay: PgPool,
     /// Admin reads and actions.
     pub admin: PgPool,
+    /// The schema that holds mailroom's tables (unquoted).
+    pub schema: String,
 }
 
 /// What a pool is: its size, how long a request waits for a connection (then fails
@@ -90,32 +96,44 @@ impl Default for PoolShape {
 }
 
 /// Every PostgreSQL pool mailroom opens (the query classes' pools, the migrations', the
-/// LISTEN connection's) is built here.
-pub async fn pool(url: &str, shape: PoolShape) -> StoreResult<PgPool> {
-    let mut opts: PgConnectOptions = url
+/// LISTEN connection's) is built here, and each of its connections runs `profile`.
+pub async fn pool(url: &str, shape: PoolShape, profile: &SessionProfile) -> StoreResult<PgPool> {
+    let opts: PgConnectOptions = url
         .parse()
         .map_err(|e: sqlx::Error| StoreError::other(format!("bad database url: {e}")))?;
+    pool_with(opts, shape, profile).await
+}
+
+async fn pool_with(
+    mut opts: PgConnectOptions,
+    shape: PoolShape,
+    profile: &SessionProfile,
+) -> StoreResult<PgPool> {
     if let Some(t) = shape.statement_timeout {
         opts = opts.options([("statement_timeout", t.as_millis().to_string())]);
     }
-    let mut options = PgPoolOptions::new()
+    let profile = Arc::new(profile.clone());
+    let generic_plans = shape.generic_plans;
+    let options = PgPoolOptions::new()
         .max_connections(shape.max_connections)
-        .acquire_timeout(shape.acquire_timeout);
-    if shape.generic_plans {
-        // A statement after connecting rather than a startup option: PgBouncer refuses
-        // unknown startup parameters. `plan_cache_mode` is PostgreSQL 12's; older servers
-        // keep planning per call.
-        options = options.after_connect(|conn, _| {
+        .acquire_timeout(shape.acquire_timeout)
+        .after_connect(move |conn, _| {
+            let profile = profile.clone();
             Box::pin(async move {
-                conn.execute(
-                    "SELECT set_config('plan_cache_mode', 'force_generic_plan', false)
-                     WHERE current_setting('server_version_num')::int >= 120000",
-                )
-                .await
-                .map(drop)
+                profile.apply(conn).await?;
+                if generic_plans {
+                    // A statement after connecting rather than a startup option: PgBouncer
+                    // refuses unknown startup parameters. `plan_cache_mode` is PostgreSQL
+                    // 12's; older servers keep planning per call.
+                    conn.execute(
+                        "SELECT set_config('plan_cache_mode', 'force_generic_plan', false)
+                         WHERE current_setting('server_version_num')::int >= 120000",
+                    )
+                    .await?;
+                }
+                Ok(())
             })
         });
-    }
     if shape.lazy {
         Ok(options.connect_lazy_with(opts))
     } else {
@@ -126,6 +144,7 @@ pub async fn pool(url: &str, shape: PoolShape) -> StoreResult<PgPool> {
 impl PgStore {
     /// Connects lazily-checked: the pool is created and one connection tried, so a bad
     /// URL fails at start-up while a database that goes away later only degrades health.
+    /// (Mailroom's tables in the default schema, sessions with the default profile.)
     pub async fn connect(url: &str, max_connections: u32) -> StoreResult<Self> {
         let pool = pool(
             url,
@@ -133,29 +152,75 @@ impl PgStore {
                 max_connections,
                 ..PoolShape::default()
             },
+            &SessionProfile::service(profile::DEFAULT_SCHEMA),
         )
         .await?;
         Ok(Self::from_pool(pool))
     }
 
-    /// One pool for every query class.
+    /// One pool for every query class, mailroom's tables in the default schema.
     pub fn from_pool(pool: PgPool) -> Self {
         Self::from_pools(PgPools {
             enqueue: pool.clone(),
             relay: pool.clone(),
             admin: pool,
+            schema: profile::DEFAULT_SCHEMA.to_string(),
         })
     }
 
     /// A store over the given pools, one per query class.
     pub fn from_pools(pools: PgPools) -> Self {
+        let names = Qualifier::new(&pools.schema);
         PgStore {
             pool: pools.enqueue,
             relay_pool: pools.relay,
             admin_pool: pools.admin,
-            outbox: Sql::new("outbox_events", "outbox_keys", false),
-            inbox: Sql::new("inbox_events", "inbox_keys", true),
+            outbox: Sql::new("outbox_events", "outbox_keys", false, &names),
+            inbox: Sql::new("inbox_events", "inbox_keys", true, &names),
+            names,
         }
+    }
+
+    /// The schema of mailroom's tables (unquoted).
+    pub fn schema_name(&self) -> &str {
+        self.names.schema()
+    }
+
+    /// The roles other than mailroom's own (its user, the roles granted to it,
+    /// superusers and PostgreSQL's predefined roles) that may create objects in the
+    /// schema of mailroom's tables, as a readable list; `None` when there is none.
+    pub async fn schema_creators(&self) -> StoreResult<Option<String>> {
+        Ok(sqlx::query_scalar(
+            "WITH s AS (SELECT oid, nspowner, nspacl FROM pg_catalog.pg_namespace
+                        WHERE nspname = $1)
+             SELECT CASE
+                 WHEN EXISTS (SELECT 1 FROM s, aclexplode(COALESCE(s.nspacl,
+                                                acldefault('n', s.nspowner))) a
+                              WHERE a.grantee = 0 AND a.privilege_type = 'CREATE')
+                 THEN 'PUBLIC (every role)'
+                 ELSE (SELECT string_agg(r.rolname, ', ' ORDER BY r.rolname)
+                       FROM pg_catalog.pg_roles r, s
+                       WHERE has_schema_privilege(r.oid, s.oid, 'CREATE')
+                         AND NOT r.rolsuper AND NOT starts_with(r.rolname, 'pg_')
+                         AND r.rolname <> current_user
+                         AND r.oid NOT IN (SELECT m.roleid FROM pg_catalog.pg_auth_members m
+                                           JOIN pg_catalog.pg_roles u ON u.oid = m.member
+                                           WHERE u.rolname = current_user))
+             END",
+        )
+        .bind(self.names.schema())
+        .fetch_one(&self.admin_pool)
+        .await?)
+    }
+
+    /// A constant statement with mailroom's names qualified (see `profile::Qualifier`).
+    pub(crate) fn text(&self, sql: &'static str) -> Arc<str> {
+        self.names.fixed(sql)
+    }
+
+    /// A built statement with mailroom's names qualified.
+    pub(crate) fn built(&self, sql: &str) -> String {
+        self.names.text(sql)
     }
 
     /// The pool of enqueues and health checks.
@@ -189,9 +254,9 @@ impl PgStore {
             BoxKind::Inbox => "inbox_keys",
         };
         // The line starts above the key's cursor, as in a claim.
-        let cursor: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+        let cursor: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.built(&format!(
             "SELECT max(published_through) FROM {keys} WHERE topic = $1 AND event_key = $2"
-        )))
+        ))))
         .bind(&line.topic)
         .bind(&line.key)
         .fetch_one(&self.pool)
@@ -212,6 +277,48 @@ impl PgStore {
             BoxKind::Outbox => &self.outbox,
             BoxKind::Inbox => &self.inbox,
         }
+    }
+}
+
+/// Creates the data schema when it is missing (a configured schema on a new database;
+/// `public` exists already).
+async fn ensure_schema(pool: &PgPool, schema: &str) -> StoreResult<()> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regnamespace($1) IS NOT NULL")
+        .bind(profile::quote_ident(schema))
+        .fetch_one(pool)
+        .await?;
+    if !exists {
+        pool.execute(AssertSqlSafe(format!(
+            "CREATE SCHEMA IF NOT EXISTS {}",
+            profile::quote_ident(schema)
+        )))
+        .await?;
+    }
+    Ok(())
+}
+
+/// Refuses to migrate a schema without mailroom's tables when another schema of the
+/// database has them: the tables were created under another search path (an earlier
+/// release followed the role's), and migrating here would start a second, empty copy
+/// that some sessions would then use.
+async fn refuse_other_home(pool: &PgPool, schema: &str) -> StoreResult<()> {
+    let other: Option<String> = sqlx::query_scalar(
+        "SELECT string_agg(n.nspname, ', ' ORDER BY n.nspname)
+         FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+         WHERE c.relname = 'outbox_events' AND c.relkind = 'r' AND n.nspname <> $1
+           AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_class c2
+                           JOIN pg_catalog.pg_namespace n2 ON n2.oid = c2.relnamespace
+                           WHERE c2.relname = 'outbox_events' AND n2.nspname = $1)",
+    )
+    .bind(schema)
+    .fetch_one(pool)
+    .await?;
+    match other {
+        Some(found) => Err(StoreError::other(format!(
+            "mailroom's tables are in schema {found}, not {schema:?}: set \
+             MAILROOM_DATABASE_SCHEMA to the schema that holds them"
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -314,10 +421,29 @@ impl Store for PgStore {
     }
 
     async fn migrate(&self) -> StoreResult<()> {
-        schema::tolerant(sqlx::migrate!("migrations/postgres"))
-            .run(&self.pool)
-            .await
-            .map_err(|e| StoreError::other(format!("migration failed: {e}")))
+        // On a pool of its own, one connection with the migrator's profile (the
+        // released migrations name objects without a schema), closed afterwards.
+        let opts = (*self.pool.connect_options()).clone();
+        let migrator = pool_with(
+            opts,
+            PoolShape {
+                max_connections: 1,
+                ..PoolShape::default()
+            },
+            &SessionProfile::migrator(self.names.schema()),
+        )
+        .await?;
+        let ran = async {
+            refuse_other_home(&migrator, self.names.schema()).await?;
+            ensure_schema(&migrator, self.names.schema()).await?;
+            schema::tolerant(sqlx::migrate!("migrations/postgres"))
+                .run(&migrator)
+                .await
+                .map_err(|e| StoreError::other(format!("migration failed: {e}")))
+        }
+        .await;
+        migrator.close().await;
+        ran
     }
 
     fn known_schema(&self) -> i64 {
@@ -325,7 +451,12 @@ impl Store for PgStore {
     }
 
     async fn schema_state(&self) -> StoreResult<schema::SchemaState> {
-        Ok(schema::read_state(&self.pool).await?)
+        Ok(schema::read_state(
+            &self.pool,
+            &self.text(schema::DATABASE_SCHEMA_SQL),
+            &self.text(schema::REQUIRED_SCHEMA_SQL),
+        )
+        .await?)
     }
 
     async fn ping(&self) -> StoreResult<()> {
@@ -334,11 +465,11 @@ impl Store for PgStore {
     }
 
     async fn installation_id(&self) -> StoreResult<String> {
-        Ok(
-            sqlx::query_scalar("SELECT installation_id::text FROM mailroom_installation")
-                .fetch_one(&self.pool)
-                .await?,
-        )
+        Ok(sqlx::query_scalar(AssertSqlSafe(
+            self.text("SELECT installation_id::text FROM mailroom_installation"),
+        ))
+        .fetch_one(&self.pool)
+        .await?)
     }
 
     async fn enqueue(&self, events: &[NewEvent], atomic: bool) -> StoreResult<Vec<Admission>> {
@@ -354,10 +485,10 @@ impl Store for PgStore {
     }
 
     async fn held_ids(&self, subscription: &str, ids: &[String]) -> StoreResult<Vec<HeldId>> {
-        let rows = sqlx::query(
+        let rows = sqlx::query(AssertSqlSafe(self.text(
             "SELECT message_id, id, created_at FROM inbox_events
              WHERE subscription = $1 AND message_id = ANY($2)",
-        )
+        )))
         .bind(subscription)
         .bind(ids)
         .fetch_all(&self.pool)
@@ -429,9 +560,9 @@ impl Store for PgStore {
             BoxKind::Outbox => "outbox_events_view",
             BoxKind::Inbox => "inbox_events",
         };
-        let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(self.built(&format!(
             "SELECT count(*) FROM {table} WHERE $1::text IS NULL OR status = $1"
-        )))
+        ))))
         .bind(status.map(Status::as_str))
         .fetch_one(&self.admin_pool)
         .await?;

@@ -34,7 +34,7 @@ impl PgStore {
     ) -> StoreResult<u64> {
         // Both names are constants of `Finished`, never caller text.
         let (status, time_column) = (finished.status(), finished.since_column());
-        let r = sqlx::query(AssertSqlSafe(format!(
+        let r = sqlx::query(AssertSqlSafe(self.built(&format!(
             "DELETE FROM {events} WHERE id IN (
                  SELECT id FROM {events}
                  WHERE status = '{status}'
@@ -43,7 +43,7 @@ impl PgStore {
                  LIMIT $2
                  FOR UPDATE SKIP LOCKED)
              AND status = '{status}'"
-        )))
+        ))))
         .bind(secs(older_than))
         .bind(i64::from(limit))
         .execute(self.relay_pool())
@@ -83,7 +83,7 @@ impl RetentionStore for PgStore {
         // retained line and filtered, so a batch cost grew with the history kept per key
         // (104 ms a batch of 1,000 at 100 rows per key, 24 ms now; docs/scaling.md).
         let rest = i64::from(limit) - i64::try_from(explicit).unwrap_or(0);
-        let gone: i64 = sqlx::query_scalar(
+        let gone: i64 = sqlx::query_scalar(AssertSqlSafe(self.text(
             "WITH oldest AS (
                  SELECT topic, event_key, through, events FROM outbox_publishes
                  WHERE at < now() - make_interval(secs => $1)
@@ -113,7 +113,7 @@ impl RetentionStore for PgStore {
                  DELETE FROM outbox_publishes l USING picked p
                  WHERE l.topic = p.topic AND l.event_key = p.event_key AND l.through <= p.through)
              SELECT count(*) FROM events",
-        )
+        )))
         .bind(secs(older_than))
         .bind(rest)
         .fetch_one(self.relay_pool())
@@ -124,7 +124,7 @@ impl RetentionStore for PgStore {
     async fn prune_idle_keys(&self, limit: u32) -> StoreResult<u64> {
         // Fold the completed counters of other backends into shard 0 (migration 0016),
         // skipping rows a transaction is writing: retention never waits.
-        sqlx::query(
+        sqlx::query(AssertSqlSafe(self.text(
             "WITH gone AS (
                  DELETE FROM outbox_completed_counts WHERE (topic, shard) IN (
                      SELECT topic, shard FROM outbox_completed_counts WHERE shard <> 0
@@ -133,12 +133,12 @@ impl RetentionStore for PgStore {
              INSERT INTO outbox_completed_counts AS c (topic, shard, n)
              SELECT topic, 0, sum(n) FROM gone GROUP BY topic ORDER BY topic COLLATE \"C\"
              ON CONFLICT (topic, shard) DO UPDATE SET n = c.n + EXCLUDED.n",
-        )
+        )))
         .execute(self.relay_pool())
         .await?;
         // A key whose line still holds rows keeps its row: its cursor says which of them
         // are published.
-        let n: i64 = sqlx::query_scalar(
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(self.text(
             "WITH gone AS (
                  DELETE FROM outbox_keys WHERE (topic, event_key) IN (
                      SELECT k.topic, k.event_key FROM outbox_keys k
@@ -153,7 +153,7 @@ impl RetentionStore for PgStore {
                  DELETE FROM outbox_publishes l USING gone g
                  WHERE l.topic = g.topic AND l.event_key = g.event_key)
              SELECT count(*) FROM gone",
-        )
+        )))
         .bind(i64::from(limit))
         .fetch_one(self.relay_pool())
         .await?;
@@ -173,7 +173,7 @@ impl RetentionStore for PgStore {
     }
 
     async fn prune_idle_inbox_keys(&self, limit: u32) -> StoreResult<u64> {
-        let r = sqlx::query(
+        let r = sqlx::query(AssertSqlSafe(self.text(
             "DELETE FROM inbox_keys WHERE (subscription, topic, event_key) IN (
                  SELECT k.subscription, k.topic, k.event_key FROM inbox_keys k
                  WHERE k.ready_at = 'infinity' AND k.lease_token IS NULL AND k.pending = 0
@@ -183,7 +183,7 @@ impl RetentionStore for PgStore {
                  LIMIT $1
                  FOR UPDATE SKIP LOCKED)
              AND ready_at = 'infinity' AND lease_token IS NULL AND pending = 0",
-        )
+        )))
         .bind(i64::from(limit))
         .execute(self.relay_pool())
         .await?;

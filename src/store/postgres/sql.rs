@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use super::profile::Qualifier;
+
 /// SQL text per box, built once: the boxes differ only in table names.
 pub(super) struct Sql {
     pub(super) lease_keys: Arc<str>,
@@ -32,36 +34,37 @@ pub(super) struct Sql {
 impl Sql {
     /// `scoped`: the tables carry a `subscription` column (the inbox), and every claim
     /// and settle statement takes the subscription as its last parameter.
-    pub(super) fn new(events: &str, keys: &str, scoped: bool) -> Self {
+    pub(super) fn new(events: &str, keys: &str, scoped: bool, names: &Qualifier) -> Self {
         let t = Tables {
             events,
             keys,
             scoped,
         };
+        let q = |sql: String| -> Arc<str> { names.text(&sql).into() };
         Sql {
-            lease_keys: t.lease_keys().into(),
-            windows: t.windows(false).into(),
-            claim_unkeyed: t.claim_unkeyed().into(),
-            lock_keys: t.lock_keys().into(),
-            settle_events: t.settle_events().into(),
+            lease_keys: q(t.lease_keys()),
+            windows: q(t.windows(false)),
+            claim_unkeyed: q(t.claim_unkeyed()),
+            lock_keys: q(t.lock_keys()),
+            settle_events: q(t.settle_events()),
             // Each key row found by a primary-key probe (the materialized `u`, which the
             // planner cannot turn around) and updated by its row id: the settle locked
             // these rows earlier in its transaction (`lock_keys`), so the id the probe
             // reads is the current version. (Joined on the key, the planner, which
             // estimates one row for a lease token, looped over the array once per key
             // row, as `lock_keys` did.)
-            release_keys: t.release(false).into(),
-            renew_keys: t.renew_keys().into(),
-            renew_unkeyed: t.renew_unkeyed().into(),
-            get_event: t.get_event().into(),
-            check_runs: (!scoped).then(|| t.check_runs().into()),
+            release_keys: q(t.release(false)),
+            renew_keys: q(t.renew_keys()),
+            renew_unkeyed: q(t.renew_unkeyed()),
+            get_event: q(t.get_event()),
+            check_runs: (!scoped).then(|| q(t.check_runs())),
             // The outbox's release also moves the cursors `check_runs` allowed ($7: the
             // new cursor, $8: the events it covers, NULL and 0 elsewhere) and logs each
             // advance with its time in `outbox_publishes`: one write per key row.
-            release_advance: (!scoped).then(|| t.release(true).into()),
-            fold: (!scoped).then(|| FOLD.into()),
-            continue_line: (!scoped).then(|| CONTINUE_LINE.into()),
-            windows_within: (!scoped).then(|| t.windows(true).into()),
+            release_advance: (!scoped).then(|| q(t.release(true))),
+            fold: (!scoped).then(|| q(FOLD.to_string())),
+            continue_line: (!scoped).then(|| q(CONTINUE_LINE.to_string())),
+            windows_within: (!scoped).then(|| q(t.windows(true))),
         }
     }
 }

@@ -24,7 +24,7 @@ impl PgStore {
     /// Makes the SQL API validate with `limits`, as gRPC does. `Ok(true)`: the row
     /// differed and now matches.
     pub async fn sync_sql_limits(&self, limits: &Limits) -> StoreResult<bool> {
-        let done = sqlx::query(SYNC)
+        let done = sqlx::query(sqlx::AssertSqlSafe(self.text(SYNC)))
             .bind(int(limits.max_payload_bytes))
             .bind(int(limits.max_headers))
             .bind(int(limits.max_header_bytes))

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use sqlx::Row;
 use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, Row};
 
 use super::PgStore;
 use crate::domain::{InboundMessage, NewEvent, idempotency_scope};
@@ -226,7 +226,7 @@ impl PgStore {
     ) -> Result<Vec<Admission>, sqlx::Error> {
         let k = KeyColumns::of(events);
         let e = EventColumns::of(events);
-        let insert = sqlx::query(ENQUEUE)
+        let insert = sqlx::query(AssertSqlSafe(self.text(ENQUEUE)))
             .bind(&e.topic)
             .bind(&e.key)
             .bind(&e.payload)
@@ -262,7 +262,9 @@ impl PgStore {
             .unzip();
         let mut existing = HashMap::new();
         if !missing.is_empty() {
-            let q = sqlx::query(HOLDERS).bind(&missing_topics).bind(&missing);
+            let q = sqlx::query(AssertSqlSafe(self.text(HOLDERS)))
+                .bind(&missing_topics)
+                .bind(&missing);
             let holders = match tx.as_mut() {
                 Some(tx) => q.fetch_all(&mut **tx).await?,
                 None => q.fetch_all(&self.pool).await?,
@@ -302,7 +304,7 @@ impl PgStore {
             .collect();
         if !keys.is_empty() {
             let (topics, names): (Vec<&str>, Vec<&str>) = keys.into_iter().unzip();
-            sqlx::query(RECEIVE_KEYS)
+            sqlx::query(AssertSqlSafe(self.text(RECEIVE_KEYS)))
                 .bind(subscription)
                 .bind(&topics)
                 .bind(&names)
@@ -310,7 +312,7 @@ impl PgStore {
                 .await?;
         }
         let c = MessageColumns::of(messages);
-        let rows = sqlx::query(RECEIVE)
+        let rows = sqlx::query(AssertSqlSafe(self.text(RECEIVE)))
             .bind(subscription)
             .bind(&c.mid)
             .bind(&c.topic)
@@ -334,7 +336,7 @@ impl PgStore {
             .collect();
         let mut existing = HashMap::new();
         if !missing.is_empty() {
-            for r in sqlx::query(HELD_MESSAGES)
+            for r in sqlx::query(AssertSqlSafe(self.text(HELD_MESSAGES)))
                 .bind(subscription)
                 .bind(&missing)
                 .fetch_all(&mut *tx)

@@ -146,7 +146,12 @@ impl Store for SqliteStore {
     }
 
     async fn schema_state(&self) -> StoreResult<schema::SchemaState> {
-        Ok(schema::read_state(&self.pool).await?)
+        Ok(schema::read_state(
+            &self.pool,
+            schema::DATABASE_SCHEMA_SQL,
+            schema::REQUIRED_SCHEMA_SQL,
+        )
+        .await?)
     }
 
     async fn ping(&self) -> StoreResult<()> {
