@@ -391,3 +391,34 @@ async fn a_key_row_held_elsewhere_costs_the_lock_timeout_only() {
     enqueue(&mut s.client, event("held", "m", b"after")).await;
     s.app.stop().await.unwrap();
 }
+
+/// Every function the migrations create (in the data schema and in the SQL API's schema
+/// `mailroom`) runs with `search_path = pg_catalog, pg_temp`: none resolves names
+/// through the path of the session that calls it or fires its trigger. (Before 0019:
+/// the inbox count triggers had no setting and the helpers of 0016 and 0018 kept the
+/// migrator's `"$user", public`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_function_of_the_migrations_is_pinned() {
+    let url = fresh_pg().await;
+    open_store(&config(&url)).await.unwrap();
+    let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+    let unpinned: Vec<String> = sqlx::query_scalar(
+        "SELECT n.nspname || '.' || p.proname || ' ' || COALESCE(p.proconfig::text, 'no setting')
+         FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname IN ('public', 'mailroom')
+           AND p.proconfig IS DISTINCT FROM ARRAY['search_path=pg_catalog, pg_temp']
+         ORDER BY 1",
+    )
+    .fetch_all(&mut c)
+    .await
+    .unwrap();
+    assert_eq!(unpinned, Vec::<String>::new());
+    let all: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname IN ('public', 'mailroom')",
+    )
+    .fetch_one(&mut c)
+    .await
+    .unwrap();
+    assert!(all >= 20, "the migrations' functions were found ({all})");
+}
