@@ -329,6 +329,7 @@ impl App {
             auth: AuthLayer::new(auth),
             overload: OverloadLayer::new(config.overload),
             admission: ByteAdmissionLayer::new(config.overload.max_request_bytes),
+            connections: config.connections,
         };
         let task = tokio::spawn(serve(
             listener,
@@ -672,6 +673,7 @@ struct Stack {
     auth: AuthLayer,
     overload: OverloadLayer,
     admission: ByteAdmissionLayer,
+    connections: crate::api::connections::ConnectionLimits,
 }
 
 /// How the server stops: the shutdown signal, the grace period, the health to turn
@@ -716,6 +718,10 @@ fn served(b: tonic_reflection::server::Builder<'_>) -> tonic_reflection::server:
         .with_service_name("grpc.health.v1.Health")
 }
 
+/// How often an idle gRPC connection is pinged, and how long the answer may take.
+const HTTP2_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(30);
+const HTTP2_KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serves gRPC until the shutdown signal, lets in-flight RPCs finish within the grace
 /// period, then stops the background tasks (each within the grace period too).
 async fn serve(
@@ -733,11 +739,19 @@ async fn serve(
             health.set_all(ServingStatus::NotServing).await;
         }
     };
-    // TCP_NODELAY on every connection: without it, Nagle holds back the second write of
-    // a response until the client's delayed ACK (~40 ms per call). (tonic's own nodelay
-    // setting does not apply to a listener we pass in.)
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let mut builder = tonic::transport::Server::builder();
+    // Our own accept loop: a handshake deadline, a connection cap, TCP keep-alive, and
+    // accept errors waited out (api::connections). It sets TCP_NODELAY too: without it,
+    // Nagle holds back the second write of a response until the client's delayed ACK
+    // (~40 ms per call).
+    let limits = stack.connections;
+    let incoming =
+        crate::api::connections::incoming(listener, limits, stop.background.token.clone());
+    // HTTP/2 keep-alive finds peers that vanished without a reset; streams per
+    // connection are bounded.
+    let mut builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(HTTP2_KEEPALIVE))
+        .http2_keepalive_timeout(Some(HTTP2_KEEPALIVE_TIMEOUT))
+        .max_concurrent_streams(Some(limits.max_concurrent_streams));
     if let Some(tls) = stack.tls {
         builder = builder.tls_config(tls).context("TLS configuration")?;
     }

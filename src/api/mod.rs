@@ -3,6 +3,7 @@
 //! `layers` (RPC log, token check, overload, byte admission).
 
 pub mod admin;
+pub mod connections;
 pub mod convert;
 pub mod inbox;
 pub mod layers;

@@ -98,6 +98,8 @@ pub struct Config {
     pub tls: Option<ServerTls>,
     /// Concurrency limit and deadline of every RPC.
     pub overload: crate::api::layers::OverloadConfig,
+    /// The gRPC port's connections: cap, handshake deadline, streams per connection.
+    pub connections: crate::api::connections::ConnectionLimits,
     /// How long a query waits for a pooled connection.
     pub database_acquire_timeout: Duration,
     /// PostgreSQL `statement_timeout` per query class.

@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::enqueue_request_bytes;
 use super::{Config, ConfigError, DatabaseTimeouts, Settings, SubscriptionSettings, bad};
 use crate::access::{MIN_TOKEN_LEN, TokenEntry, load_tokens};
+use crate::api::connections::ConnectionLimits;
 use crate::api::layers::OverloadConfig;
 use crate::domain::Limits;
 use crate::inbox::SubscriptionConfig;
@@ -94,6 +95,7 @@ impl Config {
                 s.database_acquire_timeout_ms.unwrap_or(3000).max(10),
             ),
             database_timeouts: database_timeouts(&s),
+            connections: connections(&s)?,
             database_profile: database_profile(&s)?,
             database_refuse_shared_schema: s.database_refuse_shared_schema.unwrap_or(false),
             retention: retention(&s)?,
@@ -589,6 +591,37 @@ fn faults(s: &Settings) -> Result<(f64, f64), ConfigError> {
         return Err(bad("fault_*_rate", "must be within 0..=1"));
     }
     Ok(f)
+}
+
+/// The gRPC port's connection limits.
+fn connections(s: &Settings) -> Result<ConnectionLimits, ConfigError> {
+    let d = ConnectionLimits::default();
+    let limits = ConnectionLimits {
+        max_connections: s.max_connections.unwrap_or(d.max_connections),
+        handshake_timeout: s
+            .handshake_timeout_ms
+            .map_or(d.handshake_timeout, Duration::from_millis),
+        max_concurrent_streams: s.max_concurrent_streams.unwrap_or(d.max_concurrent_streams),
+    };
+    if limits.max_connections == 0 {
+        return Err(bad(
+            "max_connections (MAILROOM_MAX_CONNECTIONS)",
+            "must be at least 1",
+        ));
+    }
+    if limits.handshake_timeout.is_zero() {
+        return Err(bad(
+            "handshake_timeout_ms (MAILROOM_HANDSHAKE_TIMEOUT_MS)",
+            "must be at least 1",
+        ));
+    }
+    if limits.max_concurrent_streams == 0 {
+        return Err(bad(
+            "max_concurrent_streams (MAILROOM_MAX_CONCURRENT_STREAMS)",
+            "must be at least 1",
+        ));
+    }
+    Ok(limits)
 }
 
 /// The service sessions' profile. The schema is any PostgreSQL name except the SQL

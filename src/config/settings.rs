@@ -258,6 +258,17 @@ pub struct Settings {
     /// [default: 30000].
     #[arg(long, env = "MAILROOM_RPC_TIMEOUT_MS", global = true)]
     pub rpc_timeout_ms: Option<u64>,
+    /// gRPC connections open at once (at most half the open-file limit); at the cap the
+    /// oldest connection that has not spoken is closed to make room [default: 1000].
+    #[arg(long, env = "MAILROOM_MAX_CONNECTIONS", global = true)]
+    pub max_connections: Option<usize>,
+    /// How long a new gRPC connection has to send the HTTP/2 preface (or complete its
+    /// TLS handshake) before it is closed, in ms [default: 5000].
+    #[arg(long, env = "MAILROOM_HANDSHAKE_TIMEOUT_MS", global = true)]
+    pub handshake_timeout_ms: Option<u64>,
+    /// HTTP/2 streams (RPCs) at once on one gRPC connection [default: 100].
+    #[arg(long, env = "MAILROOM_MAX_CONCURRENT_STREAMS", global = true)]
+    pub max_concurrent_streams: Option<u32>,
     /// How long a request waits for a database connection before UNAVAILABLE, in ms
     /// (PostgreSQL) [default: 3000].
     #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
@@ -431,6 +442,9 @@ impl Settings {
             max_concurrent_rpcs,
             max_request_bytes_in_flight,
             rpc_timeout_ms,
+            max_connections,
+            handshake_timeout_ms,
+            max_concurrent_streams,
             database_acquire_timeout_ms,
             database_statement_timeout_ms,
             database_enqueue_timeout_ms,

@@ -13,6 +13,7 @@ mod access;
 mod admin;
 mod admin_inbox;
 mod byte_budgets;
+mod connections;
 mod console;
 mod continued_lines;
 mod conventions;
