@@ -43,6 +43,9 @@ pub struct PgStore {
     admin_pool: PgPool,
     outbox: Sql,
     inbox: Sql,
+    /// Where the next fold's scan starts (`PgStore::fold`): above the last id of a full
+    /// fold, else 0.
+    fold_from: std::sync::atomic::AtomicI64,
 }
 
 /// The service's connection pools, one per query class so that each carries the
@@ -155,6 +158,7 @@ impl PgStore {
             admin_pool: pools.admin,
             outbox: Sql::new("outbox_events", "outbox_keys", false),
             inbox: Sql::new("inbox_events", "inbox_keys", true),
+            fold_from: std::sync::atomic::AtomicI64::new(0),
         }
     }
 

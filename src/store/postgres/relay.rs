@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
@@ -31,8 +32,22 @@ impl PgStore {
         let Some(fold) = &self.outbox.fold else {
             return Ok(0);
         };
-        let r = q(fold).bind(FOLD_BATCH).execute(&self.relay_pool).await?;
-        Ok(r.rows_affected())
+        let from = self.fold_from.load(Ordering::Relaxed);
+        let r = q(fold)
+            .bind(FOLD_BATCH)
+            .bind(from)
+            .fetch_one(&self.relay_pool)
+            .await?;
+        let scanned: i64 = r.try_get("scanned")?;
+        // A full batch goes on above its last id next time; anything less starts over,
+        // which comes back to the events of keys that were held.
+        let next = match r.try_get::<Option<i64>, _>("last")? {
+            Some(last) if scanned >= FOLD_BATCH => last,
+            _ => 0,
+        };
+        self.fold_from.store(next, Ordering::Relaxed);
+        let folded: i64 = r.try_get("folded")?;
+        Ok(u64::try_from(folded).unwrap_or(0))
     }
 
     /// Leases ready keys, reads the front of their lines and claims due unkeyed events.
