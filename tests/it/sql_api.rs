@@ -1985,3 +1985,126 @@ async fn a_key_row_held_elsewhere_holds_back_only_its_key() {
     assert_eq!(first_deliveries(&recs).1, 0, "nothing published twice");
     s.app.stop().await.unwrap();
 }
+
+/// Two SQL writers loop `BEGIN; enqueue(hot); pg_sleep(0.05); COMMIT` on one key: their
+/// transactions overlap, so the key's order lock is never free when a relay tries it
+/// (PostgreSQL hands it to the next writer in line). A key found held for a second gets
+/// a relay's turn in that line (`src/store/postgres/held.rs`): its events are published
+/// while the writers go on, within a bounded wait. Before, they waited until the loops
+/// stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_kept_busy_by_overlapping_writers_is_published_while_they_go_on() {
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(2));
+    let s = Service::start(c).await;
+    let (_, pool) = app_role(&url).await;
+    let topic = "sql.hot";
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for w in 0..2 {
+        let (pool, stop) = (pool.clone(), stop.clone());
+        writers.push(tokio::spawn(async move {
+            let mut n = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query("SELECT mailroom.enqueue($1, 'hot', $2)")
+                    .bind(topic)
+                    .bind(format!("w{w}-{n}").into_bytes())
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                sqlx::query("SELECT pg_sleep(0.05)")
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                n += 1;
+            }
+            n
+        }));
+    }
+    let started = Instant::now();
+    let run = Duration::from_secs(8);
+    let mut first = None;
+    let mut during = 0;
+    while started.elapsed() < run {
+        during = s.outbox_count(Some(Status::Completed)).await;
+        if during > 0 && first.is_none() {
+            first = Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut total = 0;
+    for w in writers {
+        total += w.await.unwrap();
+    }
+    eprintln!(
+        "busy key: {total} events in {run:?}; first published after {first:?}; {during} published while the writers ran"
+    );
+    let first = first.expect("the busy key published nothing while its writers ran");
+    assert!(
+        first < Duration::from_secs(4),
+        "first published after {first:?}"
+    );
+    assert!(
+        during as usize * 2 >= total,
+        "{during} of {total} published while the writers ran"
+    );
+    wait_completed(&s.app.store, total as i64, Duration::from_secs(30)).await;
+    let recs = consume(&broker.addr(), topic, total, Duration::from_secs(30));
+    let (per_key, dups) = first_deliveries(&recs);
+    assert_eq!(dups, 0, "nothing published twice");
+    let ids = &per_key["hot"];
+    assert_eq!(ids.len(), total);
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "in id order");
+    s.app.stop().await.unwrap();
+}
+
+/// A SQL transaction that holds a key's order lock past the report threshold (5 s) while
+/// events of the key wait is named, with its backend pid, in `mailroom_outbox_key_held_seconds` (and a warning
+/// in the log); the series goes once the key is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_long_is_named_with_its_holders_pid() {
+    let url = fresh_pg().await;
+    let s = Service::start(config(&url)).await;
+    let (_, pool) = app_role(&url).await;
+    let mut tx = pool.begin().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("SELECT mailroom.enqueue('sql.long', 'm', 'x'::bytea)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    // An event that waits behind it (a key with nothing waiting is never leased).
+    let mut client = s.client.clone();
+    enqueue(&mut client, event("sql.long", "m", b"behind")).await;
+    let series =
+        format!("mailroom_outbox_key_held_seconds{{topic=\"sql.long\",key=\"m\",pid=\"{pid}\"}}");
+    let t = Instant::now();
+    eventually(
+        Duration::from_secs(15),
+        "the held key named with its holder's pid",
+        || async { s.app.metrics.encode().contains(&series) },
+    )
+    .await;
+    eprintln!("named after {:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_secs(4),
+        "not before the threshold"
+    );
+    tx.commit().await.unwrap();
+    eventually(Duration::from_secs(10), "the series gone", || async {
+        !s.app
+            .metrics
+            .encode()
+            .contains("mailroom_outbox_key_held_seconds{")
+    })
+    .await;
+    wait_completed(&s.app.store, 2, Duration::from_secs(10)).await;
+    s.app.stop().await.unwrap();
+}

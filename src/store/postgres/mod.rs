@@ -6,10 +6,11 @@
 //! n+1 of a key committed while event n is still in flight.
 //!
 //! Files: `sql.rs` the claim and settle statements per box, `write.rs` enqueue and
-//! receive, `relay.rs` claim, settle and renew, `admin.rs` the operator statements,
+//! receive, `relay.rs` claim, settle and renew, `held.rs` keys SQL-API writers keep held, `admin.rs` the operator statements,
 //! `retention.rs` the purges, `notify.rs` LISTEN/NOTIFY wake-ups.
 
 mod admin;
+mod held;
 pub mod notify;
 mod relay;
 mod retention;
@@ -46,6 +47,8 @@ pub struct PgStore {
     /// Where the next fold's scan starts (`PgStore::fold`): above the last id of a full
     /// fold, else 0.
     fold_from: std::sync::atomic::AtomicI64,
+    /// Keys this replica's claims found held by SQL-API writers (`held.rs`).
+    held: Arc<held::HeldKeys>,
 }
 
 /// The service's connection pools, one per query class so that each carries the
@@ -159,6 +162,7 @@ impl PgStore {
             outbox: Sql::new("outbox_events", "outbox_keys", false),
             inbox: Sql::new("inbox_events", "inbox_keys", true),
             fold_from: std::sync::atomic::AtomicI64::new(0),
+            held: Arc::default(),
         }
     }
 
@@ -440,6 +444,10 @@ impl Store for PgStore {
         .fetch_one(&self.admin_pool)
         .await?;
         Ok(n)
+    }
+
+    fn held_keys(&self) -> Vec<super::HeldKey> {
+        self.held.snapshot()
     }
 
     fn pool_use(&self) -> Vec<super::PoolUse> {

@@ -9,6 +9,7 @@ use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Row};
 
+use super::held;
 use super::sql::Sql;
 use super::{PgStore, decode_event, millis, q, scoped};
 use crate::domain::{EventId, Queue, Status, StoredEvent};
@@ -87,6 +88,7 @@ impl PgStore {
         let mut keyed = Vec::with_capacity(leased.len());
         if !leased.is_empty() {
             let mut lines = Leased::split(&leased, now)?;
+            self.observe_held(&lines);
             let per_key = limits.per_key(leased.len());
             if !lines.free.is_empty() {
                 let windows = scoped(
@@ -116,6 +118,26 @@ impl PgStore {
             keyed,
             unkeyed,
         })
+    }
+
+    /// Follows the keys a claim found held by SQL-API writers (`held.rs`): queues turns
+    /// for those held long, names those held longer in a warning. Both run beside the
+    /// relay, which goes on with its claim.
+    fn observe_held(&self, lines: &Leased) {
+        let held: Vec<&LineKey> = lines.held.iter().map(|w| &w.line).collect();
+        let free: Vec<&LineKey> = lines.free.iter().map(|w| &w.line).collect();
+        let f = self.held.observe(&held, &free);
+        for key in f.turns {
+            tokio::spawn(held::take_turn(
+                self.relay_pool.clone(),
+                self.held.clone(),
+                key,
+            ));
+        }
+        if !f.report.is_empty() {
+            let (pool, keys) = (self.relay_pool.clone(), self.held.clone());
+            tokio::spawn(async move { held::report(&pool, &keys, f.report).await });
+        }
     }
 
     /// The next window of a line `token` keeps leased, after `after` (`Store::continue_line`),

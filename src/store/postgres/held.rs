@@ -1,0 +1,225 @@
+//! Keys whose order lock SQL-API writers keep held (docs/sql-api.md, "Order locks"): how
+//! long this replica's claims have found each one held and by which backend, and the
+//! relay's turn in the writers' queue for a key kept busy.
+//!
+//! A relay only tries a key's order lock (`SKIP LOCKED`): it never waits for a writer
+//! while it holds the other keys of its claim. But PostgreSQL hands a released row lock
+//! to the next writer in line, so writers whose transactions overlap kept a key held
+//! without a gap, and its events waited until they stopped. A key found held for
+//! `QUEUE_AFTER` gets a *turn*: one session queues for the slot row in shared mode,
+//! behind the writers already waiting and ahead of those that come later, and holds it
+//! until a claim has read the key's line (or `TURN_HOLD` passes). A shared lock does not
+//! conflict with the claims' own shared tries, so the next claim reads the line while
+//! the writers behind the turn wait.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+
+use crate::store::{HeldKey, LineKey};
+
+/// How long a key is found held before a turn queues for it.
+const QUEUE_AFTER: Duration = Duration::from_secs(1);
+
+/// How long a turn waits in the writers' queue (its `lock_timeout`).
+const QUEUE_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a turn holds the key at most, when no claim of this replica reads it (one
+/// of another replica may have).
+const TURN_HOLD: Duration = Duration::from_secs(1);
+
+/// Turns queued at once, at most (each holds a relay connection while it waits).
+const MAX_TURNS: usize = 2;
+
+/// A key not found held again for this long is forgotten (its writers ended, or
+/// other replicas lease it).
+const FORGET_AFTER: Duration = Duration::from_secs(3);
+
+/// A key held longer than this is named in a warning, with the holder's pid, and in
+/// the metric `mailroom_outbox_key_held_seconds`.
+pub(super) const REPORT_AFTER: Duration = Duration::from_secs(5);
+
+/// The slot row of a key, waited for in shared mode (a turn).
+const QUEUE: &str = "SELECT 1 FROM mailroom_order_slots
+                     WHERE slot = mailroom_order_slot($1, $2) FOR SHARE";
+
+/// Also the transitional advisory lock, which writers take after the slot row.
+const QUEUE_LEGACY: &str = "SELECT pg_advisory_xact_lock_shared(mailroom_order_lock($1, $2))
+                            FROM mailroom_sql_settings WHERE legacy_order_lock";
+
+/// A turn wakes the key, so a claim looks at it at once (not in the turn's
+/// transaction: the key row stays free for the claim).
+const WAKE: &str = "WITH w AS (UPDATE outbox_keys SET ready_at = now()
+                    WHERE topic = $1 AND event_key = $2 AND ready_at > now())
+                    SELECT pg_notify('mailroom_outbox', '')";
+
+/// The backend holding a key's slot row exclusively: the transaction in the row's
+/// `xmax`, as `pg_locks` shows it (an exclusive row lock has one holder; row locks
+/// themselves are not in `pg_locks`).
+const HOLDER: &str = "SELECT l.pid FROM mailroom_order_slots o
+                      JOIN pg_locks l ON l.locktype = 'transactionid' AND l.granted
+                       AND l.mode = 'ExclusiveLock' AND l.transactionid = o.xmax
+                      WHERE o.slot = mailroom_order_slot($1, $2)";
+
+#[derive(Debug)]
+struct Held {
+    since: Instant,
+    seen: Instant,
+    pid: Option<i32>,
+    reported: Option<Instant>,
+    turn: bool,
+}
+
+/// The keys this replica's claims found held, shared with the turns it queued.
+#[derive(Debug, Default)]
+pub(super) struct HeldKeys {
+    keys: Mutex<HashMap<LineKey, Held>>,
+}
+
+/// What a claim's observation asks of the store: queue turns, look up holders.
+#[derive(Debug, Default)]
+pub(super) struct Followups {
+    pub(super) turns: Vec<LineKey>,
+    pub(super) report: Vec<(LineKey, Duration)>,
+}
+
+impl HeldKeys {
+    /// A claim found `held` held and `free` free.
+    pub(super) fn observe(&self, held: &[&LineKey], free: &[&LineKey]) -> Followups {
+        let now = Instant::now();
+        let mut keys = self.keys.lock().expect("held keys");
+        for k in free {
+            keys.remove(*k);
+        }
+        keys.retain(|_, h| now.duration_since(h.seen) < FORGET_AFTER || h.turn);
+        let mut f = Followups::default();
+        let mut turns = keys.values().filter(|h| h.turn).count();
+        for k in held {
+            let h = keys.entry((*k).clone()).or_insert(Held {
+                since: now,
+                seen: now,
+                pid: None,
+                reported: None,
+                turn: false,
+            });
+            h.seen = now;
+            let age = now.duration_since(h.since);
+            if age >= QUEUE_AFTER && !h.turn && turns < MAX_TURNS {
+                h.turn = true;
+                turns += 1;
+                f.turns.push((*k).clone());
+            }
+            if age >= REPORT_AFTER
+                && h.reported
+                    .is_none_or(|r| now.duration_since(r) >= REPORT_AFTER)
+            {
+                h.reported = Some(now);
+                f.report.push(((*k).clone(), age));
+            }
+        }
+        f
+    }
+
+    fn set_pid(&self, key: &LineKey, pid: Option<i32>) {
+        if let Some(h) = self.keys.lock().expect("held keys").get_mut(key) {
+            h.pid = pid;
+        }
+    }
+
+    /// Whether the key is still found held (no claim read it since).
+    fn still_held(&self, key: &LineKey) -> bool {
+        self.keys.lock().expect("held keys").contains_key(key)
+    }
+
+    fn end_turn(&self, key: &LineKey) {
+        if let Some(h) = self.keys.lock().expect("held keys").get_mut(key) {
+            h.turn = false;
+        }
+    }
+
+    /// The keys held longer than `REPORT_AFTER`, for the metrics.
+    pub(super) fn snapshot(&self) -> Vec<HeldKey> {
+        let now = Instant::now();
+        self.keys
+            .lock()
+            .expect("held keys")
+            .iter()
+            .filter(|(_, h)| now.duration_since(h.since) >= REPORT_AFTER)
+            .map(|(k, h)| HeldKey {
+                line: k.clone(),
+                held_for: now.duration_since(h.since),
+                pid: h.pid,
+            })
+            .collect()
+    }
+}
+
+/// Names each key held longer than `REPORT_AFTER` and its holder in a warning (once
+/// per `REPORT_AFTER` while it stays held).
+pub(super) async fn report(pool: &PgPool, held: &Arc<HeldKeys>, keys: Vec<(LineKey, Duration)>) {
+    for (key, age) in keys {
+        let pid: Option<i32> = match sqlx::query_scalar(HOLDER)
+            .bind(&key.topic)
+            .bind(&key.key)
+            .fetch_optional(pool)
+            .await
+        {
+            Ok(pid) => pid,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading a held key's holder failed");
+                None
+            }
+        };
+        held.set_pid(&key, pid);
+        tracing::warn!(
+            topic = %key.topic,
+            key = %key.key,
+            pid = pid.map_or_else(|| "unknown".to_string(), |p| p.to_string()),
+            held_for_s = age.as_secs(),
+            "a SQL-API transaction has held this key's order lock for longer than {} s: its events wait (pg_stat_activity shows the holder by pid)",
+            REPORT_AFTER.as_secs()
+        );
+    }
+}
+
+/// Queues for `key`'s order lock behind its writers and holds it until a claim read the
+/// line (see the module's notes). Errors only end the turn early: the key is tried again
+/// by the next claims as before.
+pub(super) async fn take_turn(pool: PgPool, held: Arc<HeldKeys>, key: LineKey) {
+    if let Err(e) = turn(&pool, &held, &key).await {
+        tracing::debug!(error = %e, topic = %key.topic, key = %key.key, "a turn for a held key ended early");
+    }
+    held.end_turn(&key);
+}
+
+async fn turn(pool: &PgPool, held: &HeldKeys, key: &LineKey) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SET LOCAL lock_timeout = {}",
+        QUEUE_WAIT.as_millis()
+    )))
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(QUEUE)
+        .bind(&key.topic)
+        .bind(&key.key)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(QUEUE_LEGACY)
+        .bind(&key.topic)
+        .bind(&key.key)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(WAKE)
+        .bind(&key.topic)
+        .bind(&key.key)
+        .execute(pool)
+        .await?;
+    let until = Instant::now() + TURN_HOLD;
+    while Instant::now() < until && held.still_held(key) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tx.commit().await
+}
