@@ -114,6 +114,11 @@ fn size(a: &str) -> String {
 /// key. The scan starts above $2 (the last id of the previous fold when that one was
 /// full, else 0), so events of held keys at the front cannot fill every batch.
 ///
+/// New key rows are inserted first (in byte order, as every key-locking statement
+/// locks: an insert may wait for a writer inserting the same key), and only then are the
+/// existing rows locked: holding rows locked before that wait could close a cycle with a
+/// gRPC writer that inserted one key and waits for another.
+///
 /// The turn is locked once, in a sub-select the planner runs before the scan (a
 /// one-time filter): in the scan's filter it was evaluated per row.
 const FOLD: &str = "WITH turn AS MATERIALIZED (
@@ -131,16 +136,7 @@ const FOLD: &str = "WITH turn AS MATERIALIZED (
                     FROM (SELECT topic, event_key, min(scheduled_at) AS at, max(id) AS top
                           FROM f GROUP BY topic, event_key) g
                     LEFT JOIN outbox_keys c ON c.topic = g.topic AND c.event_key = g.event_key),
-                 held AS MATERIALIZED (
-                    SELECT c.topic, c.event_key, g.at FROM outbox_keys c
-                    JOIN g ON c.topic = g.topic AND c.event_key = g.event_key
-                    FOR UPDATE OF c SKIP LOCKED),
-                 woken AS (
-                    UPDATE outbox_keys k SET ready_at = held.at FROM held
-                    WHERE k.topic = held.topic AND k.event_key = held.event_key
-                      AND held.at < k.ready_at
-                    RETURNING 1),
-                 fresh AS (
+                 fresh AS MATERIALIZED (
                     INSERT INTO outbox_keys AS k (topic, event_key, ready_at, pending)
                     SELECT topic, event_key, at, 0 FROM g
                     WHERE NOT EXISTS (SELECT 1 FROM outbox_keys c
@@ -148,6 +144,16 @@ const FOLD: &str = "WITH turn AS MATERIALIZED (
                     ORDER BY topic COLLATE \"C\", event_key COLLATE \"C\"
                     ON CONFLICT (topic, event_key) DO NOTHING
                     RETURNING k.topic, k.event_key),
+                 held AS MATERIALIZED (
+                    SELECT c.topic, c.event_key, g.at FROM outbox_keys c
+                    JOIN g ON c.topic = g.topic AND c.event_key = g.event_key
+                    WHERE (SELECT count(*) FROM fresh) >= 0
+                    FOR UPDATE OF c SKIP LOCKED),
+                 woken AS (
+                    UPDATE outbox_keys k SET ready_at = held.at FROM held
+                    WHERE k.topic = held.topic AND k.event_key = held.event_key
+                      AND held.at < k.ready_at
+                    RETURNING 1),
                  marked AS (
                     UPDATE outbox_events e SET counted = true
                     FROM f WHERE e.id = f.id AND NOT e.counted
