@@ -354,7 +354,7 @@ impl Collector for PoolCollector {
         }
         // Few series: only keys held past the threshold, at most `HELD_KEY_SERIES`.
         let mut held = self.store.held_keys();
-        held.sort_by(|a, b| b.held_for.cmp(&a.held_for));
+        held.sort_by_key(|h| std::cmp::Reverse(h.held_for));
         let mut e = encoder.encode_descriptor(
             "mailroom_outbox_key_held_seconds",
             "Keys whose order lock a SQL-API transaction has held for long (their events wait), by topic, key and the holder's backend pid.",

@@ -176,8 +176,11 @@ async fn crash_in_transaction(url: &str, user: &str, order: i64, key: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut probe = a.begin().await.unwrap();
+    // The order lock is the key's slot row (migration 0020), tried as a relay tries it.
     let free: bool = sqlx::query_scalar(
-        "SELECT pg_try_advisory_xact_lock_shared(mailroom_order_lock('sql.orders', $1))",
+        "SELECT EXISTS (SELECT 1 FROM mailroom_order_slots
+                        WHERE slot = mailroom_order_slot('sql.orders', $1)
+                        FOR SHARE SKIP LOCKED)",
     )
     .bind(key)
     .fetch_one(&mut *probe)
