@@ -30,8 +30,9 @@ const QUEUE_WAIT: Duration = Duration::from_secs(5);
 /// of another replica may have).
 const TURN_HOLD: Duration = Duration::from_secs(1);
 
-/// Turns queued at once, at most (each holds a relay connection while it waits).
-const MAX_TURNS: usize = 2;
+/// Turns queued at once, at most, per this many relay connections (each holds one
+/// while it waits; at least one turn).
+const CONNECTIONS_PER_TURN: u32 = 4;
 
 /// A key not found held again for this long is forgotten (its writers ended, or
 /// other replicas lease it).
@@ -70,6 +71,9 @@ struct Held {
     pid: Option<i32>,
     reported: Option<Instant>,
     turn: bool,
+    /// A turn that timed out in the queue (a transaction held open, not a busy line) is
+    /// not queued again before this.
+    next_turn: Option<Instant>,
 }
 
 /// The keys this replica's claims found held, shared with the turns it queued.
@@ -86,8 +90,15 @@ pub(super) struct Followups {
 }
 
 impl HeldKeys {
-    /// A claim found `held` held and `free` free.
-    pub(super) fn observe(&self, held: &[&LineKey], free: &[&LineKey]) -> Followups {
+    /// A claim found `held` held and `free` free; `connections`: the relay pool's size,
+    /// which bounds the turns.
+    pub(super) fn observe(
+        &self,
+        held: &[&LineKey],
+        free: &[&LineKey],
+        connections: u32,
+    ) -> Followups {
+        let max_turns = (connections / CONNECTIONS_PER_TURN).max(1) as usize;
         let now = Instant::now();
         let mut keys = self.keys.lock().expect("held keys");
         for k in free {
@@ -103,10 +114,12 @@ impl HeldKeys {
                 pid: None,
                 reported: None,
                 turn: false,
+                next_turn: None,
             });
             h.seen = now;
             let age = now.duration_since(h.since);
-            if age >= QUEUE_AFTER && !h.turn && turns < MAX_TURNS {
+            let may_queue = h.next_turn.is_none_or(|t| now >= t);
+            if age >= QUEUE_AFTER && !h.turn && may_queue && turns < max_turns {
                 h.turn = true;
                 turns += 1;
                 f.turns.push((*k).clone());
@@ -133,9 +146,12 @@ impl HeldKeys {
         self.keys.lock().expect("held keys").contains_key(key)
     }
 
-    fn end_turn(&self, key: &LineKey) {
+    fn end_turn(&self, key: &LineKey, got: bool) {
         if let Some(h) = self.keys.lock().expect("held keys").get_mut(key) {
             h.turn = false;
+            if !got {
+                h.next_turn = Some(Instant::now() + QUEUE_WAIT);
+            }
         }
     }
 
@@ -188,10 +204,14 @@ pub(super) async fn report(pool: &PgPool, held: &Arc<HeldKeys>, keys: Vec<(LineK
 /// line (see the module's notes). Errors only end the turn early: the key is tried again
 /// by the next claims as before.
 pub(super) async fn take_turn(pool: PgPool, held: Arc<HeldKeys>, key: LineKey) {
-    if let Err(e) = turn(&pool, &held, &key).await {
-        tracing::debug!(error = %e, topic = %key.topic, key = %key.key, "a turn for a held key ended early");
-    }
-    held.end_turn(&key);
+    let got = match turn(&pool, &held, &key).await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(error = %e, topic = %key.topic, key = %key.key, "a turn for a held key ended early");
+            false
+        }
+    };
+    held.end_turn(&key, got);
 }
 
 async fn turn(pool: &PgPool, held: &HeldKeys, key: &LineKey) -> Result<(), sqlx::Error> {

@@ -126,7 +126,8 @@ impl PgStore {
     fn observe_held(&self, lines: &Leased) {
         let held: Vec<&LineKey> = lines.held.iter().map(|w| &w.line).collect();
         let free: Vec<&LineKey> = lines.free.iter().map(|w| &w.line).collect();
-        let f = self.held.observe(&held, &free);
+        let connections = self.relay_pool.options().get_max_connections();
+        let f = self.held.observe(&held, &free, connections);
         for key in f.turns {
             tokio::spawn(held::take_turn(
                 self.relay_pool.clone(),
