@@ -90,16 +90,16 @@ pub(super) struct Followups {
 }
 
 impl HeldKeys {
-    /// A claim found `held` held and `free` free; `connections`: the relay pool's size,
-    /// which bounds the turns.
+    /// A claim found `held` held and `free` free at `now`; `connections`: the relay
+    /// pool's size, which bounds the turns.
     pub(super) fn observe(
         &self,
         held: &[&LineKey],
         free: &[&LineKey],
         connections: u32,
+        now: Instant,
     ) -> Followups {
         let max_turns = (connections / CONNECTIONS_PER_TURN).max(1) as usize;
-        let now = Instant::now();
         let mut keys = self.keys.lock().expect("held keys");
         for k in free {
             keys.remove(*k);
@@ -155,9 +155,8 @@ impl HeldKeys {
         }
     }
 
-    /// The keys held longer than `REPORT_AFTER`, for the metrics.
-    pub(super) fn snapshot(&self) -> Vec<HeldKey> {
-        let now = Instant::now();
+    /// The keys held longer than `REPORT_AFTER` at `now`, for the metrics.
+    pub(super) fn snapshot(&self, now: Instant) -> Vec<HeldKey> {
         self.keys
             .lock()
             .expect("held keys")
@@ -242,4 +241,54 @@ async fn turn(pool: &PgPool, held: &HeldKeys, key: &LineKey) -> Result<(), sqlx:
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tx.commit().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(k: &str) -> LineKey {
+        LineKey {
+            topic: "t".into(),
+            key: k.into(),
+        }
+    }
+
+    #[test]
+    fn turns_and_reports_follow_how_long_a_key_is_held() {
+        let h = HeldKeys::default();
+        let (a, b) = (key("a"), key("b"));
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let f = h.observe(&[&a], &[], 8, t0);
+        assert!(
+            f.turns.is_empty() && f.report.is_empty(),
+            "not held long yet"
+        );
+        let f = h.observe(&[&a, &b], &[], 4, at(1_000));
+        assert_eq!(
+            f.turns,
+            vec![a.clone()],
+            "held 1 s: a turn; b only just seen"
+        );
+        let f = h.observe(&[&a, &b], &[], 4, at(2_100));
+        assert!(
+            f.turns.is_empty(),
+            "one turn per 4 connections, and a has one"
+        );
+        h.end_turn(&a, false);
+        let f = h.observe(&[&a, &b], &[], 4, at(2_200));
+        assert_eq!(f.turns, vec![b.clone()], "a timed out: b's turn");
+        h.end_turn(&b, true);
+        let f = h.observe(&[&a], &[&b], 8, at(5_000));
+        assert_eq!(f.report.len(), 1, "a held 5 s is named");
+        assert!(f.turns.is_empty(), "a waits 5 s after its timed-out turn");
+        assert_eq!(h.snapshot(at(5_000)).len(), 1, "b is free");
+        let f = h.observe(&[&a], &[], 8, at(7_300));
+        assert_eq!(f.turns, vec![a.clone()]);
+        assert!(f.report.is_empty(), "named once per 5 s");
+        assert_eq!(h.observe(&[&a], &[], 8, at(10_000)).report.len(), 1);
+        h.observe(&[], &[&a], 8, at(10_100));
+        assert!(h.snapshot(at(10_100)).is_empty(), "free: forgotten");
+    }
 }

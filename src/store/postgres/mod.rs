@@ -447,7 +447,7 @@ impl Store for PgStore {
     }
 
     fn held_keys(&self) -> Vec<super::HeldKey> {
-        self.held.snapshot()
+        self.held.snapshot(std::time::Instant::now())
     }
 
     fn pool_use(&self) -> Vec<super::PoolUse> {

@@ -127,7 +127,9 @@ impl PgStore {
         let held: Vec<&LineKey> = lines.held.iter().map(|w| &w.line).collect();
         let free: Vec<&LineKey> = lines.free.iter().map(|w| &w.line).collect();
         let connections = self.relay_pool.options().get_max_connections();
-        let f = self.held.observe(&held, &free, connections);
+        let f = self
+            .held
+            .observe(&held, &free, connections, std::time::Instant::now());
         for key in f.turns {
             tokio::spawn(held::take_turn(
                 self.relay_pool.clone(),
