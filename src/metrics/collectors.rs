@@ -313,7 +313,10 @@ fn encode_latencies(
     }
 }
 
-/// The store's connection pools, read at scrape time.
+/// Series of `mailroom_outbox_key_held_seconds` at most (the longest held).
+const HELD_KEY_SERIES: usize = 20;
+
+/// The store's connection pools and its long-held keys, read at scrape time.
 pub(super) struct PoolCollector {
     pub(super) store: Arc<dyn Store>,
 }
@@ -348,6 +351,27 @@ impl Collector for PoolCollector {
         for p in &pools {
             e.encode_family(&[("pool", p.pool)])?
                 .encode_gauge(&i64::from(p.max))?;
+        }
+        // Few series: only keys held past the threshold, at most `HELD_KEY_SERIES`.
+        let mut held = self.store.held_keys();
+        held.sort_by_key(|h| std::cmp::Reverse(h.held_for));
+        let mut e = encoder.encode_descriptor(
+            "mailroom_outbox_key_held_seconds",
+            "Keys whose order lock a SQL-API transaction has held for long (their events wait), by topic, key and the holder's backend pid.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for h in held.iter().take(HELD_KEY_SERIES) {
+            let pid = h
+                .pid
+                .map_or_else(|| "unknown".to_string(), |p| p.to_string());
+            let labels = [
+                ("topic", h.line.topic.as_str()),
+                ("key", h.line.key.as_str()),
+                ("pid", pid.as_str()),
+            ];
+            e.encode_family(&labels)?
+                .encode_gauge(&h.held_for.as_secs_f64())?;
         }
         Ok(())
     }

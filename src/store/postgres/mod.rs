@@ -6,10 +6,11 @@
 //! n+1 of a key committed while event n is still in flight.
 //!
 //! Files: `sql.rs` the claim and settle statements per box, `write.rs` enqueue and
-//! receive, `relay.rs` claim, settle and renew, `admin.rs` the operator statements,
+//! receive, `relay.rs` claim, settle and renew, `held.rs` keys SQL-API writers keep held, `admin.rs` the operator statements,
 //! `retention.rs` the purges, `notify.rs` LISTEN/NOTIFY wake-ups.
 
 mod admin;
+mod held;
 pub mod notify;
 pub mod profile;
 mod relay;
@@ -47,6 +48,13 @@ pub struct PgStore {
     names: Qualifier,
     outbox: Sql,
     inbox: Sql,
+    /// Where the next fold's scan starts (`PgStore::fold`): above the last id of a full
+    /// fold, else 0.
+    fold_from: std::sync::atomic::AtomicI64,
+    /// Keys this replica's claims found held by SQL-API writers (`held.rs`).
+    held: Arc<held::HeldKeys>,
+    /// `held.rs`'s statements, qualified.
+    held_sql: Arc<held::Statements>,
 }
 
 /// The service's connection pools, one per query class so that each carries the
@@ -177,7 +185,10 @@ impl PgStore {
             admin_pool: pools.admin,
             outbox: Sql::new("outbox_events", "outbox_keys", false, &names),
             inbox: Sql::new("inbox_events", "inbox_keys", true, &names),
+            held_sql: held::Statements::new(&names),
             names,
+            fold_from: std::sync::atomic::AtomicI64::new(0),
+            held: Arc::default(),
         }
     }
 
@@ -567,6 +578,10 @@ impl Store for PgStore {
         .fetch_one(&self.admin_pool)
         .await?;
         Ok(n)
+    }
+
+    fn held_keys(&self) -> Vec<super::HeldKey> {
+        self.held.snapshot(std::time::Instant::now())
     }
 
     fn pool_use(&self) -> Vec<super::PoolUse> {

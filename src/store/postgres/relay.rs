@@ -3,11 +3,13 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Row};
 
+use super::held;
 use super::sql::Sql;
 use super::{PgStore, decode_event, millis, q, scoped};
 use crate::domain::{EventId, Queue, Status, StoredEvent};
@@ -31,8 +33,22 @@ impl PgStore {
         let Some(fold) = &self.outbox.fold else {
             return Ok(0);
         };
-        let r = q(fold).bind(FOLD_BATCH).execute(&self.relay_pool).await?;
-        Ok(r.rows_affected())
+        let from = self.fold_from.load(Ordering::Relaxed);
+        let r = q(fold)
+            .bind(FOLD_BATCH)
+            .bind(from)
+            .fetch_one(&self.relay_pool)
+            .await?;
+        let scanned: i64 = r.try_get("scanned")?;
+        // A full batch goes on above its last id next time; anything less starts over,
+        // which comes back to the events of keys that were held.
+        let next = match r.try_get::<Option<i64>, _>("last")? {
+            Some(last) if scanned >= FOLD_BATCH => last,
+            _ => 0,
+        };
+        self.fold_from.store(next, Ordering::Relaxed);
+        let folded: i64 = r.try_get("folded")?;
+        Ok(u64::try_from(folded).unwrap_or(0))
     }
 
     /// Leases ready keys, reads the front of their lines and claims due unkeyed events.
@@ -72,6 +88,7 @@ impl PgStore {
         let mut keyed = Vec::with_capacity(leased.len());
         if !leased.is_empty() {
             let mut lines = Leased::split(&leased, now)?;
+            self.observe_held(&lines);
             let per_key = limits.per_key(leased.len());
             if !lines.free.is_empty() {
                 let windows = scoped(
@@ -101,6 +118,34 @@ impl PgStore {
             keyed,
             unkeyed,
         })
+    }
+
+    /// Follows the keys a claim found held by SQL-API writers (`held.rs`): queues turns
+    /// for those held long, names those held longer in a warning. Both run beside the
+    /// relay, which goes on with its claim.
+    fn observe_held(&self, lines: &Leased) {
+        let held: Vec<&LineKey> = lines.held.iter().map(|w| &w.line).collect();
+        let free: Vec<&LineKey> = lines.free.iter().map(|w| &w.line).collect();
+        let connections = self.relay_pool.options().get_max_connections();
+        let f = self
+            .held
+            .observe(&held, &free, connections, std::time::Instant::now());
+        for key in f.turns {
+            tokio::spawn(held::take_turn(
+                self.relay_pool.clone(),
+                self.held_sql.clone(),
+                self.held.clone(),
+                key,
+            ));
+        }
+        if !f.report.is_empty() {
+            let (pool, sql, keys) = (
+                self.relay_pool.clone(),
+                self.held_sql.clone(),
+                self.held.clone(),
+            );
+            tokio::spawn(async move { held::report(&pool, &sql, &keys, f.report).await });
+        }
     }
 
     /// The next window of a line `token` keeps leased, after `after` (`Store::continue_line`),
