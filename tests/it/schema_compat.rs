@@ -198,3 +198,210 @@ async fn an_older_binary_stops_on_an_incompatible_schema_and_runs_on_an_additive
         s.app.stop().await.unwrap();
     }
 }
+
+/// The database's view of the deep key's line: its cursor, the events completed (the
+/// view applies the cursor), the cursor advances logged, the attempts spent and the
+/// events folded into their keys. Whatever an older binary settles moves one of them.
+async fn line_state(url: &str, topic: &str) -> (i64, i64, i64, i64, i64) {
+    use sqlx::Connection;
+    let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+    sqlx::query_as(
+        "SELECT (SELECT COALESCE(max(published_through), 0) FROM outbox_keys WHERE topic = $1),
+                (SELECT count(*) FROM outbox_events_view WHERE topic = $1 AND status = 'completed'),
+                (SELECT count(*) FROM outbox_publishes WHERE topic = $1),
+                (SELECT COALESCE(sum(attempts), 0)::int8 FROM outbox_events WHERE topic = $1),
+                (SELECT count(*) FROM outbox_events WHERE topic = $1 AND counted)",
+    )
+    .bind(topic)
+    .fetch_one(&mut c)
+    .await
+    .unwrap()
+}
+
+/// A SQL-API writer enqueueing on `topic`'s key `deep` every few milliseconds until
+/// `stop`; returns the ids its committed transactions were given, in commit order.
+fn sql_writer(
+    url: &str,
+    topic: &'static str,
+    stop: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<Vec<i64>> {
+    let url = url.to_string();
+    tokio::spawn(async move {
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        let mut ids = Vec::new();
+        while !stop.is_cancelled() {
+            let id: i64 = sqlx::query_scalar("SELECT mailroom.enqueue($1, 'deep', $2::bytea)")
+                .bind(topic)
+                .bind(format!("sql-{}", ids.len()).into_bytes())
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            ids.push(id);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        pool.close().await;
+        ids
+    })
+}
+
+/// What a newer release's migration `version` does when it requires binaries that know it:
+/// an `ALTER TABLE` (which waits for the relays' open transactions and then holds them
+/// off, as a real migration's does), the migration's row and its requirement, in one
+/// transaction. Returns the database's clock (ms since the epoch) once the lock is held,
+/// just before the commit.
+async fn land_requirement(url: &str, version: i64) -> i64 {
+    use sqlx::Connection;
+    let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+    let mut tx = c.begin().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE outbox_events ADD COLUMN from_a_newer_release int;
+         INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+             VALUES ({version}, 'from a newer release', TRUE, '', 0);
+         INSERT INTO mailroom_schema_compat (version, min_binary_schema)
+             VALUES ({version}, {version});"
+    )))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let at: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    at
+}
+
+/// A release's migration that raises the requirement above this binary while it relays a
+/// deep key in continued runs (issue 42, item 2): an `ALTER TABLE` (which waits for the
+/// relay's open transactions, as a real migration's does) and the requirement, in one
+/// transaction. From its commit on, the older binary's relay settles nothing (the key's
+/// cursor, completions, cursor log, attempts and folds stay as they were), continues no
+/// line and leases nothing: what reaches the broker after it is at most the run that was
+/// in flight (1,000 events), redelivered later. Every event the database calls completed
+/// is on the broker; once the requirement is gone, every event, gRPC and SQL-API alike,
+/// reaches the broker, the first copies in order. On today's main the line went on:
+/// thousands more published and settled after the commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_binary_in_continued_runs_stops_inside_the_database_when_a_requirement_lands() {
+    use crate::continued_lines::{continued_past, deep, drained, leased_relay};
+    use crate::support::faults::{Verdict, consume_all};
+    use tokio_util::sync::CancellationToken;
+
+    const TOPIC: &str = "schema-gate-deep";
+    let broker = Broker::start();
+    let (url, mut s) = quiet_pg().await;
+    let known = s.app.store.known_schema();
+    let grpc = crate::relay::enqueue_ids(&mut s.client, &deep(TOPIC, 20_000)).await;
+    let writing = CancellationToken::new();
+    let writer = sql_writer(&url, TOPIC, writing.clone());
+    let relay = leased_relay(
+        &s,
+        &broker.addr(),
+        Duration::from_secs(3),
+        Duration::from_secs(6),
+    )
+    .with_schema(mailroom::schema::SchemaGate::new(s.app.store.clone()));
+    let stats = relay.stats();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(relay.run(stop.clone()));
+    assert!(
+        continued_past(&stats, 2, Duration::from_secs(60)).await,
+        "the line went on in continued runs"
+    );
+
+    let next = known + 1;
+    let committing = land_requirement(&url, next).await;
+    let at_commit = line_state(&url, TOPIC).await;
+    let continued_at_commit = stats.continued.load(std::sync::atomic::Ordering::Relaxed);
+    // Relay polls, lines and leases running out (6 s) while the requirement stands: a
+    // stop can only be waited out. The broker is read in the same time.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let on_broker = consume_all(&broker.addr(), TOPIC, usize::MAX, Duration::from_secs(8)).await;
+    let later = line_state(&url, TOPIC).await;
+    let cursor = at_commit.0;
+    let published: std::collections::HashSet<i64> = on_broker
+        .iter()
+        .map(|r| event_id(&r.headers["ce_id"]))
+        .collect();
+    let beyond = published.iter().filter(|&&id| id > cursor).count();
+    // Sent after the requirement's transaction held its lock (a little before the
+    // commit: an upper bound).
+    let sent_after: std::collections::HashSet<i64> = on_broker
+        .iter()
+        .filter(|r| r.timestamp.is_some_and(|t| t > committing))
+        .map(|r| event_id(&r.headers["ce_id"]))
+        .collect();
+    eprintln!(
+        "requirement landed after {continued_at_commit} continued runs: (cursor, completed, \
+         advances, attempts, folded) at its commit {at_commit:?}, {later:?} 11 s later; \
+         {} distinct events on the broker, {beyond} beyond the cursor, {} sent after the commit",
+        published.len(),
+        sent_after.len()
+    );
+    assert_eq!(
+        later, at_commit,
+        "nothing settled or folded after the commit"
+    );
+    // A continued line's next window is read while its run is in flight: the one read
+    // before the commit may still go out after it; the next read is refused.
+    assert!(
+        sent_after.len() <= 1_000,
+        "at most one run, read before the commit, sent after it: {}",
+        sent_after.len()
+    );
+    // What the database calls completed (gRPC and SQL-API events) is on the broker.
+    let completed: Vec<i64> = {
+        use sqlx::Connection;
+        let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query_scalar(
+            "SELECT id FROM outbox_events_view WHERE topic = $1 AND status = 'completed'",
+        )
+        .bind(TOPIC)
+        .fetch_all(&mut c)
+        .await
+        .unwrap()
+    };
+    assert_eq!(completed.len() as i64, later.1);
+    let lost: Vec<&i64> = completed
+        .iter()
+        .filter(|id| !published.contains(id))
+        .collect();
+    assert!(lost.is_empty(), "completed but not on the broker: {lost:?}");
+
+    // The requirement goes (the release rolled back): the same binary drains the key.
+    crate::support::exec(
+        &url,
+        &format!(
+            "BEGIN;
+             DELETE FROM mailroom_schema_compat WHERE version = {next};
+             DELETE FROM _sqlx_migrations WHERE version = {next};
+             ALTER TABLE outbox_events DROP COLUMN from_a_newer_release;
+             COMMIT;"
+        ),
+    )
+    .await;
+    writing.cancel();
+    let sql_ids = writer.await.unwrap();
+    assert!(drained(&s, Duration::from_secs(180)).await, "drained");
+    stop.cancel();
+    running.await.unwrap();
+    let acked: Vec<(String, i64)> = grpc
+        .iter()
+        .chain(&sql_ids)
+        .map(|id| ("deep".to_string(), *id))
+        .collect();
+    let records = consume_all(&broker.addr(), TOPIC, acked.len(), Duration::from_secs(60)).await;
+    let v = Verdict::of(&acked, &records);
+    eprintln!(
+        "after the requirement went: {} gRPC and {} SQL-API events acknowledged, {} on the \
+         broker, {} duplicates",
+        grpc.len(),
+        sql_ids.len(),
+        v.delivered,
+        v.duplicates
+    );
+    v.assert_sound("a requirement landing under continued runs");
+    assert_eq!(v.delivered, acked.len());
+    drop(broker);
+    s.app.stop().await.unwrap();
+}
