@@ -405,3 +405,201 @@ async fn an_older_binary_in_continued_runs_stops_inside_the_database_when_a_requ
     drop(broker);
     s.app.stop().await.unwrap();
 }
+
+/// The one sample of `mailroom_schema_state` that is 1.
+fn schema_state_shown(s: &Service) -> String {
+    let page = s.app.metrics.encode();
+    ["known", "ahead", "behind", "incompatible", "unknown"]
+        .into_iter()
+        .filter(|state| {
+            crate::support::probe::sample(
+                &page,
+                &format!("mailroom_schema_state{{state=\"{state}\"}}"),
+            ) == 1.0
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The gate fails closed (issue 42, item 2): while the database's schema cannot be read
+/// (`mailroom_schema_compat` renamed away), the relay publishes nothing, readiness and
+/// the `schema` health service are `NOT_SERVING` and `mailroom_schema_state` says
+/// `unknown`; once it can be read again the event goes out (after the lease of a key
+/// whose settle could not read it: that settle changed nothing). Both engines. On today's
+/// main the cached verdict stayed "compatible": the event was published and readiness
+/// stayed `SERVING`.
+#[tokio::test]
+async fn an_unreadable_schema_stops_the_relay_and_readiness() {
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (url, _dir) = fresh_db(&engine).await;
+        let sink = Arc::new(RecordingSink::default());
+        // A settle that cannot read the requirement changes nothing: a key it held stays
+        // leased until the lease runs out.
+        let mut c = quick(&url, false);
+        c.relay.lease = Duration::from_secs(2);
+        let mut s = start(c, &sink).await;
+        enqueue(&mut s.client, event("orders", "k", b"first")).await;
+        eventually(Duration::from_secs(10), "published", || async {
+            published(&sink) == 1
+        })
+        .await;
+        crate::support::exec(
+            &url,
+            "ALTER TABLE mailroom_schema_compat RENAME TO mailroom_schema_compat_away",
+        )
+        .await;
+        let id = enqueue(&mut s.client, event("orders", "k", b"while unreadable")).await;
+        // Relay polls while the schema cannot be read: a stop can only be waited out.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(published(&sink), 1, "{engine:?}: nothing published");
+        wait_health(
+            s.app.addr,
+            NOT_SERVING,
+            Duration::from_secs(5),
+            "NOT_SERVING while the schema cannot be read",
+        )
+        .await;
+        assert_eq!(s.stored(BoxKind::Outbox, id).await.status, Status::Pending);
+        assert_eq!(health_status(s.app.addr, "schema").await, Some(NOT_SERVING));
+        assert_eq!(schema_state_shown(&s), "unknown");
+        crate::support::exec(
+            &url,
+            "ALTER TABLE mailroom_schema_compat_away RENAME TO mailroom_schema_compat",
+        )
+        .await;
+        eventually(
+            Duration::from_secs(10),
+            "published once readable",
+            || async { published(&sink) == 2 },
+        )
+        .await;
+        wait_health(s.app.addr, SERVING, Duration::from_secs(5), "SERVING again").await;
+        assert_eq!(schema_state_shown(&s), "known");
+        s.app.stop().await.unwrap();
+    }
+}
+
+/// A database behind the binary (its last migration not applied: the row removed, and
+/// the service started without migrating) is reported as such (issue 42, item 2): the
+/// `schema` health service is `NOT_SERVING` and `mailroom_schema_state` says `behind`,
+/// while readiness stays `SERVING` and the relay publishes (what its statements need is
+/// there). Both engines. On today's main it was reported as "known".
+#[tokio::test]
+async fn a_database_behind_the_binary_is_reported_behind() {
+    for engine in [Engine::Postgres, Engine::Sqlite] {
+        let (url, _dir) = fresh_db(&engine).await;
+        let sink = Arc::new(RecordingSink::default());
+        let s = start(quick(&url, false), &sink).await;
+        s.app.stop().await.unwrap();
+        crate::support::exec(
+            &url,
+            "DELETE FROM _sqlx_migrations WHERE version = (SELECT max(version) FROM _sqlx_migrations)",
+        )
+        .await;
+        let mut c = quick(&url, false);
+        c.migrate = false;
+        let mut s = start(c, &sink).await;
+        enqueue(&mut s.client, event("orders", "k", b"behind")).await;
+        eventually(Duration::from_secs(10), "published", || async {
+            published(&sink) == 1
+        })
+        .await;
+        eventually(Duration::from_secs(5), "schema NOT_SERVING", || async {
+            health_status(s.app.addr, "schema").await == Some(NOT_SERVING)
+        })
+        .await;
+        assert_eq!(health_status(s.app.addr, "").await, Some(SERVING));
+        assert_eq!(schema_state_shown(&s), "behind", "{engine:?}");
+        s.app.stop().await.unwrap();
+    }
+}
+
+/// The SQL API's settings are never written by a binary the database does not accept
+/// (issue 42, item 2): started with other limits on a database that requires a newer
+/// binary, it leaves `mailroom_sql_settings` as it was; once the requirement is gone,
+/// the same start writes them. On today's main they were written at start-up whatever
+/// the schema said.
+#[tokio::test]
+async fn an_incompatible_binary_leaves_the_sql_settings_alone() {
+    let url = fresh_pg().await;
+    let s = Service::start(quiet_config(&url)).await;
+    let known = s.app.store.known_schema();
+    s.app.stop().await.unwrap();
+    let attempts = || {
+        count_rows(
+            &url,
+            "SELECT default_max_attempts::int8 FROM mailroom_sql_settings",
+        )
+    };
+    let before = attempts().await;
+    let mut c = quiet_config(&url);
+    c.limits.default_max_attempts = u32::try_from(before).unwrap() + 4;
+    migrate_ahead(&url, known + 1, known + 1).await;
+    let s = Service::start(c.clone()).await;
+    assert_eq!(
+        attempts().await,
+        before,
+        "not written by an incompatible binary"
+    );
+    s.app.stop().await.unwrap();
+    exec(
+        &url,
+        "UPDATE mailroom_schema_compat SET min_binary_schema = $2 WHERE version = $1",
+        known + 1,
+        known,
+    )
+    .await;
+    let s = Service::start(c).await;
+    assert_eq!(attempts().await, before + 4, "written once compatible");
+    s.app.stop().await.unwrap();
+}
+
+/// mailroom refuses to start on identity sequences that hand out ids in blocks per
+/// session (`CACHE` above 1; issue 42, item 2): ids are then committed out of their
+/// order, and a key's cursor passes an event committed later with a lower id, which is
+/// never published. The error names the tables and the statements that fix it; after
+/// them, it starts. On today's main it started.
+#[tokio::test]
+async fn cached_identity_sequences_refuse_the_start() {
+    let url = fresh_pg().await;
+    let s = Service::start(quiet_config(&url)).await;
+    s.app.stop().await.unwrap();
+    crate::support::exec(
+        &url,
+        "ALTER TABLE outbox_events ALTER COLUMN id SET CACHE 20;
+         ALTER TABLE inbox_events ALTER COLUMN id SET CACHE 5;",
+    )
+    .await;
+    let err = match mailroom::app::App::start(
+        quiet_config(&url),
+        tokio_util::sync::CancellationToken::new(),
+    )
+    .await
+    {
+        Ok(app) => {
+            app.stop().await.unwrap();
+            panic!("started on cached identity sequences");
+        }
+        Err(e) => format!("{e:#}"),
+    };
+    for part in [
+        "inbox_events",
+        "CACHE 5",
+        "ALTER SEQUENCE inbox_events_id_seq CACHE 1;",
+        "ALTER SEQUENCE outbox_events_id_seq CACHE 1;",
+        "never published",
+    ] {
+        assert!(err.contains(part), "{part:?} in {err}");
+    }
+    crate::support::exec(
+        &url,
+        "ALTER SEQUENCE inbox_events_id_seq CACHE 1; ALTER SEQUENCE outbox_events_id_seq CACHE 1;",
+    )
+    .await;
+    Service::start(quiet_config(&url))
+        .await
+        .app
+        .stop()
+        .await
+        .unwrap();
+}
