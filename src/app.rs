@@ -95,6 +95,7 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
         }
         let store = PgStore::from_pools(pg_pools(config).await?);
         check_schema_privileges(&store, config.database_refuse_shared_schema).await?;
+        refuse_cached_sequences(&store).await?;
         sync_sql_limits(&store, &config.limits).await;
         Arc::new(store)
     } else {
@@ -137,12 +138,40 @@ async fn check_schema_privileges(store: &PgStore, refuse: bool) -> anyhow::Resul
     Ok(())
 }
 
+/// Refuses to start on identity sequences that hand out ids in blocks per session
+/// (`PgStore::cached_sequences`): events would be lost under the per-key cursor.
+async fn refuse_cached_sequences(store: &PgStore) -> anyhow::Result<()> {
+    let cached = store
+        .cached_sequences()
+        .await
+        .context("reading the identity sequences of outbox_events and inbox_events")?;
+    let Some((table, sequence, cache)) = cached.first() else {
+        return Ok(());
+    };
+    let fixes: Vec<String> = cached
+        .iter()
+        .map(|(_, seq, _)| format!("ALTER SEQUENCE {seq} CACHE 1;"))
+        .collect();
+    anyhow::bail!(
+        "the identity sequence {sequence} of {table} hands out ids in blocks of {cache} per \
+         session (CACHE {cache}): ids are then committed out of their order, and a key's \
+         cursor can pass an event committed after a higher id, which is never published. \
+         mailroom needs CACHE 1 on the ids of its events; run: {}",
+        fixes.join(" ")
+    )
+}
+
 /// Keeps the SQL API's limits equal to the service's (a replica that may not write them
-/// says so and goes on: gRPC is unaffected, and the SQL API keeps the row's limits).
+/// says so and goes on: gRPC is unaffected, and the SQL API keeps the row's limits). A
+/// binary the database's schema does not accept writes nothing (`SYNC`'s gate).
 async fn sync_sql_limits(store: &PgStore, limits: &crate::domain::Limits) {
     match store.sync_sql_limits(limits).await {
         Ok(true) => tracing::info!("SQL API limits (mailroom_sql_settings) set to the service's"),
         Ok(false) => {}
+        Err(e @ crate::store::StoreError::SchemaRefused { .. }) => tracing::warn!(
+            error = %e,
+            "the SQL API's limits (mailroom_sql_settings) left as they are: the database requires a newer binary"
+        ),
         Err(e) => tracing::warn!(
             error = %e,
             "could not set the SQL API's limits (mailroom_sql_settings) to the service's: \
@@ -307,8 +336,12 @@ impl App {
         bg.tasks.extend(inbox_tasks);
         let checks = readiness_checks(&config, &store, &schema, &outbox, &inbox_handles);
         bg.spawn(health.clone().monitor(checks, bg.token.clone()));
-        let metrics =
-            Metrics::for_service(outbox.stats.clone(), inbox_handles.clone(), store.clone());
+        let metrics = Metrics::for_service(
+            outbox.stats.clone(),
+            inbox_handles.clone(),
+            store.clone(),
+            schema.clone(),
+        );
         let metrics_addr = start_metrics(&config, &store, &metrics, &mut bg).await?;
         start_retention(&config, &store, &metrics, &schema, &mut bg);
         let auth = auth_for(&config);

@@ -13,7 +13,9 @@ use crate::inbox::InboxHandles;
 use crate::inbox::consumer::IntakeStats;
 use crate::inbox::supervisor::Task;
 use crate::relay::{Latency, RelayStats};
+use crate::schema::SchemaGate;
 use crate::store::Store;
+use crate::store::schema::Compat;
 
 /// The relays' counters and histograms, read at scrape time.
 #[derive(Debug)]
@@ -373,6 +375,54 @@ impl Collector for PoolCollector {
             e.encode_family(&labels)?
                 .encode_gauge(&h.held_for.as_secs_f64())?;
         }
+        Ok(())
+    }
+}
+
+/// The schema gate's last verdict (`crate::schema`), read at scrape time from its cache.
+pub(super) struct SchemaCollector {
+    pub(super) schema: SchemaGate,
+}
+
+impl std::fmt::Debug for SchemaCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SchemaCollector")
+    }
+}
+
+impl Collector for SchemaCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let last = self.schema.last();
+        let now = last.map_or("unknown", |v| v.compat.as_str());
+        let mut e = encoder.encode_descriptor(
+            "mailroom_schema_state",
+            "How the database's schema relates to this binary's (1 for the current state): \
+             known, ahead (newer and compatible), behind (migrations pending), incompatible \
+             (relaying stopped), unknown (not readable: relaying stopped).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for state in [
+            Compat::Known,
+            Compat::Ahead,
+            Compat::Behind,
+            Compat::Incompatible,
+        ]
+        .map(Compat::as_str)
+        .into_iter()
+        .chain(["unknown"])
+        {
+            e.encode_family(&[("state", state)])?
+                .encode_gauge(&i64::from(state == now))?;
+        }
+        encoder
+            .encode_descriptor(
+                "mailroom_schema_database_version",
+                "The database's highest applied migration, as last read (-1: not readable).",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&last.map_or(-1, |v| v.state.database))?;
         Ok(())
     }
 }

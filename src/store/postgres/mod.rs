@@ -55,6 +55,10 @@ pub struct PgStore {
     held: Arc<held::HeldKeys>,
     /// `held.rs`'s statements, qualified.
     held_sql: Arc<held::Statements>,
+    /// The schema this binary knows (`Store::known_schema`), bound into every claim,
+    /// continued-line, renewal and settle statement: the database refuses them itself
+    /// when a migration requires more (`sql::compatible`).
+    known: i64,
 }
 
 /// The service's connection pools, one per query class so that each carries the
@@ -189,6 +193,7 @@ impl PgStore {
             names,
             fold_from: std::sync::atomic::AtomicI64::new(0),
             held: Arc::default(),
+            known: schema::highest(&sqlx::migrate!("migrations/postgres")),
         }
     }
 
@@ -283,6 +288,19 @@ impl PgStore {
         Ok(plan)
     }
 
+    /// The identity sequences of the tables whose ids the relay's order relies on that
+    /// hand out ids in blocks per session (`CACHE` above 1): `(table, sequence, cache)`.
+    /// With a cache, a session can commit a lower id after another session committed a
+    /// higher one for the same key, and the per-key cursor (migration 0011), already
+    /// past it, never publishes it; the inbox dispatches it out of order.
+    pub async fn cached_sequences(&self) -> StoreResult<Vec<(String, String, i64)>> {
+        Ok(
+            sqlx::query_as(AssertSqlSafe(self.names.fixed(CACHED_SEQUENCES)))
+                .fetch_all(&self.pool)
+                .await?,
+        )
+    }
+
     fn sql(&self, b: BoxKind) -> &Sql {
         match b {
             BoxKind::Outbox => &self.outbox,
@@ -333,6 +351,21 @@ async fn refuse_other_home(pool: &PgPool, schema: &str) -> StoreResult<()> {
     }
 }
 
+/// See `PgStore::cached_sequences`. The tables are named as types (`NULL::outbox_events`),
+/// where a name is resolved as everywhere else in mailroom's SQL, not in a string
+/// literal; each one's identity sequences are found through `pg_depend` (`deptype`
+/// `i`: owned by an identity column).
+const CACHED_SEQUENCES: &str = "SELECT c.relname::text, s.seqrelid::regclass::text, s.seqcache
+     FROM (VALUES (pg_typeof(NULL::outbox_events)::oid),
+                  (pg_typeof(NULL::inbox_events)::oid)) AS t(typ)
+     JOIN pg_type ty ON ty.oid = t.typ
+     JOIN pg_class c ON c.oid = ty.typrelid
+     JOIN pg_depend d ON d.refclassid = 'pg_class'::regclass AND d.refobjid = c.oid
+                     AND d.classid = 'pg_class'::regclass AND d.deptype = 'i'
+     JOIN pg_sequence s ON s.seqrelid = d.objid
+     WHERE s.seqcache > 1
+     ORDER BY 1";
+
 fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
     sqlx::query(AssertSqlSafe(sql.clone()))
 }
@@ -346,6 +379,16 @@ fn scoped(
         Some(s) => query.bind(s.to_string()),
         None => query,
     }
+}
+
+/// Binds what a gated statement takes after its own parameters: the subscription of a
+/// scoped (inbox) statement, then the binary's schema (`sql::compatible`).
+fn gated(
+    query: sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    queue: &Queue,
+    known: i64,
+) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    scoped(query, queue).bind(known)
 }
 
 /// Runs of a call PostgreSQL aborted as a deadlock victim (`40P01`) or a serialization
@@ -458,7 +501,7 @@ impl Store for PgStore {
     }
 
     fn known_schema(&self) -> i64 {
-        schema::highest(&sqlx::migrate!("migrations/postgres"))
+        self.known
     }
 
     async fn schema_state(&self) -> StoreResult<schema::SchemaState> {
@@ -516,7 +559,7 @@ impl Store for PgStore {
     }
 
     async fn settle(&self, settlement: Settlement<'_>) -> StoreResult<SettleReport> {
-        retry_aborted(|| self.settle_once(settlement)).await
+        retry_aborted(|| self.settle_once(settlement)).await?
     }
 
     async fn renew(&self, renewal: Renewal<'_>) -> StoreResult<usize> {
