@@ -52,6 +52,7 @@ pub async fn pg_pool(
             max_connections,
             acquire_timeout: config.database_acquire_timeout,
             statement_timeout,
+            lock_timeout: None,
             lazy: false,
             generic_plans,
         },
@@ -73,18 +74,36 @@ pub async fn pg_pools(config: &Config) -> anyhow::Result<PgPools> {
     })
 }
 
+/// Applies this binary's PostgreSQL migrations beside a running service: the migrator's
+/// session has the `lock_timeout` of `config.migration`, and a migration that waits longer
+/// is rolled back and tried again (`store::postgres::migrate`). Without a statement
+/// timeout: building an index on a large table may take longer than any query of the
+/// service should.
+async fn migrate_pg(config: &Config) -> anyhow::Result<()> {
+    let shape = config.migration.pool_shape(config.database_acquire_timeout);
+    let pool = crate::store::postgres::pool(&config.database_url.0, shape)
+        .await
+        .with_context(|| format!("connecting to {}", redact_url(&config.database_url.0)))?;
+    let report = crate::store::postgres::migrate::run(PgStore::migrator(), &pool, config.migration)
+        .await
+        .context("running migrations");
+    pool.close().await;
+    let report = report?;
+    if report.attempts > 1 {
+        tracing::info!(
+            attempts = report.attempts,
+            took_ms = report.took.as_millis() as u64,
+            "migrations applied after waiting for locks"
+        );
+    }
+    Ok(())
+}
+
 /// Opens the configured store (and migrates it when asked).
 pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     let store: Arc<dyn Store> = if config.is_postgres() {
         if config.migrate {
-            // Migrations run without the statement timeout: building an index on a large
-            // table may take longer than any query of the service should.
-            let pool = pg_pool(config, None, 2, false).await?;
-            PgStore::from_pool(pool.clone())
-                .migrate()
-                .await
-                .context("running migrations")?;
-            pool.close().await;
+            migrate_pg(config).await?;
         }
         let store = PgStore::from_pools(pg_pools(config).await?);
         sync_sql_limits(&store, &config.limits).await;

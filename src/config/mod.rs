@@ -102,6 +102,8 @@ pub struct Config {
     pub database_acquire_timeout: Duration,
     /// PostgreSQL `statement_timeout` per query class.
     pub database_timeouts: DatabaseTimeouts,
+    /// How `migrate` (and a replica started with `migrate`) waits for PostgreSQL locks.
+    pub migration: crate::store::postgres::migrate::MigrationWait,
     /// What retention deletes, and how often.
     pub retention: crate::retention::RetentionConfig,
 }

@@ -278,6 +278,15 @@ pub struct Settings {
     /// [default: 30000].
     #[arg(long, env = "MAILROOM_DATABASE_ADMIN_TIMEOUT_MS", global = true)]
     pub database_admin_timeout_ms: Option<u64>,
+    /// PostgreSQL `lock_timeout` of migrations, in ms: a migration waiting longer for a
+    /// lock is rolled back and tried again, so the service's requests queued behind it
+    /// wait at most this long [default: 500].
+    #[arg(long, env = "MAILROOM_MIGRATION_LOCK_TIMEOUT_MS", global = true)]
+    pub migration_lock_timeout_ms: Option<u64>,
+    /// How long migrating keeps retrying lock waits, in all, before it fails, in ms
+    /// [default: 600000].
+    #[arg(long, env = "MAILROOM_MIGRATION_MAX_WAIT_MS", global = true)]
+    pub migration_max_wait_ms: Option<u64>,
     /// Completed events are deleted this many hours after publication; 0 = keep
     /// forever [default: 168].
     #[arg(long, env = "MAILROOM_RETENTION_COMPLETED_HOURS", global = true)]
@@ -415,6 +424,8 @@ impl Settings {
             database_enqueue_timeout_ms,
             database_relay_timeout_ms,
             database_admin_timeout_ms,
+            migration_lock_timeout_ms,
+            migration_max_wait_ms,
             retention_completed_hours,
             retention_failed_hours,
             retention_interval_ms,

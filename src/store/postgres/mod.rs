@@ -10,6 +10,7 @@
 //! `retention.rs` the purges, `notify.rs` LISTEN/NOTIFY wake-ups.
 
 mod admin;
+pub mod migrate;
 pub mod notify;
 mod relay;
 mod retention;
@@ -68,6 +69,10 @@ pub struct PoolShape {
     pub acquire_timeout: Duration,
     /// `statement_timeout` of every session (the `options` startup parameter).
     pub statement_timeout: Option<Duration>,
+    /// `lock_timeout` of every session (the `options` startup parameter): the
+    /// migrator's, so that a migration waiting for a lock never queues the service's
+    /// requests for longer (`migrate::MigrationWait`).
+    pub lock_timeout: Option<Duration>,
     /// Connect on first use instead of at once.
     pub lazy: bool,
     /// Plan prepared statements once per session (`plan_cache_mode =
@@ -83,6 +88,7 @@ impl Default for PoolShape {
             max_connections: 4,
             acquire_timeout: Duration::from_secs(3),
             statement_timeout: None,
+            lock_timeout: None,
             lazy: false,
             generic_plans: false,
         }
@@ -97,6 +103,9 @@ pub async fn pool(url: &str, shape: PoolShape) -> StoreResult<PgPool> {
         .map_err(|e: sqlx::Error| StoreError::other(format!("bad database url: {e}")))?;
     if let Some(t) = shape.statement_timeout {
         opts = opts.options([("statement_timeout", t.as_millis().to_string())]);
+    }
+    if let Some(t) = shape.lock_timeout {
+        opts = opts.options([("lock_timeout", t.as_millis().to_string())]);
     }
     let mut options = PgPoolOptions::new()
         .max_connections(shape.max_connections)
@@ -156,6 +165,11 @@ impl PgStore {
             outbox: Sql::new("outbox_events", "outbox_keys", false),
             inbox: Sql::new("inbox_events", "inbox_keys", true),
         }
+    }
+
+    /// This binary's migrations, set to tolerate newer ones (`schema::tolerant`).
+    pub fn migrator() -> sqlx::migrate::Migrator {
+        schema::tolerant(sqlx::migrate!("migrations/postgres"))
     }
 
     /// The pool of enqueues and health checks.
@@ -314,10 +328,16 @@ impl Store for PgStore {
     }
 
     async fn migrate(&self) -> StoreResult<()> {
-        schema::tolerant(sqlx::migrate!("migrations/postgres"))
-            .run(&self.pool)
-            .await
-            .map_err(|e| StoreError::other(format!("migration failed: {e}")))
+        // Lock waits are bounded only when the pool carries a `lock_timeout`
+        // (`MigrationWait::pool_shape`, as `app::open_store` builds it).
+        migrate::run(
+            Self::migrator(),
+            &self.pool,
+            migrate::MigrationWait::default(),
+        )
+        .await
+        .map(drop)
+        .map_err(|e| StoreError::other(format!("migrating: {e}")))
     }
 
     fn known_schema(&self) -> i64 {
