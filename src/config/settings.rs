@@ -263,7 +263,7 @@ pub struct Settings {
     #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
     pub database_acquire_timeout_ms: Option<u64>,
     /// PostgreSQL statement timeout, in ms, of every query class that has no setting
-    /// of its own (below); migrations are exempt; 0 = none.
+    /// of its own (below); migrations have none; 0 = none.
     #[arg(long, env = "MAILROOM_DATABASE_STATEMENT_TIMEOUT_MS", global = true)]
     pub database_statement_timeout_ms: Option<u64>,
     /// Statement timeout of enqueues and inbox receives (the writes a caller waits on),

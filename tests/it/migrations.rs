@@ -9,6 +9,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::support::*;
+use mailroom::pb;
 use mailroom::store::postgres::migrate::{self, MigrationError, MigrationWait, Waited};
 use mailroom::store::postgres::{PgStore, pool};
 use sqlx::migrate::{Migrate, Migrator};
@@ -97,14 +98,31 @@ async fn enqueues_keep_answering_while_a_migration_waits_behind_an_open_sql_tran
     });
 
     let held = Instant::now();
-    let mut during = Vec::new();
+    let (mut during, mut refused) = (Vec::new(), Vec::new());
     let mut i = 0;
     while held.elapsed() < HOLD {
         let t = Instant::now();
-        enqueue(&mut s.client, event("mig.during", &format!("k{i}"), b"x")).await;
+        let e = event("mig.during", &format!("k{i}"), b"x");
+        let r = s
+            .client
+            .enqueue(pb::EnqueueRequest { event: Some(e) })
+            .await;
         during.push(t.elapsed());
+        if let Err(e) = r {
+            refused.push(format!(
+                "after {:?}: {:?} {}",
+                t.elapsed(),
+                e.code(),
+                e.message()
+            ));
+        }
         i += 1;
     }
+    assert!(
+        refused.is_empty(),
+        "Enqueues refused during the migration: {refused:?}; {}",
+        summary(&during)
+    );
     assert!(
         !running.is_finished(),
         "the migration cannot land while the transaction is open"
