@@ -165,6 +165,68 @@ async fn enqueues_keep_answering_while_a_migration_waits_behind_an_open_sql_tran
     );
 }
 
+/// A `-- no-transaction` migration building an index `CONCURRENTLY` runs without the
+/// lock timeout: it waits for the open SQL-API transaction (its lock queues no Enqueue)
+/// and completes at its first try with a valid index. Under the lock timeout it would
+/// fail with `55P03`, leave an invalid index behind, and its retry would fail on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrent_index_build_waits_out_an_open_transaction_at_its_first_try() {
+    const HOLD: Duration = Duration::from_secs(2);
+    let lock_timeout = Duration::from_millis(200);
+    let (url, mut s) = quiet_pg().await;
+    let mut producer = PgConnection::connect(&url).await.unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    sqlx::query("SELECT mailroom.enqueue('sql.open', 'held', '\\x01'::bytea)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let migrator = migrator_with(&[(
+        "9000_test_index.sql",
+        "-- no-transaction\nCREATE INDEX CONCURRENTLY outbox_events_test_type \
+         ON outbox_events (event_type);",
+    )])
+    .await;
+    let wait = quick_wait(lock_timeout, Duration::from_secs(60));
+    let mpool = migrator_pool(&url, wait).await;
+    let running = tokio::spawn({
+        let mpool = mpool.clone();
+        async move { migrate::run(migrator, &mpool, wait).await }
+    });
+    let held = Instant::now();
+    let mut during = Vec::new();
+    while held.elapsed() < HOLD {
+        let t = Instant::now();
+        enqueue(&mut s.client, event("mig.index", "k", b"x")).await;
+        during.push(t.elapsed());
+    }
+    if running.is_finished() {
+        panic!(
+            "the build did not wait for the transaction: {:?}",
+            running.await.unwrap()
+        );
+    }
+    tx.commit().await.unwrap();
+    let report = tokio::time::timeout(Duration::from_secs(20), running)
+        .await
+        .expect("the build completes once the transaction ends")
+        .unwrap()
+        .expect("migrated");
+    println!(
+        "index build: {report:?}; Enqueues meanwhile: {}",
+        summary(&during)
+    );
+    assert_eq!(report.attempts, 1);
+    let valid: bool = sqlx::query_scalar(
+        "SELECT indisvalid FROM pg_index WHERE indexrelid = 'outbox_events_test_type'::regclass",
+    )
+    .fetch_one(&mpool)
+    .await
+    .unwrap();
+    assert!(valid);
+    let worst = during.iter().max().unwrap();
+    assert!(*worst <= Duration::from_millis(500), "{}", summary(&during));
+}
+
 /// sqlx's advisory lock serializes migrators, and any session may take it (advisory
 /// locks need no privilege). Held, it made the migrator wait forever; now the migrator
 /// tries within its bounded wait, then fails naming the holder, and migrates once the

@@ -7,9 +7,9 @@
 //! (sqlx runs each migration in its own transaction), the service's queued requests go on,
 //! and the migrator tries again after a pause (doubling, with jitter) until
 //! [`MigrationWait::max_wait`] has passed; then it fails and names who held the lock. The
-//! same holds for sqlx's own advisory lock, which serializes migrators: a session that
-//! keeps it (another migrator, or anyone: advisory locks need no privilege) makes this
-//! one retry and then fail, never hang.
+//! same holds for sqlx's own advisory lock, which serializes migrators: the migrator only
+//! tries it, so a session that keeps it (another migrator, or anyone: advisory locks need
+//! no privilege) makes this one try again and then fail, never hang.
 
 use std::collections::HashSet;
 use std::fmt;
@@ -67,9 +67,9 @@ impl MigrationWait {
 pub enum MigrationError {
     /// Every try waited longer than `lock_timeout` for a lock, until `max_wait` passed.
     #[error(
-        "gave up after {attempts} tries over {waited:?}: {what} waited longer than \
-         lock_timeout {lock_timeout:?} each time (MAILROOM_MIGRATION_MAX_WAIT_MS bounds the \
-         whole wait); sessions holding locks on mailroom's tables or the migration lock: {holders}"
+        "gave up after {attempts} tries over {waited:?} (MAILROOM_MIGRATION_MAX_WAIT_MS): \
+         {what} stayed locked (each try waits at most lock_timeout {lock_timeout:?}); \
+         sessions holding locks on mailroom's tables or the migration lock: {holders}"
     )]
     LockWait {
         /// What the last try waited for.
@@ -98,8 +98,10 @@ pub enum Waited {
         /// Its description (the file name's tail).
         description: String,
     },
-    /// sqlx's advisory lock that serializes migrators, or its bookkeeping table.
+    /// sqlx's advisory lock that serializes migrators: another session holds it.
     MigrationLock,
+    /// sqlx's bookkeeping table, `_sqlx_migrations`.
+    Bookkeeping,
 }
 
 impl fmt::Display for Waited {
@@ -112,6 +114,7 @@ impl fmt::Display for Waited {
             Waited::MigrationLock => {
                 f.write_str("the migration lock (another migrator, or a session holding it)")
             }
+            Waited::Bookkeeping => f.write_str("the migrations table (_sqlx_migrations)"),
         }
     }
 }
@@ -153,8 +156,12 @@ pub async fn run(
         // The session may still hold the migration lock (a session lock) and a failed
         // transaction: end it rather than hand it back to the pool.
         let _ = conn.close().await;
-        let Some(what) = lock_wait(&migrator, &e) else {
-            return Err(MigrationError::Failed(e));
+        let what = match e {
+            Try::LockBusy => Waited::MigrationLock,
+            Try::Failed(e) => match lock_wait(&migrator, &e) {
+                Some(what) => what,
+                None => return Err(MigrationError::Failed(e)),
+            },
         };
         let holders = lock_holders(pool, wait.lock_timeout).await;
         let pause = backoff.failed(&mut rand::rng());
@@ -182,20 +189,48 @@ pub async fn run(
     }
 }
 
+/// How a try failed.
+enum Try {
+    /// Another session holds the migration lock.
+    LockBusy,
+    /// A migration or sqlx's bookkeeping failed.
+    Failed(MigrateError),
+}
+
+impl From<MigrateError> for Try {
+    fn from(e: MigrateError) -> Self {
+        Try::Failed(e)
+    }
+}
+
+impl From<sqlx::Error> for Try {
+    fn from(e: sqlx::Error) -> Self {
+        Try::Failed(e.into())
+    }
+}
+
 /// One try: the migration lock, then each pending migration in a step of its own, so
 /// that a `-- no-transaction` migration (an index built `CONCURRENTLY`, alone in its
 /// file: docs/storage.md, "Writing a migration") runs without the `lock_timeout`. Such a
 /// build never queues the service's requests (its lock, SHARE UPDATE EXCLUSIVE, does not
 /// conflict with reads and writes), but it waits for every transaction older than itself;
 /// timed out, it would leave an invalid index behind.
-async fn attempt(migrator: &Migrator, conn: &mut PgConnection) -> Result<(), MigrateError> {
+///
+/// The migration lock is only *tried*: a migrator waiting in `pg_advisory_lock` is a
+/// transaction a concurrent index build of the migrator holding the lock waits for, a
+/// deadlock (docs/guarantees.md, "Replicas started together"). Between tries a waiting
+/// migrator holds nothing.
+async fn attempt(migrator: &Migrator, conn: &mut PgConnection) -> Result<(), Try> {
     let database: String = sqlx::query_scalar("SELECT pg_catalog.current_database()")
         .fetch_one(&mut *conn)
         .await?;
-    sqlx::query("SELECT pg_catalog.pg_advisory_lock($1)")
+    let locked: bool = sqlx::query_scalar("SELECT pg_catalog.pg_try_advisory_lock($1)")
         .bind(migration_lock_id(&database))
-        .execute(&mut *conn)
+        .fetch_one(&mut *conn)
         .await?;
+    if !locked {
+        return Err(Try::LockBusy);
+    }
     conn.ensure_migrations_table(&migrator.table_name).await?;
     let applied: HashSet<i64> = conn
         .list_applied_migrations(&migrator.table_name)
@@ -246,14 +281,14 @@ fn lock_wait(migrator: &Migrator, e: &MigrateError) -> Option<Waited> {
                 description,
             })
         }
-        MigrateError::Execute(e) if timed_out(e) => Some(Waited::MigrationLock),
+        MigrateError::Execute(e) if timed_out(e) => Some(Waited::Bookkeeping),
         _ => None,
     }
 }
 
 /// The sessions that hold what a migration may wait for: locks on tables of the schema
 /// holding `_sqlx_migrations` in a transaction open longer than `lock_timeout` (a
-/// service request holds its locks for milliseconds), and sqlx's migration lock. Best
+/// service request holds its locks for milliseconds), and the migration lock. Best
 /// effort: the log line says so when they cannot be read.
 async fn lock_holders(pool: &PgPool, lock_timeout: Duration) -> String {
     let read = async {
