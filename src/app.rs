@@ -92,7 +92,7 @@ async fn migrate_pg(config: &Config) -> anyhow::Result<()> {
     if report.attempts > 1 {
         tracing::info!(
             attempts = report.attempts,
-            took_ms = report.took.as_millis() as u64,
+            took_ms = u64::try_from(report.took.as_millis()).unwrap_or(u64::MAX),
             "migrations applied after waiting for locks"
         );
     }

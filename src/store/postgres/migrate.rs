@@ -178,12 +178,12 @@ pub async fn run(
         tracing::warn!(
             attempt = attempts,
             waited_for = %what,
-            lock_timeout_ms = wait.lock_timeout.as_millis() as u64,
+            lock_timeout_ms = super::millis(wait.lock_timeout),
             %holders,
-            retry_in_ms = pause.as_millis() as u64,
-            waited_ms = waited.as_millis() as u64,
-            "migration waited longer than lock_timeout for a lock and was rolled back \
-             (the service's requests queued behind it went on); trying again"
+            retry_in_ms = super::millis(pause),
+            waited_ms = super::millis(waited),
+            "migrating waits for a lock: this try was rolled back (the service's requests \
+             queued behind it waited at most lock_timeout); trying again"
         );
         tokio::time::sleep(pause).await;
     }
@@ -241,20 +241,22 @@ async fn attempt(migrator: &Migrator, conn: &mut PgConnection) -> Result<(), Try
     let pending = migrator
         .iter()
         .filter(|m| !m.migration_type.is_down_migration() && !applied.contains(&m.version));
+    // The session's own value, restored after each lift: `RESET` would return to the
+    // value the session started with, not one its profile set after connecting.
+    let lock_timeout: String =
+        sqlx::query_scalar("SELECT pg_catalog.current_setting('lock_timeout')")
+            .fetch_one(&mut *conn)
+            .await?;
     for m in pending {
         if m.no_tx {
-            sqlx::query("SET lock_timeout = 0")
-                .execute(&mut *conn)
-                .await?;
+            set_lock_timeout(conn, "0").await?;
         }
         // Applies `m` (and checks what is applied, as a whole run would).
         migrator
             .run_direct(Some(m.version), &mut *conn, false)
             .await?;
         if m.no_tx {
-            sqlx::query("RESET lock_timeout")
-                .execute(&mut *conn)
-                .await?;
+            set_lock_timeout(conn, &lock_timeout).await?;
         }
     }
     // Validates what is applied even when nothing was pending.
@@ -264,6 +266,14 @@ async fn attempt(migrator: &Migrator, conn: &mut PgConnection) -> Result<(), Try
         .execute(&mut *conn)
         .await?;
     Ok(())
+}
+
+async fn set_lock_timeout(conn: &mut PgConnection, value: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_catalog.set_config('lock_timeout', $1, false)")
+        .bind(value)
+        .execute(conn)
+        .await
+        .map(drop)
 }
 
 /// Whether `e` is a lock wait that ran out (`55P03 lock_not_available`), and of what.
