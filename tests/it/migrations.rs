@@ -64,12 +64,14 @@ fn summary(ms: &[Duration]) -> String {
 /// today's main the migration's ACCESS EXCLUSIVE request queued every Enqueue behind it
 /// for the whole transaction. Now each try waits at most `lock_timeout` (200 ms) and is
 /// rolled back: Enqueues keep answering within that bound, and the migration lands once
-/// the transaction ends.
+/// the transaction ends. The relays publish meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueues_keep_answering_while_a_migration_waits_behind_an_open_sql_transaction() {
     const HOLD: Duration = Duration::from_secs(8);
     let lock_timeout = Duration::from_millis(200);
-    let (url, mut s) = quiet_pg().await;
+    // Relays on (the embedded sink): they settle beside the migration too.
+    let url = fresh_pg().await;
+    let mut s = Service::start(config(&url)).await;
 
     let mut before = Vec::new();
     for i in 0..50 {
@@ -123,6 +125,10 @@ async fn enqueues_keep_answering_while_a_migration_waits_behind_an_open_sql_tran
         "Enqueues refused during the migration: {refused:?}; {}",
         summary(&during)
     );
+    // The relays publish what was enqueued meanwhile, while the transaction is still
+    // open and the migration still trying.
+    let enqueued = (before.len() + during.len()) as i64;
+    wait_completed(&s.app.store, enqueued, Duration::from_secs(5)).await;
     assert!(
         !running.is_finished(),
         "the migration cannot land while the transaction is open"
