@@ -171,6 +171,56 @@ async fn enqueues_keep_answering_while_a_migration_waits_behind_an_open_sql_tran
     );
 }
 
+/// What an operator reads when the wait runs out behind a transaction: the migration
+/// that waited (version and name) and the session to wait for or end, with its pid, its
+/// state and its open transaction (the retry log lines carry the same fields).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_that_keeps_waiting_fails_naming_itself_and_the_holder() {
+    let url = fresh_pg().await;
+    let wait = quick_wait(Duration::from_millis(200), Duration::from_secs(1));
+    let mpool = migrator_pool(&url, wait).await;
+    migrate::run(PgStore::migrator(), &mpool, wait)
+        .await
+        .unwrap();
+    let mut producer = PgConnection::connect(&url).await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut producer)
+        .await
+        .unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    sqlx::query("SELECT mailroom.enqueue('sql.open', 'held', '\\x01'::bytea)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let migrator = migrator_with(&[(
+        "9000_test_alter.sql",
+        "ALTER TABLE outbox_events ADD COLUMN migration_test_note TEXT;",
+    )])
+    .await;
+    let e = migrate::run(migrator, &mpool, wait).await.unwrap_err();
+    let text = e.to_string();
+    println!("{text}");
+    let MigrationError::LockWait { what, holders, .. } = e else {
+        panic!("expected a lock wait: {text}");
+    };
+    assert_eq!(
+        what,
+        Waited::Migration {
+            version: 9000,
+            description: "test alter".into()
+        }
+    );
+    assert!(
+        holders.contains(&format!(
+            "pid {pid} (postgres, idle in transaction, transaction open"
+        )),
+        "{holders}"
+    );
+    assert!(holders.contains("mailroom.enqueue"), "{holders}");
+    tx.rollback().await.unwrap();
+}
+
 /// A `-- no-transaction` migration building an index `CONCURRENTLY` runs without the
 /// lock timeout: it waits for the open SQL-API transaction (its lock queues no Enqueue)
 /// and completes at its first try with a valid index. Under the lock timeout it would
