@@ -135,8 +135,8 @@ pub async fn run(
     pool: &PgPool,
     wait: MigrationWait,
 ) -> Result<MigrationReport, MigrationError> {
-    // The runner takes sqlx's lock itself (the same key, so older binaries' migrators
-    // are still kept apart), to hold it across the steps of `attempt`.
+    // The runner tries sqlx's lock itself (the same key, so older binaries' migrators
+    // are still kept apart), and holds it across the steps of `attempt`.
     migrator.set_locking(false);
     let started = Instant::now();
     let mut backoff = Backoff::new(wait.backoff_min, wait.backoff_max);
