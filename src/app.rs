@@ -75,23 +75,41 @@ pub async fn pg_pools(config: &Config) -> anyhow::Result<PgPools> {
     })
 }
 
+/// Applies this binary's PostgreSQL migrations beside a running service: the migrator's
+/// session has the `lock_timeout` of `config.migration`, and a migration that waits longer
+/// is rolled back and tried again (`store::postgres::migrate`). Without a statement
+/// timeout: building an index on a large table may take longer than any query of the
+/// service should.
+async fn migrate_pg(config: &Config) -> anyhow::Result<()> {
+    let report = crate::store::postgres::migrate_database(
+        &config.database_url.0,
+        &config.database_profile.schema,
+        config.database_acquire_timeout,
+        config.migration,
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "running migrations on {}",
+            redact_url(&config.database_url.0)
+        )
+    });
+    let report = report?;
+    if report.attempts > 1 {
+        tracing::info!(
+            attempts = report.attempts,
+            took_ms = u64::try_from(report.took.as_millis()).unwrap_or(u64::MAX),
+            "migrations applied after waiting for locks"
+        );
+    }
+    Ok(())
+}
+
 /// Opens the configured store (and migrates it when asked).
 pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     let store: Arc<dyn Store> = if config.is_postgres() {
         if config.migrate {
-            // Migrations run without the statement timeout: building an index on a large
-            // table may take longer than any query of the service should.
-            let pool = pg_pool(config, None, 2, false).await?;
-            PgStore::from_pools(PgPools {
-                enqueue: pool.clone(),
-                relay: pool.clone(),
-                admin: pool.clone(),
-                schema: config.database_profile.schema.clone(),
-            })
-            .migrate()
-            .await
-            .context("running migrations")?;
-            pool.close().await;
+            migrate_pg(config).await?;
         }
         let store = PgStore::from_pools(pg_pools(config).await?);
         check_schema_privileges(&store, config.database_refuse_shared_schema).await?;

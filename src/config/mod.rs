@@ -109,6 +109,8 @@ pub struct Config {
     pub database_profile: crate::store::postgres::profile::SessionProfile,
     /// Refuse to start (instead of warning) when other roles may create in that schema.
     pub database_refuse_shared_schema: bool,
+    /// How `migrate` (and a replica started with `migrate`) waits for PostgreSQL locks.
+    pub migration: crate::store::postgres::migrate::MigrationWait,
     /// What retention deletes, and how often.
     pub retention: crate::retention::RetentionConfig,
 }

@@ -98,6 +98,7 @@ impl Config {
             connections: connections(&s)?,
             database_profile: database_profile(&s)?,
             database_refuse_shared_schema: s.database_refuse_shared_schema.unwrap_or(false),
+            migration: migration(&s),
             retention: retention(&s)?,
             sink,
             database_url: crate::secret::Secret(database_url),
@@ -669,6 +670,23 @@ fn database_timeouts(s: &Settings) -> DatabaseTimeouts {
         enqueue: class(s.database_enqueue_timeout_ms, 10_000),
         relay: class(s.database_relay_timeout_ms, 30_000),
         admin: class(s.database_admin_timeout_ms, 30_000),
+    }
+}
+
+/// The migrator's lock wait: a short `lock_timeout` (at least 10 ms), retried within
+/// the whole wait (at least one try's worth).
+fn migration(s: &Settings) -> crate::store::postgres::migrate::MigrationWait {
+    let d = crate::store::postgres::migrate::MigrationWait::default();
+    let lock_timeout = s
+        .migration_lock_timeout_ms
+        .map_or(d.lock_timeout, |ms| Duration::from_millis(ms.max(10)));
+    crate::store::postgres::migrate::MigrationWait {
+        lock_timeout,
+        max_wait: s
+            .migration_max_wait_ms
+            .map_or(d.max_wait, Duration::from_millis)
+            .max(lock_timeout),
+        ..d
     }
 }
 

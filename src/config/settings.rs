@@ -274,7 +274,7 @@ pub struct Settings {
     #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
     pub database_acquire_timeout_ms: Option<u64>,
     /// PostgreSQL statement timeout, in ms, of every query class that has no setting
-    /// of its own (below); migrations are exempt; 0 = none.
+    /// of its own (below); migrations have none; 0 = none.
     #[arg(long, env = "MAILROOM_DATABASE_STATEMENT_TIMEOUT_MS", global = true)]
     pub database_statement_timeout_ms: Option<u64>,
     /// Statement timeout of enqueues and inbox receives (the writes a caller waits on),
@@ -310,6 +310,15 @@ pub struct Settings {
     /// schema of its tables, instead of warning [default: false].
     #[arg(long, env = "MAILROOM_DATABASE_REFUSE_SHARED_SCHEMA", global = true)]
     pub database_refuse_shared_schema: Option<bool>,
+    /// PostgreSQL `lock_timeout` of migrations, in ms: a migration waiting longer for a
+    /// lock is rolled back and tried again, so the service's requests queued behind it
+    /// wait at most this long [default: 500].
+    #[arg(long, env = "MAILROOM_MIGRATION_LOCK_TIMEOUT_MS", global = true)]
+    pub migration_lock_timeout_ms: Option<u64>,
+    /// How long migrating keeps retrying lock waits, in all, before it fails, in ms
+    /// [default: 600000].
+    #[arg(long, env = "MAILROOM_MIGRATION_MAX_WAIT_MS", global = true)]
+    pub migration_max_wait_ms: Option<u64>,
     /// Completed events are deleted this many hours after publication; 0 = keep
     /// forever [default: 168].
     #[arg(long, env = "MAILROOM_RETENTION_COMPLETED_HOURS", global = true)]
@@ -454,6 +463,8 @@ impl Settings {
             database_lock_timeout_ms,
             database_idle_in_transaction_timeout_ms,
             database_refuse_shared_schema,
+            migration_lock_timeout_ms,
+            migration_max_wait_ms,
             retention_completed_hours,
             retention_failed_hours,
             retention_interval_ms,

@@ -27,6 +27,7 @@ mod inbox;
 mod inbox_identity;
 mod inbox_retention;
 mod metrics;
+mod migrations;
 mod otlp;
 mod overload;
 mod partitions;

@@ -11,6 +11,7 @@
 
 mod admin;
 mod held;
+pub mod migrate;
 pub mod notify;
 pub mod profile;
 mod relay;
@@ -114,6 +115,45 @@ pub async fn pool(url: &str, shape: PoolShape, profile: &SessionProfile) -> Stor
         .parse()
         .map_err(|e: sqlx::Error| StoreError::other(format!("bad database url: {e}")))?;
     pool_with(opts, shape, profile).await
+}
+
+/// Migrates the database at `url`, whose mailroom tables are in `schema`, on a pool of
+/// its own: the migrator's profile (the released migrations name objects without a
+/// schema) with `wait`'s lock timeout, retrying lock waits as `migrate::run` does.
+pub async fn migrate_database(
+    url: &str,
+    schema: &str,
+    acquire_timeout: Duration,
+    wait: migrate::MigrationWait,
+) -> StoreResult<migrate::MigrationReport> {
+    let opts: PgConnectOptions = url
+        .parse()
+        .map_err(|e: sqlx::Error| StoreError::other(format!("bad database url: {e}")))?;
+    migrate_on(opts, schema, acquire_timeout, wait).await
+}
+
+async fn migrate_on(
+    opts: PgConnectOptions,
+    schema: &str,
+    acquire_timeout: Duration,
+    wait: migrate::MigrationWait,
+) -> StoreResult<migrate::MigrationReport> {
+    let migrator = pool_with(
+        opts,
+        wait.pool_shape(acquire_timeout),
+        &wait.profile(schema),
+    )
+    .await?;
+    let ran = async {
+        refuse_other_home(&migrator, schema).await?;
+        ensure_schema(&migrator, schema).await?;
+        migrate::run(PgStore::migrator(), &migrator, wait)
+            .await
+            .map_err(|e| StoreError::other(format!("migrating: {e}")))
+    }
+    .await;
+    migrator.close().await;
+    ran
 }
 
 async fn pool_with(
@@ -237,6 +277,25 @@ impl PgStore {
     /// A built statement with mailroom's names qualified.
     pub(crate) fn built(&self, sql: &str) -> String {
         self.names.text(sql)
+    }
+
+    /// This binary's migrations, set to tolerate newer ones (`schema::tolerant`).
+    pub fn migrator() -> sqlx::migrate::Migrator {
+        schema::tolerant(sqlx::migrate!("migrations/postgres"))
+    }
+
+    /// Migrates this store's database (`migrate_database`).
+    pub async fn migrate_with(
+        &self,
+        wait: migrate::MigrationWait,
+    ) -> StoreResult<migrate::MigrationReport> {
+        migrate_on(
+            (*self.pool.connect_options()).clone(),
+            self.names.schema(),
+            self.pool.options().get_acquire_timeout(),
+            wait,
+        )
+        .await
     }
 
     /// The pool of enqueues and health checks.
@@ -475,29 +534,9 @@ impl Store for PgStore {
     }
 
     async fn migrate(&self) -> StoreResult<()> {
-        // On a pool of its own, one connection with the migrator's profile (the
-        // released migrations name objects without a schema), closed afterwards.
-        let opts = (*self.pool.connect_options()).clone();
-        let migrator = pool_with(
-            opts,
-            PoolShape {
-                max_connections: 1,
-                ..PoolShape::default()
-            },
-            &SessionProfile::migrator(self.names.schema()),
-        )
-        .await?;
-        let ran = async {
-            refuse_other_home(&migrator, self.names.schema()).await?;
-            ensure_schema(&migrator, self.names.schema()).await?;
-            schema::tolerant(sqlx::migrate!("migrations/postgres"))
-                .run(&migrator)
-                .await
-                .map_err(|e| StoreError::other(format!("migration failed: {e}")))
-        }
-        .await;
-        migrator.close().await;
-        ran
+        self.migrate_with(migrate::MigrationWait::default())
+            .await
+            .map(drop)
     }
 
     fn known_schema(&self) -> i64 {
