@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod convert;
+pub mod costs;
 pub mod inbox;
 pub mod layers;
 pub mod outbox;
