@@ -284,21 +284,38 @@ struct Charge {
     held: Mutex<u32>,
 }
 
+/// The last eighth of the budget is kept for small requests (those holding at most a
+/// quarter of it: an ordinary Enqueue), so that large ones never leave them nothing.
+fn reserve(total: u32) -> u32 {
+    total / 8
+}
+
 impl Charge {
-    /// Holds `want` bytes in all (at most the whole budget: one request larger than the
-    /// budget is admitted alone).
+    /// Holds `want` bytes in all. A request larger than the budget less its reserve is
+    /// held at that: it is admitted alone.
     fn to(&self, want: u64) -> Result<(), Refusal> {
         let Some(budget) = &self.budget else {
             return Ok(());
         };
-        let want = u32::try_from(want.min(u64::from(self.total))).unwrap_or(self.total);
+        let reserve = reserve(self.total);
+        let large = want > u64::from(reserve / 4);
+        let cap = if large {
+            self.total - reserve
+        } else {
+            self.total
+        };
+        let want = u32::try_from(want.min(u64::from(cap))).unwrap_or(cap);
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         if want <= *held {
             return Ok(());
         }
-        match budget.try_acquire_many(want - *held) {
+        // A large request takes its bytes only while the reserve stays free: it takes
+        // the reserve too, and gives it back at once.
+        let extra = if large { reserve } else { 0 };
+        match budget.try_acquire_many(want - *held + extra) {
             Ok(p) => {
                 p.forget();
+                budget.add_permits(extra as usize);
                 *held = want;
                 Ok(())
             }
@@ -731,15 +748,39 @@ mod tests {
         let message = vec![0u8; 100_000];
         let body = framed(1, &gzip(&message));
         // 100,000 decompressed bytes held twice, plus the compressed bytes: more than
-        // 200,000, so a budget of 150,000 refuses it (and it is over the limit alone:
-        // the charge is capped at the budget only when the budget is free).
+        // 200,000. Alone, it holds the budget less the reserve; beside another request,
+        // it is refused.
         let mut g = gate(Rule::opaque(1 << 20, "x"), Encoding::Gzip, 1 << 20);
         g.inspect(&body).unwrap();
         assert!(*g.charge.held.lock().unwrap() > 200_000);
-        let mut g = gate(Rule::opaque(1 << 20, "x"), Encoding::Gzip, 150_000);
+        let mut g = gate(Rule::opaque(1 << 20, "x"), Encoding::Gzip, 160_000);
+        g.inspect(&body).unwrap();
+        assert_eq!(*g.charge.held.lock().unwrap(), 140_000);
+        let mut g = gate(Rule::opaque(1 << 20, "x"), Encoding::Gzip, 160_000);
         let other = g.charge.budget.clone().unwrap().try_acquire_many_owned(1);
         assert!(matches!(g.inspect(&body), Err(Refusal::Busy { .. })));
         drop(other);
+    }
+
+    #[test]
+    fn large_requests_leave_the_reserve_to_small_ones() {
+        let budget = Arc::new(Semaphore::new(800));
+        let charge = |_| Charge {
+            budget: Some(budget.clone()),
+            total: 800,
+            held: Mutex::new(0),
+        };
+        let (large, small) = (charge(()), charge(()));
+        large.to(650).unwrap();
+        // 150 left: a large request may not take the last 100, a small one may.
+        assert!(matches!(charge(()).to(60), Err(Refusal::Busy { .. })));
+        small.to(25).unwrap();
+        small.to(25).unwrap();
+        assert!(matches!(charge(()).to(26), Err(Refusal::Busy { .. })));
+        drop(small);
+        assert_eq!(budget.available_permits(), 150);
+        large.release();
+        assert_eq!(budget.available_permits(), 800);
     }
 
     #[test]
