@@ -379,7 +379,7 @@ impl App {
             rpc_log: RpcLogLayer::new(metrics.clone()),
             auth: AuthLayer::new(auth),
             overload: OverloadLayer::new(config.overload),
-            admission: ByteAdmissionLayer::new(config.overload.max_request_bytes),
+            admission: services.admission.clone(),
             connections: config.connections,
         };
         let task = tokio::spawn(serve(
@@ -618,6 +618,8 @@ struct Services {
     outbox: OutboxLimits,
     admin: pb::admin_service_server::AdminServiceServer<AdminApi>,
     inbox: pb::inbox_service_server::InboxServiceServer<crate::api::inbox::InboxApi>,
+    /// What each method's request may cost, counted as it arrives (the innermost layer).
+    admission: ByteAdmissionLayer,
 }
 
 /// What the later start-up phases read: the settings and the parts already running.
@@ -692,14 +694,18 @@ impl Services {
             config.subscriptions.clone(),
             p.inbox.clone(),
         );
+        // A decoding limit per method: one event for Enqueue (and one message for
+        // Receive), MAILROOM_MAX_BATCH_BYTES for EnqueueBatch. The admission layer applies
+        // them as the bytes arrive (decompressed), with the element counts and what the
+        // message decodes to; tonic's own limits stay as a second check.
+        let single = crate::config::enqueue_request_bytes(&config.limits);
+        let rules =
+            crate::api::costs::rules(single, config.max_batch_bytes, config.limits.max_batch);
         Services {
             health,
-            // A decoding limit per method: one event for Enqueue,
-            // MAILROOM_MAX_BATCH_BYTES for EnqueueBatch. An oversized request is refused
-            // from its length prefix, before it is buffered.
             outbox: OutboxLimits::new(
                 OutboxApi::new(intake, config.limits).with_metrics(p.metrics.clone()),
-                crate::config::enqueue_request_bytes(&config.limits),
+                single,
                 config.max_batch_bytes,
             ),
             admin: crate::api::compressed!(pb::admin_service_server::AdminServiceServer::new(
@@ -711,7 +717,12 @@ impl Services {
                 pb::inbox_service_server::InboxServiceServer::new(
                     crate::api::inbox::InboxApi::new(Arc::new(inbox), config.limits),
                 )
-                .max_decoding_message_size(crate::config::enqueue_request_bytes(&config.limits))
+                .max_decoding_message_size(single)
+            ),
+            admission: ByteAdmissionLayer::new(
+                config.overload.max_request_bytes,
+                config.overload.body_timeout,
+                rules,
             ),
         }
     }

@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod connections;
 pub mod convert;
+pub mod costs;
 pub mod inbox;
 pub mod layers;
 pub mod outbox;

@@ -135,6 +135,10 @@ fn overload(s: &Settings, max_batch_bytes: usize) -> Result<OverloadConfig, Conf
         rpc_timeout: Some(Duration::from_millis(s.rpc_timeout_ms.unwrap_or(30_000)))
             .filter(|d| !d.is_zero()),
         max_request_bytes: request_bytes_in_flight(s, max_batch_bytes)?,
+        body_timeout: Some(Duration::from_millis(
+            s.request_body_timeout_ms.unwrap_or(10_000),
+        ))
+        .filter(|d| !d.is_zero()),
     })
 }
 

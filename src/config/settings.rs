@@ -249,9 +249,9 @@ pub struct Settings {
     /// 0 = no limit [default: 1024].
     #[arg(long, env = "MAILROOM_MAX_CONCURRENT_RPCS", global = true)]
     pub max_concurrent_rpcs: Option<usize>,
-    /// Bytes of requests in flight at once, by their gRPC length prefix, before they are
-    /// read; beyond it RESOURCE_EXHAUSTED with a retry delay. At least max_batch_bytes;
-    /// 0 = no limit [default: twice max_batch_bytes, 128 MiB].
+    /// Bytes of requests in flight at once, counted as they arrive, decompressed, and
+    /// with what they decode to; beyond it RESOURCE_EXHAUSTED with a retry delay. At least
+    /// max_batch_bytes; 0 = no limit [default: twice max_batch_bytes, 128 MiB].
     #[arg(long, env = "MAILROOM_MAX_REQUEST_BYTES_IN_FLIGHT", global = true)]
     pub max_request_bytes_in_flight: Option<usize>,
     /// Server-side time limit of an RPC in ms, answered UNAVAILABLE; 0 = none
@@ -269,6 +269,11 @@ pub struct Settings {
     /// HTTP/2 streams (RPCs) at once on one gRPC connection [default: 100].
     #[arg(long, env = "MAILROOM_MAX_CONCURRENT_STREAMS", global = true)]
     pub max_concurrent_streams: Option<u32>,
+    /// Time for a request's message to arrive whole (a unary request's body to end), in
+    /// ms; past it UNAVAILABLE, and the request's bytes leave the budget; 0 = none
+    /// [default: 10000].
+    #[arg(long, env = "MAILROOM_REQUEST_BODY_TIMEOUT_MS", global = true)]
+    pub request_body_timeout_ms: Option<u64>,
     /// How long a request waits for a database connection before UNAVAILABLE, in ms
     /// (PostgreSQL) [default: 3000].
     #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
@@ -454,6 +459,7 @@ impl Settings {
             max_connections,
             handshake_timeout_ms,
             max_concurrent_streams,
+            request_body_timeout_ms,
             database_acquire_timeout_ms,
             database_statement_timeout_ms,
             database_enqueue_timeout_ms,

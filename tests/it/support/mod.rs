@@ -9,6 +9,7 @@ pub mod kafka_proxy;
 pub mod pki;
 pub mod probe;
 pub mod proxy;
+pub mod raw;
 
 pub use cli::*;
 pub use handler::*;
