@@ -491,7 +491,8 @@ pub async fn run(
         tracing::error!(subscription = %sub.name, error = %e, "cannot subscribe");
         return;
     }
-    let mut watch = Some(LogWatch::new(&sub.name, &sub.topics, stats.clone()));
+    let mut watch = Some(LogWatch::new(&sub.name, &sub.topics));
+
     let mut check = tokio::time::interval(rewind::CHECK_EVERY);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -499,16 +500,29 @@ pub async fn run(
             Next::Shutdown => return,
             Next::Check => {
                 // Between batches only: a rewind never crosses a batch being stored.
-                let Some(mut w) = watch.take() else { continue };
+                let mut w = watch
+                    .take()
+                    .unwrap_or_else(|| LogWatch::new(&sub.name, &sub.topics));
                 let c = consumer.clone();
                 let checked = tokio::task::spawn_blocking(move || {
-                    w.check(&c);
-                    w
+                    let rewound = w.check(&c);
+                    (w, rewound)
                 });
-                tokio::select! {
+                let checked = tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    w = checked => watch = w.ok(),
-                }
+                    r = checked => r,
+                };
+                // A check that panicked starts over with a fresh view of the topics.
+                let (w, rewound) = checked.unwrap_or_else(|_| {
+                    (LogWatch::new(&sub.name, &sub.topics), Default::default())
+                });
+                watch = Some(w);
+                stats
+                    .recreated
+                    .fetch_add(rewound.recreated, Ordering::Relaxed);
+                stats
+                    .truncated
+                    .fetch_add(rewound.truncated, Ordering::Relaxed);
                 continue;
             }
             Next::Batch(batch) => batch,

@@ -19,14 +19,11 @@
 //! committed offset; a broker without topic ids leaves only the watermark check.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::{Offset, TopicPartitionList};
 
-use super::consumer::IntakeStats;
 use super::log_view::{self, TopicId};
 
 /// How often the consumer looks for a replaced log.
@@ -34,6 +31,15 @@ pub const CHECK_EVERY: Duration = Duration::from_secs(3);
 
 /// Deadline of each broker request a check makes.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Partitions a check sent back to their log start, by cause.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Rewound {
+    /// Partitions of topics with a new id.
+    pub recreated: u64,
+    /// Partitions whose position was past their log end.
+    pub truncated: u64,
+}
 
 /// Why a partition went back to its log start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +55,6 @@ enum Cause {
 pub struct LogWatch {
     subscription: String,
     topics: Vec<String>,
-    stats: Arc<IntakeStats>,
     /// The last id seen of each topic.
     ids: HashMap<String, TopicId>,
 }
@@ -79,12 +84,11 @@ fn past_end(position: i64, high: i64) -> bool {
 }
 
 impl LogWatch {
-    /// A watch over `topics` that counts into `stats`.
-    pub fn new(subscription: &str, topics: &[String], stats: Arc<IntakeStats>) -> LogWatch {
+    /// A watch over `subscription`'s `topics`.
+    pub fn new(subscription: &str, topics: &[String]) -> LogWatch {
         LogWatch {
             subscription: subscription.to_string(),
             topics: topics.to_vec(),
-            stats,
             ids: HashMap::new(),
         }
     }
@@ -92,12 +96,13 @@ impl LogWatch {
     /// One check (blocking: broker requests, up to a few seconds): partitions of a
     /// recreated topic, and partitions positioned past their log end, go back to their
     /// log start.
-    pub fn check(&mut self, consumer: &StreamConsumer) {
+    pub fn check(&mut self, consumer: &StreamConsumer) -> Rewound {
+        let mut rewound = Rewound::default();
         let assigned = match consumer.position() {
             Ok(a) => a,
             Err(e) => {
                 tracing::debug!(subscription = %self.subscription, error = %e, "no assignment to check");
-                return;
+                return rewound;
             }
         };
         let mut positions: HashMap<(String, i32), Option<i64>> = HashMap::new();
@@ -120,7 +125,9 @@ impl LogWatch {
                     tracing::warn!(subscription = %self.subscription, topic, old_id = %old,
                         new_id = %new, assigned = parts.len(), "topic recreated: its log starts again");
                     for (p, at) in parts {
-                        self.rewind(consumer, &topic, p, at, Cause::Recreated);
+                        if self.rewind(consumer, &topic, p, at, Cause::Recreated) {
+                            rewound.recreated += 1;
+                        }
                         positions.remove(&(topic.clone(), p));
                     }
                 }
@@ -138,7 +145,9 @@ impl LogWatch {
             // The cached end may be stale; the broker's own answer decides.
             match consumer.fetch_watermarks(&topic, p, REQUEST_TIMEOUT) {
                 Ok((_, high)) if past_end(at, high) => {
-                    self.rewind(consumer, &topic, p, Some(at), Cause::Truncated);
+                    if self.rewind(consumer, &topic, p, Some(at), Cause::Truncated) {
+                        rewound.truncated += 1;
+                    }
                 }
                 Ok(_) => {}
                 Err(e) => {
@@ -147,10 +156,12 @@ impl LogWatch {
                 }
             }
         }
+        rewound
     }
 
     /// Sends one partition back to its log start, and commits that offset so that a
-    /// restart starts there too (the old committed offset may lie past the new log).
+    /// restart starts there too (the old committed offset may lie past the new log);
+    /// whether it went back.
     fn rewind(
         &self,
         consumer: &StreamConsumer,
@@ -158,7 +169,7 @@ impl LogWatch {
         partition: i32,
         position: Option<i64>,
         cause: Cause,
-    ) {
+    ) -> bool {
         let sub = &self.subscription;
         let (start, end) = match consumer.fetch_watermarks(topic, partition, REQUEST_TIMEOUT) {
             Ok(w) => w,
@@ -166,12 +177,12 @@ impl LogWatch {
                 // A position past the new log's end is found again by a later check.
                 tracing::warn!(subscription = %sub, topic, partition, error = %e,
                     "log replaced, but its start is unknown: not rewound yet");
-                return;
+                return false;
             }
         };
         if let Err(e) = consumer.seek(topic, partition, Offset::Offset(start), REQUEST_TIMEOUT) {
             tracing::warn!(subscription = %sub, topic, partition, error = %e, "rewind failed");
-            return;
+            return false;
         }
         let mut tpl = TopicPartitionList::new();
         if tpl
@@ -183,14 +194,14 @@ impl LogWatch {
             tracing::warn!(subscription = %sub, topic, partition, error = %e,
                 "rewound, but the log start not committed");
         }
-        let (counter, why) = match cause {
-            Cause::Recreated => (&self.stats.recreated, "topic recreated (new topic id)"),
-            Cause::Truncated => (&self.stats.truncated, "position past the log end"),
+        let why = match cause {
+            Cause::Recreated => "topic recreated (new topic id)",
+            Cause::Truncated => "position past the log end",
         };
-        counter.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(subscription = %sub, topic, partition,
             position = position.unwrap_or(-1), log_start = start, log_end = end, why,
             "log replaced under the consumer: reading it again from its start");
+        true
     }
 }
 
