@@ -160,7 +160,7 @@ fn load(a: &AtomicU64) -> u64 {
 }
 
 /// The consumers' counters: name, help, field.
-const INTAKE_COUNTERS: [(&str, &str, IntakeCounter); 4] = [
+const INTAKE_COUNTERS: [(&str, &str, IntakeCounter); 6] = [
     (
         "mailroom_inbox_received",
         "Records the inbox consumers read from Kafka.",
@@ -180,6 +180,16 @@ const INTAKE_COUNTERS: [(&str, &str, IntakeCounter); 4] = [
         "mailroom_inbox_duplicates",
         "Records dropped as duplicates (already in the inbox).",
         |i| &i.duplicates,
+    ),
+    (
+        "mailroom_inbox_topic_recreations",
+        "Partitions the consumer read again from their log start because their topic was recreated (a new topic id).",
+        |i| &i.recreated,
+    ),
+    (
+        "mailroom_inbox_log_truncations",
+        "Partitions the consumer read again from their log start because its position was past the log end (a truncated or recreated log).",
+        |i| &i.truncated,
     ),
 ];
 
