@@ -269,9 +269,9 @@ pub struct Settings {
     /// HTTP/2 streams (RPCs) at once on one gRPC connection [default: 100].
     #[arg(long, env = "MAILROOM_MAX_CONCURRENT_STREAMS", global = true)]
     pub max_concurrent_streams: Option<u32>,
-    /// Time for a request's message to arrive whole (a unary request's body to end), in
-    /// ms; past it UNAVAILABLE, and the request's bytes leave the budget; 0 = none
-    /// [default: 10000].
+    /// Longest pause in a request's bytes before its message is whole (a unary
+    /// request's body has ended), in ms; past it UNAVAILABLE, and the request's bytes
+    /// leave the budget; 0 = none [default: 10000].
     #[arg(long, env = "MAILROOM_REQUEST_BODY_TIMEOUT_MS", global = true)]
     pub request_body_timeout_ms: Option<u64>,
     /// How long a request waits for a database connection before UNAVAILABLE, in ms

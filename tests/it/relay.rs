@@ -580,7 +580,7 @@ async fn one_deep_key_drains_in_runs_and_claims_cost_the_same_at_any_depth() {
             pg.enqueue(chunk, true).await.unwrap();
         }
     }
-    sqlx::query("ANALYZE outbox_events")
+    sqlx::query("ANALYZE public.outbox_events")
         .execute(pg.pool())
         .await
         .unwrap();
@@ -675,7 +675,7 @@ async fn drained_keys_go_idle_and_are_not_leased_again() {
     let pg = PgStore::connect(&url, 1).await.unwrap();
     let (keys, ready): (i64, i64) = sqlx::query_as(
         "SELECT count(*), count(*) FILTER (WHERE ready_at <> 'infinity' OR lease_token IS NOT NULL)
-         FROM outbox_keys",
+         FROM public.outbox_keys",
     )
     .fetch_one(pg.pool())
     .await
@@ -683,7 +683,7 @@ async fn drained_keys_go_idle_and_are_not_leased_again() {
     assert_eq!((keys, ready), (20, 0), "key rows, and those not idle");
     // The published rows are still there (the cursor covers them), and a new event
     // wakes its key at once.
-    let retained: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events")
+    let retained: i64 = sqlx::query_scalar("SELECT count(*) FROM public.outbox_events")
         .fetch_one(pg.pool())
         .await
         .unwrap();
@@ -734,10 +734,11 @@ async fn folding_published_sql_events_does_not_wake_their_drained_key() {
     );
     let first = relay.cycle().await.unwrap();
     assert_eq!(first.delivered, 5000, "{first:?}");
-    let unfolded: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE NOT counted")
-        .fetch_one(pg.pool())
-        .await
-        .unwrap();
+    let unfolded: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM public.outbox_events WHERE NOT counted")
+            .fetch_one(pg.pool())
+            .await
+            .unwrap();
     assert_eq!(unfolded, 4000, "the first claim folds 1,000");
     // The next four claims fold the rest.
     let mut leased = Vec::new();
@@ -745,9 +746,9 @@ async fn folding_published_sql_events_does_not_wake_their_drained_key() {
         leased.push(relay.cycle().await.unwrap().keys);
     }
     let (unfolded, pending, ready): (i64, i64, bool) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM outbox_events WHERE NOT counted),
+        "SELECT (SELECT count(*) FROM public.outbox_events WHERE NOT counted),
                 k.pending, k.ready_at <> 'infinity'
-         FROM outbox_keys k WHERE k.topic = 'sqlfold'",
+         FROM public.outbox_keys k WHERE k.topic = 'sqlfold'",
     )
     .fetch_one(pg.pool())
     .await
@@ -1190,8 +1191,10 @@ async fn relays_sharing_a_cadence_alternate_their_spaced_claims() {
     wake_a.notify_one();
     wake_b.notify_one();
     let at_c = sink.wait_for("c").await;
+    // Spacing runs from claim to claim; the sink sees each a delivery later, which a
+    // loaded machine stretches more for "a" than for "c" (hence the margin).
     assert!(
-        at_c - at_a >= spacing - Duration::from_millis(20),
+        at_c - at_a >= spacing - Duration::from_millis(100),
         "c came {:?} after a",
         at_c - at_a
     );

@@ -354,14 +354,22 @@ async fn readiness_drops_while_the_lag_cannot_be_measured() {
         "NOT_SERVING while the stats query cannot answer",
     )
     .await;
-    // The fault is the stats query alone: the database still answers a ping.
-    let waiting = count_rows(
-        &url,
-        "SELECT count(*) FROM pg_stat_activity
-         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    // The fault is the stats query alone: the database still answers a ping. Each check
+    // waits on the lock until its lock timeout, then the next one queues again.
+    eventually(
+        Duration::from_secs(15),
+        "the stats query waits on the lock",
+        || async {
+            count_rows(
+                &url,
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .await
+                >= 1
+        },
     )
     .await;
-    assert!(waiting >= 1, "the stats query waits on the lock");
     tx.rollback().await.unwrap();
     wait_health(
         addr,

@@ -642,7 +642,7 @@ async fn postgres_statement_timeouts_are_per_query_class() {
     // another session holds (a statement timeout counts lock waits too). Enqueues do not
     // touch that table and keep their own, longer timeout.
     let mut holder = pools.enqueue.begin().await.unwrap();
-    sqlx::query("LOCK TABLE outbox_completed_counts IN ACCESS EXCLUSIVE MODE")
+    sqlx::query("LOCK TABLE public.outbox_completed_counts IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *holder)
         .await
         .unwrap();

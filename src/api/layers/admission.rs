@@ -17,9 +17,11 @@
 //!   budget cannot cover the next bytes, the answer is `RESOURCE_EXHAUSTED` with a retry
 //!   delay; the charge returns to the budget when the RPC has answered (the decoded
 //!   events live as long), or at once when the request is refused.
-//! - A message must arrive whole within `body_timeout` (for a unary request, the body
-//!   must end within it): a stream that declares a length and stalls is answered
-//!   `UNAVAILABLE` and gives back its charge and its RPC slot.
+//! - While a message is incomplete (for a unary request, until its body ends), its
+//!   bytes may pause at most `body_timeout`: a stream that declares a length and
+//!   stalls is answered `UNAVAILABLE` and gives back its charge and its RPC slot. The
+//!   deadline bounds a pause, not the transfer, so a large batch on a slow link passes;
+//!   a client that trickles is bounded by the RPC deadline.
 //!
 //! Health checks bypass it.
 
@@ -209,7 +211,7 @@ enum Refusal {
     },
     /// The budget of bytes in flight cannot cover the request.
     Busy { total: u32 },
-    /// The message did not arrive within the body deadline.
+    /// The message's bytes paused longer than the body deadline.
     Stalled(Duration),
     /// A compressed message that does not decompress.
     Undecodable(String),
@@ -258,7 +260,7 @@ impl Refusal {
             Refusal::Stalled(t) => status(
                 tonic::Code::Unavailable,
                 format!(
-                    "the request body did not arrive within {} ms \
+                    "the request body stopped arriving for {} ms before it was whole \
                      (MAILROOM_REQUEST_BODY_TIMEOUT_MS); retry",
                     t.as_millis()
                 ),
@@ -649,16 +651,20 @@ impl GateBody {
         Poll::Ready(Some(Err(r.status())))
     }
 
-    /// A stream's deadline runs while a message is incomplete; a unary request's until
-    /// its body ends.
+    /// After bytes arrived: the deadline starts again from now, so it bounds a pause, not
+    /// the whole transfer (a 64 MiB batch over a slow link takes long, but keeps
+    /// sending). A stream between two messages owes nothing and has no deadline; a
+    /// unary request's runs until its body ends.
     fn rearm(&mut self) {
-        if !self.gate.rule.streaming {
+        let Some(t) = self.timeout else { return };
+        if self.gate.rule.streaming && self.gate.idle() {
+            self.deadline = None;
             return;
         }
-        if self.gate.idle() {
-            self.deadline = None;
-        } else if self.deadline.is_none() {
-            self.deadline = self.timeout.map(|t| Box::pin(tokio::time::sleep(t)));
+        let at = tokio::time::Instant::now() + t;
+        match &mut self.deadline {
+            Some(d) => d.as_mut().reset(at),
+            None => self.deadline = Some(Box::pin(tokio::time::sleep_until(at))),
         }
     }
 }
@@ -741,6 +747,57 @@ mod tests {
         let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
         e.write_all(b).unwrap();
         e.finish().unwrap()
+    }
+
+    /// A body of `chunks`, each sent after its pause.
+    fn paced(chunks: Vec<(Duration, Vec<u8>)>) -> Body {
+        let frames = futures::stream::unfold(chunks.into_iter(), |mut it| async move {
+            let (pause, bytes) = it.next()?;
+            tokio::time::sleep(pause).await;
+            let frame = http_body::Frame::data(Bytes::from(bytes));
+            Some((Ok::<_, std::convert::Infallible>(frame), it))
+        });
+        Body::new(http_body_util::StreamBody::new(frames))
+    }
+
+    /// Reads `body` to its end: the bytes, or the refusal.
+    async fn drain(mut body: GateBody) -> Result<usize, tonic::Status> {
+        use http_body_util::BodyExt as _;
+        let mut n = 0;
+        while let Some(frame) = body.frame().await {
+            n += frame?.data_ref().map_or(0, Bytes::len);
+        }
+        Ok(n)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_body_deadline_bounds_a_pause_not_the_transfer() {
+        let t = Duration::from_secs(1);
+        let body = framed(0, &[7u8; 5000]);
+        let each = |pause: u64| -> Vec<(Duration, Vec<u8>)> {
+            body.chunks(1000)
+                .map(|c| (Duration::from_millis(pause), c.to_vec()))
+                .collect()
+        };
+        let g = || gate(Rule::opaque(1 << 20, "x"), Encoding::Identity, 1 << 20);
+        // Six pieces 0.6 s apart: 3.6 s in all, three times the deadline, never a pause
+        // of it.
+        let slow = GateBody::new(paced(each(600)), g(), Some(t));
+        assert_eq!(drain(slow).await.unwrap(), body.len());
+        // One pause of 1.5 s in the middle.
+        let mut chunks = each(100);
+        chunks[3].0 = Duration::from_millis(1500);
+        let started = tokio::time::Instant::now();
+        let stalled = drain(GateBody::new(paced(chunks), g(), Some(t)))
+            .await
+            .unwrap_err();
+        assert_eq!(stalled.code(), tonic::Code::Unavailable, "{stalled:?}");
+        assert!(
+            stalled
+                .message()
+                .contains("MAILROOM_REQUEST_BODY_TIMEOUT_MS")
+        );
+        assert_eq!(started.elapsed(), Duration::from_millis(300) + t);
     }
 
     #[test]
