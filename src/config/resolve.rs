@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::enqueue_request_bytes;
 use super::{Config, ConfigError, DatabaseTimeouts, Settings, SubscriptionSettings, bad};
-use crate::access::{MIN_TOKEN_LEN, TokenEntry, load_tokens};
+use crate::access::{MIN_TOKEN_LEN, TokenEntry, has_certificate_entries, load_tokens};
 use crate::api::layers::OverloadConfig;
 use crate::domain::Limits;
 use crate::inbox::SubscriptionConfig;
@@ -520,11 +520,29 @@ fn access(
             ));
         }
     }
+    let mtls = tls.is_some_and(|t| t.client_ca.is_some());
+    if mtls && s.tokens_file.is_none() {
+        // Before issue 43 this meant "every certificate may enqueue and push anywhere";
+        // now a certificate alone may do nothing, so say how to get either back.
+        return Err(bad(
+            "tls_client_ca (MAILROOM_TLS_CLIENT_CA)",
+            "needs tokens_file (MAILROOM_TOKENS_FILE): a client certificate may do only what \
+             an entry with its name (certificate = \"<name>\") allows; an entry with \
+             certificate = \"*\" and scopes = [\"enqueue\", \"inbox\"] lets every \
+             certificate of the CA enqueue and push as before",
+        ));
+    }
+    if !mtls && has_certificate_entries(&tokens) {
+        return Err(bad(
+            "tokens_file (MAILROOM_TOKENS_FILE)",
+            "has certificate entries, which need tls_client_ca (MAILROOM_TLS_CLIENT_CA)",
+        ));
+    }
     let allow_unauthenticated = s.allow_unauthenticated.unwrap_or(false);
     // Closed by default: every caller is authenticated by a token file or a client
     // certificate (mTLS), or the port is reachable from this host only. The legacy
     // admin token alone leaves Enqueue and the inbox open, so it does not count.
-    let authenticated = !tokens.is_empty() || tls.is_some_and(|t| t.client_ca.is_some());
+    let authenticated = !tokens.is_empty() || mtls;
     if !listen.ip().is_loopback() && !authenticated && !allow_unauthenticated {
         return Err(bad(
             "listen (MAILROOM_LISTEN)",

@@ -306,19 +306,19 @@ impl Console {
         let auth = &self.inner.auth;
         let writable = !self.inner.read_only;
         // An open admin scope needs no token.
-        if auth.check(Some(Scope::AdminRead), None).is_ok() {
+        if auth.check(Some(Scope::AdminRead), None, None).is_ok() {
             return Some(Access {
                 name: None,
-                can_write: writable && auth.check(Some(Scope::Admin), None).is_ok(),
+                can_write: writable && auth.check(Some(Scope::Admin), None, None).is_ok(),
                 csrf: None,
                 via_session: false,
                 sees_payloads: auth
-                    .check(Some(Scope::AdminRead), None)
+                    .check(Some(Scope::AdminRead), None, None)
                     .is_ok_and(|p| p.sees_payloads()),
             });
         }
         if let Some(h) = headers.get(header::AUTHORIZATION) {
-            let p = auth.check(Some(Scope::AdminRead), Some(h)).ok()?;
+            let p = auth.check(Some(Scope::AdminRead), Some(h), None).ok()?;
             return Some(Access {
                 can_write: writable && p.has(Scope::Admin),
                 sees_payloads: p.sees_payloads(),
@@ -336,7 +336,9 @@ impl Console {
         };
         // The token is checked again on every request: a revoked token ends the session.
         let value = axum::http::HeaderValue::from_str(&format!("Bearer {token}")).ok()?;
-        let p = auth.check(Some(Scope::AdminRead), Some(&value)).ok()?;
+        let p = auth
+            .check(Some(Scope::AdminRead), Some(&value), None)
+            .ok()?;
         Some(Access {
             can_write: writable && p.has(Scope::Admin),
             sees_payloads: p.sees_payloads(),

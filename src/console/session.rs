@@ -76,7 +76,12 @@ pub(super) async fn login(
     let token = param(&f, "token").unwrap_or("").to_string();
     let ok = axum::http::HeaderValue::from_str(&format!("Bearer {token}"))
         .ok()
-        .is_some_and(|v| c.inner.auth.check(Some(Scope::AdminRead), Some(&v)).is_ok());
+        .is_some_and(|v| {
+            c.inner
+                .auth
+                .check(Some(Scope::AdminRead), Some(&v), None)
+                .is_ok()
+        });
     if !ok {
         return (
             StatusCode::UNAUTHORIZED,

@@ -57,6 +57,14 @@ pub struct SubscriptionConfig {
     pub handler_max_defer: Duration,
 }
 
+impl SubscriptionConfig {
+    /// Whether `Receive` may push a message of `topic`: one of the subscription's
+    /// topics, or any topic when it lists none (a `Receive`-only subscription).
+    pub fn accepts_topic(&self, topic: &str) -> bool {
+        self.topics.is_empty() || self.topics.iter().any(|t| t == topic)
+    }
+}
+
 /// Handles of the running inbox, shared with the API.
 #[derive(Clone, Default)]
 pub struct InboxHandles {

@@ -716,6 +716,7 @@ async fn an_admin_read_token_sees_the_console_without_actions() {
         TokenEntry {
             name: "viewer".into(),
             token: VIEWER.into(),
+            certificate: None,
             scopes: vec![Scope::AdminRead],
             topics: None,
             subscriptions: None,
@@ -723,6 +724,7 @@ async fn an_admin_read_token_sees_the_console_without_actions() {
         TokenEntry {
             name: "ops".into(),
             token: TOKEN.into(),
+            certificate: None,
             scopes: vec![Scope::Admin, Scope::Enqueue],
             topics: None,
             subscriptions: None,
@@ -862,6 +864,7 @@ fn ops_token() -> mailroom::access::TokenEntry {
     TokenEntry {
         name: "ops".into(),
         token: TOKEN.into(),
+        certificate: None,
         scopes: vec![Scope::Admin, Scope::Enqueue],
         topics: None,
         subscriptions: None,
