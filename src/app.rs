@@ -527,7 +527,11 @@ async fn start_metrics(
         return Ok(None);
     };
     let (l, addr) = bind(listen, "metrics").await?;
-    bg.spawn(metrics.clone().serve(l, bg.token.clone()));
+    bg.spawn(
+        metrics
+            .clone()
+            .serve(l, config.metrics_allowed_hosts.clone(), bg.token.clone()),
+    );
     bg.spawn(metrics.clone().poll_stats(
         store.clone(),
         config.metrics_stats_interval,

@@ -84,7 +84,8 @@ impl Config {
             console_listen,
             console_read_only: s.console_read_only.unwrap_or(false),
             console_secure_cookie: s.console_secure_cookie.unwrap_or(false),
-            console_allowed_hosts: console_allowed_hosts(&s),
+            console_allowed_hosts: allowed_hosts(s.console_allowed_hosts.as_deref()),
+            metrics_allowed_hosts: allowed_hosts(s.metrics_allowed_hosts.as_deref()),
             metrics_stats_interval: Duration::from_millis(
                 s.metrics_stats_interval_ms.unwrap_or(15_000).max(100),
             ),
@@ -114,12 +115,11 @@ fn listen(s: &Settings) -> Result<SocketAddr, ConfigError> {
     })
 }
 
-/// The Host names the console answers besides loopback, lower-cased.
-fn console_allowed_hosts(s: &Settings) -> Vec<String> {
-    s.console_allowed_hosts
-        .clone()
+/// The Host names a web server (console, metrics) answers besides its own, lower-cased.
+fn allowed_hosts(given: Option<&[String]>) -> Vec<String> {
+    given
         .unwrap_or_default()
-        .into_iter()
+        .iter()
         .map(|h| h.trim().to_ascii_lowercase())
         .filter(|h| !h.is_empty())
         .collect()

@@ -12,11 +12,8 @@
 //! - **Login attempts.** At most `LOGIN_FAILURES` failed logins per client address per
 //!   `LOGIN_WINDOW`; past that, `429` until the window ends. Each failure is logged with
 //!   the address, never with what was typed.
-//! - **Login attempts.** At most `LOGIN_FAILURES` failed logins per client address per
-//!   `LOGIN_WINDOW`; past that, `429` until the window ends. Each failure is logged with
-//!   the address, never with what was typed.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -28,42 +25,7 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use sha2::{Digest, Sha256};
 
-/// The `Host` values the console answers to, lower-cased.
-#[derive(Clone)]
-pub(super) struct Hosts(Arc<HashSet<String>>);
-
-impl Hosts {
-    /// The console's own address and localhost's names with its port, and `extra`
-    /// (`name` or `name:port`; a bare name matches any port).
-    pub(super) fn new(addr: SocketAddr, extra: &[String]) -> Hosts {
-        let port = addr.port();
-        let mut set: HashSet<String> = [
-            addr.to_string(),
-            format!("localhost:{port}"),
-            format!("127.0.0.1:{port}"),
-            format!("[::1]:{port}"),
-        ]
-        .into_iter()
-        .collect();
-        set.extend(extra.iter().map(|h| h.to_ascii_lowercase()));
-        Hosts(Arc::new(set))
-    }
-
-    pub(super) fn allows(&self, host: &str) -> bool {
-        let host = host.to_ascii_lowercase();
-        if self.0.contains(&host) {
-            return true;
-        }
-        // A configured bare name covers any port the proxy forwards with (the console's
-        // own names are in the set with their port only).
-        match host.rsplit_once(':') {
-            Some((name, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => {
-                self.0.contains(name)
-            }
-            _ => false,
-        }
-    }
-}
+pub(super) use crate::web::Hosts;
 
 /// Failed logins a client address may make per window.
 const LOGIN_FAILURES: u32 = 5;
@@ -192,40 +154,4 @@ pub(super) fn content_security_policy() -> String {
             )
         })
         .clone()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_the_consoles_own_names_are_served() {
-        let addr: SocketAddr = "127.0.0.1:8080".parse().unwrap();
-        let h = Hosts::new(
-            addr,
-            &["console.example.com".into(), "ops.example.com:8443".into()],
-        );
-        for ok in [
-            "127.0.0.1:8080",
-            "localhost:8080",
-            "LOCALHOST:8080",
-            "[::1]:8080",
-            "console.example.com",
-            "console.example.com:443",
-            "ops.example.com:8443",
-        ] {
-            assert!(h.allows(ok), "{ok}");
-        }
-        for refused in [
-            "a.test:8080",
-            "a.test",
-            "",
-            "localhost:9999",
-            "127.0.0.1:9999",
-            "ops.example.com:9999",
-            "evil.console.example.com",
-        ] {
-            assert!(!h.allows(refused), "{refused}");
-        }
-    }
 }
