@@ -63,6 +63,7 @@ pub(super) async fn login_page(Query(q): Query<Params>) -> Response {
 
 pub(super) async fn login(
     State(c): State<Console>,
+    peer: Peer,
     headers: HeaderMap,
     Form(f): Form<Params>,
 ) -> Response {
@@ -74,14 +75,17 @@ pub(super) async fn login(
         .unwrap_or("/outbox")
         .to_string();
     let token = param(&f, "token").unwrap_or("").to_string();
-    let ok = axum::http::HeaderValue::from_str(&format!("Bearer {token}"))
-        .ok()
-        .is_some_and(|v| {
-            c.inner
-                .auth
-                .check(Some(Scope::AdminRead), Some(&v), None)
-                .is_ok()
-        });
+    let checked = c.inner.logins.attempt(peer.0, || {
+        let v = axum::http::HeaderValue::from_str(&format!("Bearer {token}")).ok()?;
+        c.inner
+            .auth
+            .check(Some(Scope::AdminRead), Some(&v), None)
+            .ok()
+    });
+    let ok = match checked {
+        Ok(found) => found.is_some(),
+        Err(too_many) => return too_many.into_response(),
+    };
     if !ok {
         return (
             StatusCode::UNAUTHORIZED,

@@ -978,18 +978,6 @@ async fn rebinding_framing_and_open_redirects_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logins_are_limited_and_a_confirmation_acts_once() {
     let (s, console) = console_service(vec![ops_token()]).await;
-    let login = |token: &str| form_post("/login", "", &format!("token={token}&next=/outbox"));
-    for i in 0..5 {
-        let r = http(console, &login(&format!("wrong-guess-{i}"))).await;
-        assert!(r.starts_with("HTTP/1.1 401"), "guess {i}: {r}");
-    }
-    let r = http(console, &login("wrong-guess-5")).await;
-    assert!(r.starts_with("HTTP/1.1 429"), "{r}");
-    let r = http(console, &login(TOKEN)).await;
-    assert!(
-        r.starts_with("HTTP/1.1 429"),
-        "the right token waits out the minute too: {r}"
-    );
 
     // A confirmation sent twice (the same form: the same request id) acts once.
     let mut client = s.client.clone();
@@ -1037,6 +1025,96 @@ async fn logins_are_limited_and_a_confirmation_acts_once() {
     assert_eq!(
         s.stored(BoxKind::Outbox, other).await.status,
         Status::Pending
+    );
+
+    // Last: once limited, this address's bearer requests are refused too.
+    let login = |token: &str| form_post("/login", "", &format!("token={token}&next=/outbox"));
+    for i in 0..5 {
+        let r = http(console, &login(&format!("wrong-guess-{i}"))).await;
+        assert!(r.starts_with("HTTP/1.1 401"), "guess {i}: {r}");
+    }
+    let r = http(console, &login("wrong-guess-5")).await;
+    assert!(r.starts_with("HTTP/1.1 429"), "{r}");
+    let r = http(console, &login(TOKEN)).await;
+    assert!(
+        r.starts_with("HTTP/1.1 429"),
+        "the right token waits out the minute too: {r}"
+    );
+    s.app.stop().await.unwrap();
+}
+
+/// Issue 43, item 5: the login limit counts bearer attempts and cannot be raced.
+/// - Bearer guesses (`Authorization` on any page) count with the login form's: of 8
+///   wrong bearer tokens, 5 are answered 401 and 3 are 429; the login form is then 429
+///   for this address, the right token too. Before: 8 × 401, and the form still
+///   answered (bearer guesses were never counted).
+/// - 20 wrong logins sent at once (their headers first, every body once all 20 are
+///   waiting): 5 are 401, 15 are 429. Before: the limit was checked before the body was
+///   read and counted after the answer, so all 20 were checked (20 × 401).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_login_limit_counts_bearer_guesses_and_cannot_be_raced() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (s, console) = console_service(vec![ops_token()]).await;
+    let mut statuses = Vec::new();
+    for i in 0..8 {
+        let r = http(
+            console,
+            &format!(
+                "GET /outbox HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong-guess-0000{i}\r\nConnection: close\r\n\r\n"
+            ),
+        )
+        .await;
+        statuses.push(r[9..12].to_string());
+    }
+    let r = http(
+        console,
+        &form_post("/login", "", &format!("token={TOKEN}&next=/outbox")),
+    )
+    .await;
+    statuses.push(format!("login {}", &r[9..12]));
+    assert_eq!(
+        statuses,
+        [
+            "401",
+            "401",
+            "401",
+            "401",
+            "401",
+            "429",
+            "429",
+            "429",
+            "login 429"
+        ],
+        "bearer guesses count"
+    );
+    s.app.stop().await.unwrap();
+
+    let (s, console) = console_service(vec![ops_token()]).await;
+    let mut conns = Vec::new();
+    for i in 0..20 {
+        let form = format!("token=wrong-guess-{i:05}&next=/outbox");
+        let request =
+            form_post("/login", "", &form).replace("Host: x\r\n", &format!("Host: {console}\r\n"));
+        let (head, body) = request.split_at(request.len() - form.len());
+        let mut c = tokio::net::TcpStream::connect(console).await.unwrap();
+        c.write_all(head.as_bytes()).await.unwrap();
+        conns.push((c, body.to_string()));
+    }
+    // Every request is in the server, waiting for its body.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    for (c, body) in &mut conns {
+        c.write_all(body.as_bytes()).await.unwrap();
+    }
+    let mut counts = std::collections::BTreeMap::new();
+    for (mut c, _) in conns {
+        let mut out = String::new();
+        c.read_to_string(&mut out).await.unwrap();
+        *counts.entry(out[9..12].to_string()).or_insert(0) += 1;
+    }
+    assert_eq!(
+        counts,
+        [("401".to_string(), 5), ("429".to_string(), 15)].into(),
+        "concurrent guesses"
     );
     s.app.stop().await.unwrap();
 }
