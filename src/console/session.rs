@@ -115,6 +115,10 @@ pub(super) async fn login(
 }
 
 pub(super) async fn logout(State(c): State<Console>, headers: HeaderMap) -> Response {
+    // Another site must not end the operator's session (nor learn that it could).
+    if !same_origin(&headers) {
+        return (StatusCode::FORBIDDEN, "cross-origin request refused").into_response();
+    }
     if let Some(id) = cookie(&headers, c.session_cookie()) {
         c.inner.sessions.lock().expect("sessions lock").remove(&id);
     }

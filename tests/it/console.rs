@@ -1119,6 +1119,53 @@ async fn the_login_limit_counts_bearer_guesses_and_cannot_be_raced() {
     s.app.stop().await.unwrap();
 }
 
+/// Issue 43, item 5: logging out checks the origin like every other form post. A page
+/// on another site posting to `/logout` (the cookie is `SameSite=Strict`, but not every
+/// browser honours it, and a sibling site is same-site) is refused 403 and the session
+/// stays; the console's own form (same origin, or no `Origin`) logs out. Before: the
+/// cross-origin post answered 303 and ended the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logout_refuses_another_origin() {
+    let (s, console) = console_service(vec![ops_token()]).await;
+    let r = http(
+        console,
+        &form_post("/login", "", &format!("token={TOKEN}&next=/outbox")),
+    )
+    .await;
+    let session = r
+        .lines()
+        .find(|l| l.to_ascii_lowercase().starts_with("set-cookie: "))
+        .map(|l| &l["set-cookie: ".len()..])
+        .and_then(|c| c.split(';').next())
+        .unwrap_or_else(|| panic!("no session cookie: {r}"))
+        .to_string();
+    let page = |session: String| async move {
+        let r = http(
+            console,
+            &format!(
+                "GET /outbox HTTP/1.1\r\nHost: x\r\nCookie: {session}\r\nConnection: close\r\n\r\n"
+            ),
+        )
+        .await;
+        r[9..12].to_string()
+    };
+    assert_eq!(page(session.clone()).await, "200");
+    let logout = |origin: &str| form_post("/logout", &format!("Cookie: {session}\r\n{origin}"), "");
+    let r = http(console, &logout("Origin: http://evil.example\r\n")).await;
+    let cross = (r[9..12].to_string(), page(session.clone()).await);
+    let r = http(console, &logout(&format!("Origin: http://{console}\r\n"))).await;
+    let own = (r[9..12].to_string(), page(session.clone()).await);
+    assert_eq!(
+        (cross, own),
+        (
+            ("403".to_string(), "200".to_string()),
+            ("303".to_string(), "303".to_string())
+        ),
+        "(another origin: logout, then the page), (the console's own)"
+    );
+    s.app.stop().await.unwrap();
+}
+
 /// Issue 25, item 1 (slowloris): 50 connections send half a request line and stall. A
 /// normal request is still answered at once, and the server closes every stalled
 /// connection once its header-read timeout (`web::HEADER_READ_TIMEOUT`, 10 s) passes.
