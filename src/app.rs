@@ -75,26 +75,45 @@ pub async fn pg_pools(config: &Config) -> anyhow::Result<PgPools> {
     })
 }
 
+/// Applies this binary's PostgreSQL migrations beside a running service: the migrator's
+/// session has the `lock_timeout` of `config.migration`, and a migration that waits longer
+/// is rolled back and tried again (`store::postgres::migrate`). Without a statement
+/// timeout: building an index on a large table may take longer than any query of the
+/// service should.
+async fn migrate_pg(config: &Config) -> anyhow::Result<()> {
+    let report = crate::store::postgres::migrate_database(
+        &config.database_url.0,
+        &config.database_profile.schema,
+        config.database_acquire_timeout,
+        config.migration,
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "running migrations on {}",
+            redact_url(&config.database_url.0)
+        )
+    });
+    let report = report?;
+    if report.attempts > 1 {
+        tracing::info!(
+            attempts = report.attempts,
+            took_ms = u64::try_from(report.took.as_millis()).unwrap_or(u64::MAX),
+            "migrations applied after waiting for locks"
+        );
+    }
+    Ok(())
+}
+
 /// Opens the configured store (and migrates it when asked).
 pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     let store: Arc<dyn Store> = if config.is_postgres() {
         if config.migrate {
-            // Migrations run without the statement timeout: building an index on a large
-            // table may take longer than any query of the service should.
-            let pool = pg_pool(config, None, 2, false).await?;
-            PgStore::from_pools(PgPools {
-                enqueue: pool.clone(),
-                relay: pool.clone(),
-                admin: pool.clone(),
-                schema: config.database_profile.schema.clone(),
-            })
-            .migrate()
-            .await
-            .context("running migrations")?;
-            pool.close().await;
+            migrate_pg(config).await?;
         }
         let store = PgStore::from_pools(pg_pools(config).await?);
         check_schema_privileges(&store, config.database_refuse_shared_schema).await?;
+        refuse_cached_sequences(&store).await?;
         sync_sql_limits(&store, &config.limits).await;
         Arc::new(store)
     } else {
@@ -137,12 +156,40 @@ async fn check_schema_privileges(store: &PgStore, refuse: bool) -> anyhow::Resul
     Ok(())
 }
 
+/// Refuses to start on identity sequences that hand out ids in blocks per session
+/// (`PgStore::cached_sequences`): events would be lost under the per-key cursor.
+async fn refuse_cached_sequences(store: &PgStore) -> anyhow::Result<()> {
+    let cached = store
+        .cached_sequences()
+        .await
+        .context("reading the identity sequences of outbox_events and inbox_events")?;
+    let Some((table, sequence, cache)) = cached.first() else {
+        return Ok(());
+    };
+    let fixes: Vec<String> = cached
+        .iter()
+        .map(|(_, seq, _)| format!("ALTER SEQUENCE {seq} CACHE 1;"))
+        .collect();
+    anyhow::bail!(
+        "the identity sequence {sequence} of {table} hands out ids in blocks of {cache} per \
+         session (CACHE {cache}): ids are then committed out of their order, and a key's \
+         cursor can pass an event committed after a higher id, which is never published. \
+         mailroom needs CACHE 1 on the ids of its events; run: {}",
+        fixes.join(" ")
+    )
+}
+
 /// Keeps the SQL API's limits equal to the service's (a replica that may not write them
-/// says so and goes on: gRPC is unaffected, and the SQL API keeps the row's limits).
+/// says so and goes on: gRPC is unaffected, and the SQL API keeps the row's limits). A
+/// binary the database's schema does not accept writes nothing (`SYNC`'s gate).
 async fn sync_sql_limits(store: &PgStore, limits: &crate::domain::Limits) {
     match store.sync_sql_limits(limits).await {
         Ok(true) => tracing::info!("SQL API limits (mailroom_sql_settings) set to the service's"),
         Ok(false) => {}
+        Err(e @ crate::store::StoreError::SchemaRefused { .. }) => tracing::warn!(
+            error = %e,
+            "the SQL API's limits (mailroom_sql_settings) left as they are: the database requires a newer binary"
+        ),
         Err(e) => tracing::warn!(
             error = %e,
             "could not set the SQL API's limits (mailroom_sql_settings) to the service's: \
@@ -307,8 +354,12 @@ impl App {
         bg.tasks.extend(inbox_tasks);
         let checks = readiness_checks(&config, &store, &schema, &outbox, &inbox_handles);
         bg.spawn(health.clone().monitor(checks, bg.token.clone()));
-        let metrics =
-            Metrics::for_service(outbox.stats.clone(), inbox_handles.clone(), store.clone());
+        let metrics = Metrics::for_service(
+            outbox.stats.clone(),
+            inbox_handles.clone(),
+            store.clone(),
+            schema.clone(),
+        );
         let metrics_addr = start_metrics(&config, &store, &metrics, &mut bg).await?;
         start_retention(&config, &store, &metrics, &schema, &mut bg);
         let auth = auth_for(&config);
@@ -328,7 +379,8 @@ impl App {
             rpc_log: RpcLogLayer::new(metrics.clone()),
             auth: AuthLayer::new(auth),
             overload: OverloadLayer::new(config.overload),
-            admission: ByteAdmissionLayer::new(config.overload.max_request_bytes),
+            admission: services.admission.clone(),
+            connections: config.connections,
         };
         let task = tokio::spawn(serve(
             listener,
@@ -570,6 +622,8 @@ struct Services {
     outbox: OutboxLimits,
     admin: pb::admin_service_server::AdminServiceServer<AdminApi>,
     inbox: pb::inbox_service_server::InboxServiceServer<crate::api::inbox::InboxApi>,
+    /// What each method's request may cost, counted as it arrives (the innermost layer).
+    admission: ByteAdmissionLayer,
 }
 
 /// What the later start-up phases read: the settings and the parts already running.
@@ -644,14 +698,18 @@ impl Services {
             config.subscriptions.clone(),
             p.inbox.clone(),
         );
+        // A decoding limit per method: one event for Enqueue (and one message for
+        // Receive), MAILROOM_MAX_BATCH_BYTES for EnqueueBatch. The admission layer applies
+        // them as the bytes arrive (decompressed), with the element counts and what the
+        // message decodes to; tonic's own limits stay as a second check.
+        let single = crate::config::enqueue_request_bytes(&config.limits);
+        let rules =
+            crate::api::costs::rules(single, config.max_batch_bytes, config.limits.max_batch);
         Services {
             health,
-            // A decoding limit per method: one event for Enqueue,
-            // MAILROOM_MAX_BATCH_BYTES for EnqueueBatch. An oversized request is refused
-            // from its length prefix, before it is buffered.
             outbox: OutboxLimits::new(
                 OutboxApi::new(intake, config.limits).with_metrics(p.metrics.clone()),
-                crate::config::enqueue_request_bytes(&config.limits),
+                single,
                 config.max_batch_bytes,
             ),
             admin: crate::api::compressed!(pb::admin_service_server::AdminServiceServer::new(
@@ -663,7 +721,12 @@ impl Services {
                 pb::inbox_service_server::InboxServiceServer::new(
                     crate::api::inbox::InboxApi::new(Arc::new(inbox), config.limits),
                 )
-                .max_decoding_message_size(crate::config::enqueue_request_bytes(&config.limits))
+                .max_decoding_message_size(single)
+            ),
+            admission: ByteAdmissionLayer::new(
+                config.overload.max_request_bytes,
+                config.overload.body_timeout,
+                rules,
             ),
         }
     }
@@ -676,6 +739,7 @@ struct Stack {
     auth: AuthLayer,
     overload: OverloadLayer,
     admission: ByteAdmissionLayer,
+    connections: crate::api::connections::ConnectionLimits,
 }
 
 /// How the server stops: the shutdown signal, the grace period, the health to turn
@@ -720,6 +784,10 @@ fn served(b: tonic_reflection::server::Builder<'_>) -> tonic_reflection::server:
         .with_service_name("grpc.health.v1.Health")
 }
 
+/// How often an idle gRPC connection is pinged, and how long the answer may take.
+const HTTP2_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(30);
+const HTTP2_KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serves gRPC until the shutdown signal, lets in-flight RPCs finish within the grace
 /// period, then stops the background tasks (each within the grace period too).
 async fn serve(
@@ -737,11 +805,19 @@ async fn serve(
             health.set_all(ServingStatus::NotServing).await;
         }
     };
-    // TCP_NODELAY on every connection: without it, Nagle holds back the second write of
-    // a response until the client's delayed ACK (~40 ms per call). (tonic's own nodelay
-    // setting does not apply to a listener we pass in.)
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let mut builder = tonic::transport::Server::builder();
+    // Our own accept loop: a handshake deadline, a connection cap, TCP keep-alive, and
+    // accept errors waited out (api::connections). It sets TCP_NODELAY too: without it,
+    // Nagle holds back the second write of a response until the client's delayed ACK
+    // (~40 ms per call).
+    let limits = stack.connections;
+    let incoming =
+        crate::api::connections::incoming(listener, limits, stop.background.token.clone());
+    // HTTP/2 keep-alive finds peers that vanished without a reset; streams per
+    // connection are bounded.
+    let mut builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(HTTP2_KEEPALIVE))
+        .http2_keepalive_timeout(Some(HTTP2_KEEPALIVE_TIMEOUT))
+        .max_concurrent_streams(Some(limits.max_concurrent_streams));
     if let Some(tls) = stack.tls {
         builder = builder.tls_config(tls).context("TLS configuration")?;
     }

@@ -103,9 +103,9 @@ impl From<StoreError> for Error {
             StoreError::TimedOut(m) => Error::DeadlineExceeded(m.to_string()),
             StoreError::Other(m) | StoreError::Refused(m) => Error::Internal(m.to_string()),
             StoreError::Missing { .. } => Error::NotFound(e.to_string()),
-            StoreError::WrongState { .. } | StoreError::ChangedMeanwhile => {
-                Error::FailedPrecondition(e.to_string())
-            }
+            StoreError::WrongState { .. }
+            | StoreError::ChangedMeanwhile
+            | StoreError::SchemaRefused { .. } => Error::FailedPrecondition(e.to_string()),
         }
     }
 }

@@ -20,6 +20,7 @@ use crate::inbox::supervisor::TaskHealth;
 use crate::relay::RelayStats;
 use crate::schema::SchemaGate;
 use crate::store::Store;
+use crate::store::schema::Compat;
 
 /// Services whose status follows the database.
 pub const SERVICES: &[&str] = &[
@@ -28,6 +29,13 @@ pub const SERVICES: &[&str] = &[
     "mailroom.v1.AdminService",
     "mailroom.v1.InboxService",
 ];
+
+/// A service name saying whether the database is at this binary's schema or a newer one
+/// that accepts it: `NOT_SERVING` while migrations are pending (`Compat::Behind`), the
+/// schema requires a newer binary, or it cannot be read. Informational: readiness (`""`)
+/// drops only for the last two (a binary whose migrations are pending still serves
+/// what its statements can do).
+pub const SCHEMA: &str = "schema";
 
 /// A service name for liveness probes: SERVING from start-up until the process exits,
 /// whatever the database does (restarting a process does not bring a database back).
@@ -157,7 +165,12 @@ impl Health {
                     );
                 }
             }
-            for (service, up) in statuses(ok, &inbox) {
+            let current = schema
+                .last()
+                .is_some_and(|v| matches!(v.compat, Compat::Known | Compat::Ahead));
+            let mut all = statuses(ok, &inbox);
+            all.push((SCHEMA.to_string(), current));
+            for (service, up) in all {
                 if shown.insert(service.clone(), up) != Some(up) {
                     let status = if up {
                         ServingStatus::Serving

@@ -5,8 +5,14 @@
 //! admin writes, and readiness turns `NOT_SERVING`, until the database or the binary
 //! changes. Enqueues and inbox receives go on: see `docs/storage.md`.
 //!
-//! The hot path (a relay's claim, a health tick) reads a cached verdict, re-read at most
-//! every [`REFRESH`]; admin writes and retention rounds, which are rare, read it afresh.
+//! The database enforces the gate itself (issue 42, item 2): the relay's lease, continued
+//! line, renewal and settle statements carry the binary's schema and refuse to act when
+//! a migration requires more (`store::postgres::sql::compatible`; on SQLite a check in
+//! each relay transaction). This gate is the process's view of the same rule: for
+//! readiness, logs and metrics, and as a cheap pre-check before a claim, it keeps a
+//! verdict re-read at most every [`REFRESH`]; admin writes and retention rounds, which
+//! are rare, read it afresh. It fails closed: while the schema cannot be read, nothing
+//! is claimed and readiness is `NOT_SERVING`.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,8 +21,8 @@ use crate::error::Error;
 use crate::store::schema::{Compat, SchemaState, decide};
 use crate::store::{Store, StoreError};
 
-/// How old a cached verdict may be: an older replica stops relaying at most this long
-/// after a newer one applied an incompatible migration.
+/// How old a cached verdict may be: readiness and the metrics follow a new migration at
+/// most this long after it commits (the relay's statements follow it at once).
 pub const REFRESH: Duration = Duration::from_secs(2);
 
 /// A binary's verdict on a database's schema.
@@ -66,6 +72,12 @@ impl Verdict {
                 database_schema = database,
                 "database schema known to this binary"
             ),
+            Compat::Behind => tracing::warn!(
+                binary_schema = known,
+                database_schema = database,
+                "database schema {database} is behind this binary's ({known}): its migrations {} to {known} are not applied; run `mailroom migrate` (statements that need them fail until then)",
+                database + 1
+            ),
             Compat::Ahead => tracing::info!(
                 binary_schema = known,
                 database_schema = database,
@@ -91,8 +103,25 @@ pub struct SchemaGate {
 struct Inner {
     store: Arc<dyn Store>,
     known: i64,
-    /// When the database was last asked, and the last verdict read.
-    last: Mutex<(Option<Instant>, Option<Verdict>)>,
+    /// When the database was last asked, and what it said.
+    last: Mutex<(Option<Instant>, Seen)>,
+}
+
+/// What the last read of the schema found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    /// Not asked yet.
+    Unread,
+    /// The read failed: nothing may act (the gate fails closed).
+    Unreadable,
+    /// The verdict read.
+    Read(Verdict),
+}
+
+impl Seen {
+    fn allows(self) -> bool {
+        matches!(self, Seen::Read(v) if v.allows())
+    }
 }
 
 impl SchemaGate {
@@ -103,25 +132,30 @@ impl SchemaGate {
             inner: Arc::new(Inner {
                 store,
                 known,
-                last: Mutex::new((None, None)),
+                last: Mutex::new((None, Seen::Unread)),
             }),
         }
     }
 
-    /// The cached verdict (re-read when older than [`REFRESH`]); while the schema cannot
-    /// be read, the last one (none yet: allowed, the database's own errors stop the work).
+    /// The cached verdict (re-read when older than [`REFRESH`]): false while the schema
+    /// cannot be read (fails closed; a change to unreadable and back is logged once).
     pub async fn allows(&self) -> bool {
         let (asked, last) = *self.inner.last.lock().expect("schema gate lock");
         if asked.is_some_and(|t| t.elapsed() < REFRESH) {
-            return last.is_none_or(|v| v.allows());
+            return last.allows();
         }
         match self.read().await {
             Ok(v) => v.allows(),
-            Err(e) => {
-                tracing::debug!(error = %e, "reading the schema version failed");
-                self.inner.last.lock().expect("schema gate lock").0 = Some(Instant::now());
-                last.is_none_or(|v| v.allows())
-            }
+            Err(_) => false,
+        }
+    }
+
+    /// The state last read, for metrics and health (`None`: not read yet, or the read
+    /// failed).
+    pub fn last(&self) -> Option<Verdict> {
+        match self.inner.last.lock().expect("schema gate lock").1 {
+            Seen::Read(v) => Some(v),
+            Seen::Unread | Seen::Unreadable => None,
         }
     }
 
@@ -131,16 +165,28 @@ impl SchemaGate {
         self.read().await?.permit()
     }
 
-    /// Reads the database's schema, caches the verdict and logs it when it changed.
+    /// Reads the database's schema, caches the verdict (or that it could not be read)
+    /// and logs it when it changed.
     pub async fn read(&self) -> Result<Verdict, StoreError> {
-        let v = Verdict::new(self.inner.known, self.inner.store.schema_state().await?);
-        let previous = std::mem::replace(
+        let read = (self.inner.store.schema_state().await)
+            .map(|state| Verdict::new(self.inner.known, state));
+        let seen = match &read {
+            Ok(v) => Seen::Read(*v),
+            Err(_) => Seen::Unreadable,
+        };
+        let (_, previous) = std::mem::replace(
             &mut *self.inner.last.lock().expect("schema gate lock"),
-            (Some(Instant::now()), Some(v)),
+            (Some(Instant::now()), seen),
         );
-        if previous.1.map(|p| p.compat) != Some(v.compat) {
-            v.log();
+        match (&read, previous) {
+            (Ok(v), Seen::Read(p)) if p.compat == v.compat => {}
+            (Ok(v), _) => v.log(),
+            (Err(_), Seen::Unreadable) => {}
+            (Err(e), _) => tracing::warn!(
+                error = %e,
+                "the database's schema cannot be read: relaying stopped, readiness NOT_SERVING until it can"
+            ),
         }
-        Ok(v)
+        read
     }
 }

@@ -2,9 +2,11 @@
 //! reads request headers for as long as a client cares to send them and accepts any
 //! number of connections, so a handful of slow clients (slowloris) could hold every
 //! socket and task. Here each connection must send its request headers within
-//! [`HEADER_READ_TIMEOUT`] (then it is closed), and at most [`MAX_CONNECTIONS`] are open
-//! at once (past that, a new connection is closed at once and logged). Each request
-//! carries its peer address as `axum::extract::ConnectInfo`.
+//! [`HEADER_READ_TIMEOUT`] (then it is closed), each request must be read and answered
+//! within [`REQUEST_TIMEOUT`] (a body that trickles or stalls gets `408` and the
+//! connection is closed), and at most [`MAX_CONNECTIONS`] are open at once (past that, a
+//! new connection is closed at once and logged). Each request carries its peer address
+//! as `axum::extract::ConnectInfo`.
 //!
 //! Both answer only to their own names ([`Hosts`]): after a DNS rebind a hostile page's
 //! requests reach a loopback server with the attacker's name in `Host`.
@@ -20,6 +22,8 @@ use tokio_util::sync::CancellationToken;
 
 /// How long a client may take to send a request's headers.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a request may take from its headers to its answer, body included.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Connections open at once, per server.
 pub const MAX_CONNECTIONS: usize = 256;
 
@@ -29,6 +33,17 @@ pub async fn serve(
     router: axum::Router,
     shutdown: CancellationToken,
     what: &'static str,
+) {
+    serve_with(listener, router, shutdown, what, REQUEST_TIMEOUT).await
+}
+
+/// [`serve`] with another request deadline (tests).
+pub async fn serve_with(
+    listener: TcpListener,
+    router: axum::Router,
+    shutdown: CancellationToken,
+    what: &'static str,
+    request_timeout: Duration,
 ) {
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
@@ -49,8 +64,35 @@ pub async fn serve(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let service = hyper_util::service::TowerToHyperService::new(router.clone().layer(
-            axum::Extension(axum::extract::ConnectInfo::<SocketAddr>(peer)),
+        let router =
+            router
+                .clone()
+                .layer(axum::Extension(axum::extract::ConnectInfo::<SocketAddr>(
+                    peer,
+                )));
+        let service = hyper_util::service::TowerToHyperService::new(tower::service_fn(
+            move |req: axum::extract::Request<hyper::body::Incoming>| {
+                let mut router = router.clone();
+                async move {
+                    use tower::Service as _;
+                    let answer = tokio::time::timeout(request_timeout, router.call(req)).await;
+                    Ok::<_, std::convert::Infallible>(match answer {
+                        Ok(Ok(r)) => r,
+                        Ok(Err(never)) => match never {},
+                        Err(_) => {
+                            let mut r = axum::response::Response::new(axum::body::Body::from(
+                                "request timed out\n",
+                            ));
+                            *r.status_mut() = axum::http::StatusCode::REQUEST_TIMEOUT;
+                            r.headers_mut().insert(
+                                axum::http::header::CONNECTION,
+                                axum::http::HeaderValue::from_static("close"),
+                            );
+                            r
+                        }
+                    })
+                }
+            },
         ));
         let shutdown = shutdown.clone();
         tokio::spawn(async move {

@@ -3,7 +3,9 @@
 //! `layers` (RPC log, token check, overload, byte admission).
 
 pub mod admin;
+pub mod connections;
 pub mod convert;
+pub mod costs;
 pub mod inbox;
 pub mod layers;
 pub mod outbox;

@@ -100,6 +100,8 @@ pub struct Config {
     pub tls: Option<ServerTls>,
     /// Concurrency limit and deadline of every RPC.
     pub overload: crate::api::layers::OverloadConfig,
+    /// The gRPC port's connections: cap, handshake deadline, streams per connection.
+    pub connections: crate::api::connections::ConnectionLimits,
     /// How long a query waits for a pooled connection.
     pub database_acquire_timeout: Duration,
     /// PostgreSQL `statement_timeout` per query class.
@@ -109,6 +111,8 @@ pub struct Config {
     pub database_profile: crate::store::postgres::profile::SessionProfile,
     /// Refuse to start (instead of warning) when other roles may create in that schema.
     pub database_refuse_shared_schema: bool,
+    /// How `migrate` (and a replica started with `migrate`) waits for PostgreSQL locks.
+    pub migration: crate::store::postgres::migrate::MigrationWait,
     /// What retention deletes, and how often.
     pub retention: crate::retention::RetentionConfig,
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::enqueue_request_bytes;
 use super::{Config, ConfigError, DatabaseTimeouts, Settings, SubscriptionSettings, bad};
 use crate::access::{MIN_TOKEN_LEN, TokenEntry, has_certificate_entries, load_tokens};
+use crate::api::connections::ConnectionLimits;
 use crate::api::layers::OverloadConfig;
 use crate::domain::Limits;
 use crate::inbox::SubscriptionConfig;
@@ -95,8 +96,10 @@ impl Config {
                 s.database_acquire_timeout_ms.unwrap_or(3000).max(10),
             ),
             database_timeouts: database_timeouts(&s),
+            connections: connections(&s)?,
             database_profile: database_profile(&s)?,
             database_refuse_shared_schema: s.database_refuse_shared_schema.unwrap_or(false),
+            migration: migration(&s),
             retention: retention(&s)?,
             sink,
             database_url: crate::secret::Secret(database_url),
@@ -132,6 +135,10 @@ fn overload(s: &Settings, max_batch_bytes: usize) -> Result<OverloadConfig, Conf
         rpc_timeout: Some(Duration::from_millis(s.rpc_timeout_ms.unwrap_or(30_000)))
             .filter(|d| !d.is_zero()),
         max_request_bytes: request_bytes_in_flight(s, max_batch_bytes)?,
+        body_timeout: Some(Duration::from_millis(
+            s.request_body_timeout_ms.unwrap_or(10_000),
+        ))
+        .filter(|d| !d.is_zero()),
     })
 }
 
@@ -609,6 +616,37 @@ fn faults(s: &Settings) -> Result<(f64, f64), ConfigError> {
     Ok(f)
 }
 
+/// The gRPC port's connection limits.
+fn connections(s: &Settings) -> Result<ConnectionLimits, ConfigError> {
+    let d = ConnectionLimits::default();
+    let limits = ConnectionLimits {
+        max_connections: s.max_connections.unwrap_or(d.max_connections),
+        handshake_timeout: s
+            .handshake_timeout_ms
+            .map_or(d.handshake_timeout, Duration::from_millis),
+        max_concurrent_streams: s.max_concurrent_streams.unwrap_or(d.max_concurrent_streams),
+    };
+    if limits.max_connections == 0 {
+        return Err(bad(
+            "max_connections (MAILROOM_MAX_CONNECTIONS)",
+            "must be at least 1",
+        ));
+    }
+    if limits.handshake_timeout.is_zero() {
+        return Err(bad(
+            "handshake_timeout_ms (MAILROOM_HANDSHAKE_TIMEOUT_MS)",
+            "must be at least 1",
+        ));
+    }
+    if limits.max_concurrent_streams == 0 {
+        return Err(bad(
+            "max_concurrent_streams (MAILROOM_MAX_CONCURRENT_STREAMS)",
+            "must be at least 1",
+        ));
+    }
+    Ok(limits)
+}
+
 /// The service sessions' profile. The schema is any PostgreSQL name except the SQL
 /// API's own schema `mailroom` (whose USAGE producers hold) and the system schemas.
 fn database_profile(s: &Settings) -> Result<SessionProfile, ConfigError> {
@@ -654,6 +692,23 @@ fn database_timeouts(s: &Settings) -> DatabaseTimeouts {
         enqueue: class(s.database_enqueue_timeout_ms, 10_000),
         relay: class(s.database_relay_timeout_ms, 30_000),
         admin: class(s.database_admin_timeout_ms, 30_000),
+    }
+}
+
+/// The migrator's lock wait: a short `lock_timeout` (at least 10 ms), retried within
+/// the whole wait (at least one try's worth).
+fn migration(s: &Settings) -> crate::store::postgres::migrate::MigrationWait {
+    let d = crate::store::postgres::migrate::MigrationWait::default();
+    let lock_timeout = s
+        .migration_lock_timeout_ms
+        .map_or(d.lock_timeout, |ms| Duration::from_millis(ms.max(10)));
+    crate::store::postgres::migrate::MigrationWait {
+        lock_timeout,
+        max_wait: s
+            .migration_max_wait_ms
+            .map_or(d.max_wait, Duration::from_millis)
+            .max(lock_timeout),
+        ..d
     }
 }
 

@@ -259,21 +259,37 @@ pub struct Settings {
     /// 0 = no limit [default: 1024].
     #[arg(long, env = "MAILROOM_MAX_CONCURRENT_RPCS", global = true)]
     pub max_concurrent_rpcs: Option<usize>,
-    /// Bytes of requests in flight at once, by their gRPC length prefix, before they are
-    /// read; beyond it RESOURCE_EXHAUSTED with a retry delay. At least max_batch_bytes;
-    /// 0 = no limit [default: twice max_batch_bytes, 128 MiB].
+    /// Bytes of requests in flight at once, counted as they arrive, decompressed, and
+    /// with what they decode to; beyond it RESOURCE_EXHAUSTED with a retry delay. At least
+    /// max_batch_bytes; 0 = no limit [default: twice max_batch_bytes, 128 MiB].
     #[arg(long, env = "MAILROOM_MAX_REQUEST_BYTES_IN_FLIGHT", global = true)]
     pub max_request_bytes_in_flight: Option<usize>,
     /// Server-side time limit of an RPC in ms, answered UNAVAILABLE; 0 = none
     /// [default: 30000].
     #[arg(long, env = "MAILROOM_RPC_TIMEOUT_MS", global = true)]
     pub rpc_timeout_ms: Option<u64>,
+    /// gRPC connections open at once (at most half the open-file limit); at the cap the
+    /// oldest connection that has not spoken is closed to make room [default: 1000].
+    #[arg(long, env = "MAILROOM_MAX_CONNECTIONS", global = true)]
+    pub max_connections: Option<usize>,
+    /// How long a new gRPC connection has to send the HTTP/2 preface (or complete its
+    /// TLS handshake) before it is closed, in ms [default: 5000].
+    #[arg(long, env = "MAILROOM_HANDSHAKE_TIMEOUT_MS", global = true)]
+    pub handshake_timeout_ms: Option<u64>,
+    /// HTTP/2 streams (RPCs) at once on one gRPC connection [default: 100].
+    #[arg(long, env = "MAILROOM_MAX_CONCURRENT_STREAMS", global = true)]
+    pub max_concurrent_streams: Option<u32>,
+    /// Time for a request's message to arrive whole (a unary request's body to end), in
+    /// ms; past it UNAVAILABLE, and the request's bytes leave the budget; 0 = none
+    /// [default: 10000].
+    #[arg(long, env = "MAILROOM_REQUEST_BODY_TIMEOUT_MS", global = true)]
+    pub request_body_timeout_ms: Option<u64>,
     /// How long a request waits for a database connection before UNAVAILABLE, in ms
     /// (PostgreSQL) [default: 3000].
     #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
     pub database_acquire_timeout_ms: Option<u64>,
     /// PostgreSQL statement timeout, in ms, of every query class that has no setting
-    /// of its own (below); migrations are exempt; 0 = none.
+    /// of its own (below); migrations have none; 0 = none.
     #[arg(long, env = "MAILROOM_DATABASE_STATEMENT_TIMEOUT_MS", global = true)]
     pub database_statement_timeout_ms: Option<u64>,
     /// Statement timeout of enqueues and inbox receives (the writes a caller waits on),
@@ -309,6 +325,15 @@ pub struct Settings {
     /// schema of its tables, instead of warning [default: false].
     #[arg(long, env = "MAILROOM_DATABASE_REFUSE_SHARED_SCHEMA", global = true)]
     pub database_refuse_shared_schema: Option<bool>,
+    /// PostgreSQL `lock_timeout` of migrations, in ms: a migration waiting longer for a
+    /// lock is rolled back and tried again, so the service's requests queued behind it
+    /// wait at most this long [default: 500].
+    #[arg(long, env = "MAILROOM_MIGRATION_LOCK_TIMEOUT_MS", global = true)]
+    pub migration_lock_timeout_ms: Option<u64>,
+    /// How long migrating keeps retrying lock waits, in all, before it fails, in ms
+    /// [default: 600000].
+    #[arg(long, env = "MAILROOM_MIGRATION_MAX_WAIT_MS", global = true)]
+    pub migration_max_wait_ms: Option<u64>,
     /// Completed events are deleted this many hours after publication; 0 = keep
     /// forever [default: 168].
     #[arg(long, env = "MAILROOM_RETENTION_COMPLETED_HOURS", global = true)]
@@ -442,6 +467,10 @@ impl Settings {
             max_concurrent_rpcs,
             max_request_bytes_in_flight,
             rpc_timeout_ms,
+            max_connections,
+            handshake_timeout_ms,
+            max_concurrent_streams,
+            request_body_timeout_ms,
             database_acquire_timeout_ms,
             database_statement_timeout_ms,
             database_enqueue_timeout_ms,
@@ -451,6 +480,8 @@ impl Settings {
             database_lock_timeout_ms,
             database_idle_in_transaction_timeout_ms,
             database_refuse_shared_schema,
+            migration_lock_timeout_ms,
+            migration_max_wait_ms,
             retention_completed_hours,
             retention_failed_hours,
             retention_interval_ms,

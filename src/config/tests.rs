@@ -345,3 +345,28 @@ fn intake_overlap_has_a_default_and_a_bound() {
     .unwrap_err();
     assert!(e.to_string().contains("MAILROOM_INTAKE_OVERLAP_MS"), "{e}");
 }
+
+/// The migrator's lock wait: short by default, bounded below so that a try can succeed,
+/// and the whole wait at least one try.
+#[test]
+fn migration_lock_waits_have_defaults_and_bounds() {
+    let c = Config::resolve(Settings::default()).unwrap();
+    assert_eq!(c.migration.lock_timeout, Duration::from_millis(500));
+    assert_eq!(c.migration.max_wait, Duration::from_secs(600));
+    let c = Config::resolve(Settings {
+        migration_lock_timeout_ms: Some(0),
+        migration_max_wait_ms: Some(0),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(c.migration.lock_timeout, Duration::from_millis(10));
+    assert_eq!(c.migration.max_wait, Duration::from_millis(10));
+    let c = Config::resolve(Settings {
+        migration_lock_timeout_ms: Some(2000),
+        migration_max_wait_ms: Some(60_000),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(c.migration.lock_timeout, Duration::from_secs(2));
+    assert_eq!(c.migration.max_wait, Duration::from_secs(60));
+}

@@ -23,6 +23,7 @@ use super::SubscriptionConfig;
 use super::identity;
 use super::legacy;
 use super::record::{Place, Record};
+use super::rewind::{self, LogWatch};
 use super::structured::{self, StructuredEvent};
 use super::supervisor::panic_text;
 use crate::domain::InboundMessage;
@@ -54,6 +55,10 @@ pub struct IntakeStats {
     /// Records the database refused even stripped to their place in the log: skipped
     /// (logged with topic, partition and offset).
     pub unstorable: AtomicU64,
+    /// Partitions sent back to their log start because their topic has a new id.
+    pub recreated: AtomicU64,
+    /// Partitions sent back to their log start because the position was past its end.
+    pub truncated: AtomicU64,
 }
 
 /// The dedup identity of a record (see [`identity`]): (`ce_source`, `ce_id`) when it
@@ -474,8 +479,8 @@ pub async fn run(
     stats: Arc<IntakeStats>,
     shutdown: CancellationToken,
 ) {
-    let consumer: StreamConsumer = match config.create() {
-        Ok(c) => c,
+    let consumer: Arc<StreamConsumer> = match config.create() {
+        Ok(c) => Arc::new(c),
         Err(e) => {
             tracing::error!(subscription = %sub.name, error = %e, "cannot create Kafka consumer");
             return;
@@ -486,9 +491,41 @@ pub async fn run(
         tracing::error!(subscription = %sub.name, error = %e, "cannot subscribe");
         return;
     }
+    let mut watch = Some(LogWatch::new(&sub.name, &sub.topics));
+
+    let mut check = tokio::time::interval(rewind::CHECK_EVERY);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let Some(batch) = next_batch(&consumer, &sub.name, &shutdown).await else {
-            return;
+        let batch = match next_batch(&consumer, &sub.name, &mut check, &shutdown).await {
+            Next::Shutdown => return,
+            Next::Check => {
+                // Between batches only: a rewind never crosses a batch being stored.
+                let mut w = watch
+                    .take()
+                    .unwrap_or_else(|| LogWatch::new(&sub.name, &sub.topics));
+                let c = consumer.clone();
+                let checked = tokio::task::spawn_blocking(move || {
+                    let rewound = w.check(&c);
+                    (w, rewound)
+                });
+                let checked = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    r = checked => r,
+                };
+                // A check that panicked starts over with a fresh view of the topics.
+                let (w, rewound) = checked.unwrap_or_else(|_| {
+                    (LogWatch::new(&sub.name, &sub.topics), Default::default())
+                });
+                watch = Some(w);
+                stats
+                    .recreated
+                    .fetch_add(rewound.recreated, Ordering::Relaxed);
+                stats
+                    .truncated
+                    .fetch_add(rewound.truncated, Ordering::Relaxed);
+                continue;
+            }
+            Next::Batch(batch) => batch,
         };
         for r in &batch {
             if contains(r.payload.as_deref().unwrap_or_default(), &faults.task_panic)
@@ -552,16 +589,27 @@ fn receive_span(sub: &SubscriptionConfig, messages: &[InboundMessage]) -> tracin
     span
 }
 
+/// What the consumer does next.
+enum Next {
+    /// Store these records.
+    Batch(Vec<Record>),
+    /// Look for a replaced log (`rewind`).
+    Check,
+    Shutdown,
+}
+
 /// The next records (up to `MAX_BATCH`, gathered for 5 ms after the first), copied out
-/// as bytes; `None` on shutdown.
+/// as bytes; or a check when `check` ticks while no record has come.
 async fn next_batch(
     consumer: &StreamConsumer,
     subscription: &str,
+    check: &mut tokio::time::Interval,
     shutdown: &CancellationToken,
-) -> Option<Vec<Record>> {
+) -> Next {
     let first = loop {
         let m = tokio::select! {
-            _ = shutdown.cancelled() => return None,
+            _ = shutdown.cancelled() => return Next::Shutdown,
+            _ = check.tick() => return Next::Check,
             m = consumer.recv() => m,
         };
         match m {
@@ -579,7 +627,7 @@ async fn next_batch(
             _ => break,
         }
     }
-    Some(batch)
+    Next::Batch(batch)
 }
 
 /// Stores a batch before its offsets are committed, retrying while the database is

@@ -6,8 +6,10 @@ pub mod consumer;
 pub mod handler;
 pub mod identity;
 mod legacy;
+mod log_view;
 mod receive;
 pub mod record;
+pub mod rewind;
 pub mod structured;
 pub mod supervisor;
 

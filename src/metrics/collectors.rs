@@ -13,7 +13,9 @@ use crate::inbox::InboxHandles;
 use crate::inbox::consumer::IntakeStats;
 use crate::inbox::supervisor::Task;
 use crate::relay::{Latency, RelayStats};
+use crate::schema::SchemaGate;
 use crate::store::Store;
+use crate::store::schema::Compat;
 
 /// The relays' counters and histograms, read at scrape time.
 #[derive(Debug)]
@@ -158,7 +160,7 @@ fn load(a: &AtomicU64) -> u64 {
 }
 
 /// The consumers' counters: name, help, field.
-const INTAKE_COUNTERS: [(&str, &str, IntakeCounter); 4] = [
+const INTAKE_COUNTERS: [(&str, &str, IntakeCounter); 6] = [
     (
         "mailroom_inbox_received",
         "Records the inbox consumers read from Kafka.",
@@ -178,6 +180,16 @@ const INTAKE_COUNTERS: [(&str, &str, IntakeCounter); 4] = [
         "mailroom_inbox_duplicates",
         "Records dropped as duplicates (already in the inbox).",
         |i| &i.duplicates,
+    ),
+    (
+        "mailroom_inbox_topic_recreations",
+        "Partitions the consumer read again from their log start because their topic was recreated (a new topic id).",
+        |i| &i.recreated,
+    ),
+    (
+        "mailroom_inbox_log_truncations",
+        "Partitions the consumer read again from their log start because its position was past the log end (a truncated or recreated log).",
+        |i| &i.truncated,
     ),
 ];
 
@@ -313,7 +325,10 @@ fn encode_latencies(
     }
 }
 
-/// The store's connection pools, read at scrape time.
+/// Series of `mailroom_outbox_key_held_seconds` at most (the longest held).
+const HELD_KEY_SERIES: usize = 20;
+
+/// The store's connection pools and its long-held keys, read at scrape time.
 pub(super) struct PoolCollector {
     pub(super) store: Arc<dyn Store>,
 }
@@ -349,6 +364,75 @@ impl Collector for PoolCollector {
             e.encode_family(&[("pool", p.pool)])?
                 .encode_gauge(&i64::from(p.max))?;
         }
+        // Few series: only keys held past the threshold, at most `HELD_KEY_SERIES`.
+        let mut held = self.store.held_keys();
+        held.sort_by_key(|h| std::cmp::Reverse(h.held_for));
+        let mut e = encoder.encode_descriptor(
+            "mailroom_outbox_key_held_seconds",
+            "Keys whose order lock a SQL-API transaction has held for long (their events wait), by topic, key and the holder's backend pid.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for h in held.iter().take(HELD_KEY_SERIES) {
+            let pid = h
+                .pid
+                .map_or_else(|| "unknown".to_string(), |p| p.to_string());
+            let labels = [
+                ("topic", h.line.topic.as_str()),
+                ("key", h.line.key.as_str()),
+                ("pid", pid.as_str()),
+            ];
+            e.encode_family(&labels)?
+                .encode_gauge(&h.held_for.as_secs_f64())?;
+        }
+        Ok(())
+    }
+}
+
+/// The schema gate's last verdict (`crate::schema`), read at scrape time from its cache.
+pub(super) struct SchemaCollector {
+    pub(super) schema: SchemaGate,
+}
+
+impl std::fmt::Debug for SchemaCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SchemaCollector")
+    }
+}
+
+impl Collector for SchemaCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let last = self.schema.last();
+        let now = last.map_or("unknown", |v| v.compat.as_str());
+        let mut e = encoder.encode_descriptor(
+            "mailroom_schema_state",
+            "How the database's schema relates to this binary's (1 for the current state): \
+             known, ahead (newer and compatible), behind (migrations pending), incompatible \
+             (relaying stopped), unknown (not readable: relaying stopped).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for state in [
+            Compat::Known,
+            Compat::Ahead,
+            Compat::Behind,
+            Compat::Incompatible,
+        ]
+        .map(Compat::as_str)
+        .into_iter()
+        .chain(["unknown"])
+        {
+            e.encode_family(&[("state", state)])?
+                .encode_gauge(&i64::from(state == now))?;
+        }
+        encoder
+            .encode_descriptor(
+                "mailroom_schema_database_version",
+                "The database's highest applied migration, as last read (-1: not readable).",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&last.map_or(-1, |v| v.state.database))?;
         Ok(())
     }
 }

@@ -33,7 +33,7 @@ use crate::domain::BoxKind;
 use crate::inbox::InboxHandles;
 use crate::relay::RelayStats;
 use crate::store::Store;
-use collectors::{InboxCollector, PoolCollector, RelayCollector};
+use collectors::{InboxCollector, PoolCollector, RelayCollector, SchemaCollector};
 
 /// Distinct topic label values at most; later topics are counted under `_other`.
 pub const TOPIC_LABELS: usize = 1000;
@@ -231,14 +231,15 @@ impl Metrics {
         relays: Vec<Arc<RelayStats>>,
         inbox: InboxHandles,
         store: Arc<dyn Store>,
+        schema: crate::schema::SchemaGate,
     ) -> Metrics {
-        Metrics::build(relays, inbox, Some(store))
+        Metrics::build(relays, inbox, Some((store, schema)))
     }
 
     fn build(
         relays: Vec<Arc<RelayStats>>,
         inbox: InboxHandles,
-        store: Option<Arc<dyn Store>>,
+        store: Option<(Arc<dyn Store>, crate::schema::SchemaGate)>,
     ) -> Metrics {
         let mut inner = Inner {
             registry: Registry::default(),
@@ -278,11 +279,14 @@ impl Metrics {
                 .register_collector(Box::new(InboxCollector { inbox }));
         }
         let mut build = vec![("version", env!("CARGO_PKG_VERSION").to_string())];
-        if let Some(store) = store {
+        if let Some((store, schema)) = store {
             build.push(("schema", store.known_schema().to_string()));
             inner
                 .registry
                 .register_collector(Box::new(PoolCollector { store }));
+            inner
+                .registry
+                .register_collector(Box::new(SchemaCollector { schema }));
         }
         inner.registry.register(
             "mailroom_build",

@@ -47,6 +47,18 @@ pub enum StoreError {
     /// same transaction: it was rolled back, nothing was changed.
     #[error("some selected events changed state meanwhile; nothing was changed, try again")]
     ChangedMeanwhile,
+    /// The database's schema requires a binary that knows schema `required`; this one
+    /// knows `binary`. The relay's statements check it themselves (issue 42, item 2):
+    /// nothing was changed.
+    #[error(
+        "the database requires a binary that knows schema {required} or later; this binary knows schema {binary}: nothing was changed"
+    )]
+    SchemaRefused {
+        /// The highest schema this binary knows.
+        binary: i64,
+        /// The lowest schema the database accepts.
+        required: i64,
+    },
     /// Anything else the database or a row decode reported.
     #[error("database error: {0}")]
     Other(#[source] Cause),

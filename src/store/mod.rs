@@ -160,6 +160,24 @@ pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + '
     fn pool_use(&self) -> Vec<PoolUse> {
         Vec::new()
     }
+
+    /// Keys whose order lock SQL-API writers have held for long, as this process's claims
+    /// found them (for the metrics, read at scrape time). Other engines have no SQL API.
+    fn held_keys(&self) -> Vec<HeldKey> {
+        Vec::new()
+    }
+}
+
+/// A key whose order lock SQL-API writers have held longer than the report threshold
+/// (docs/sql-api.md, "Order locks"): its events wait for them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldKey {
+    /// The key.
+    pub line: LineKey,
+    /// Since this process's claims first found it held.
+    pub held_for: std::time::Duration,
+    /// The backend holding it when last looked up (`pg_stat_activity.pid`).
+    pub pid: Option<i32>,
 }
 
 /// A sqlx pool's use, as [`PoolUse`].

@@ -58,23 +58,44 @@ where
 /// How a binary relates to a database's schema.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compat {
-    /// The binary knows every migration applied.
+    /// The database is at the binary's schema.
     Known,
     /// Migrations the binary does not know are applied, and they declare it compatible.
     Ahead,
+    /// The binary's own migrations are not all applied yet (`mailroom migrate` has not
+    /// run, or runs now). Not a stop: the binary's statements that need what is missing
+    /// fail on their own; reported apart so that it is never read as "known".
+    Behind,
     /// The database requires a binary that knows a newer schema.
     Incompatible,
 }
 
-/// The pure decision: a binary that knows schema `known` may run on `state` when it
-/// knows every applied migration, or when the database requires no more than it knows.
+impl Compat {
+    /// The state's name in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Compat::Known => "known",
+            Compat::Ahead => "ahead",
+            Compat::Behind => "behind",
+            Compat::Incompatible => "incompatible",
+        }
+    }
+}
+
+/// The pure decision: a binary that knows schema `known` may run on `state` unless the
+/// database requires more than it knows, the rule the relay's statements apply in the
+/// database (`postgres::sql::compatible`). (Migrations write `min_binary_schema <=
+/// version`, so a requirement above `known` comes with a migration the binary does not
+/// know.)
 pub fn decide(known: i64, state: SchemaState) -> Compat {
-    if state.database <= known {
-        Compat::Known
-    } else if state.required <= known {
-        Compat::Ahead
-    } else {
+    if state.required > known {
         Compat::Incompatible
+    } else if state.database > known {
+        Compat::Ahead
+    } else if state.database < known {
+        Compat::Behind
+    } else {
+        Compat::Known
     }
 }
 
@@ -101,17 +122,17 @@ mod tests {
 
     #[test]
     fn a_binary_runs_on_what_it_knows_and_on_what_declares_it_compatible() {
-        // The same schema, an older one, one without the table (required 0).
+        // The same schema; an older one, one without the table (required 0): behind.
         assert_eq!(decide(14, state(14, 13)), Compat::Known);
-        assert_eq!(decide(14, state(11, 0)), Compat::Known);
+        assert_eq!(decide(14, state(13, 13)), Compat::Behind);
+        assert_eq!(decide(14, state(11, 0)), Compat::Behind);
         // Newer, additive: the database still asks for no more than 14.
         assert_eq!(decide(14, state(15, 14)), Compat::Ahead);
         assert_eq!(decide(14, state(20, 13)), Compat::Ahead);
         // Newer and requiring a binary that knows it.
         assert_eq!(decide(14, state(15, 15)), Compat::Incompatible);
         assert_eq!(decide(14, state(17, 16)), Compat::Incompatible);
-        // A requirement above the database's own version cannot stop a binary that
-        // knows every migration applied.
+        // A requirement equal to what the binary knows is met.
         assert_eq!(decide(15, state(15, 15)), Compat::Known);
     }
 

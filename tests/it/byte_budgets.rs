@@ -35,7 +35,7 @@ fn big_event(key: &str, bytes: usize) -> pb::Event {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_requests_are_refused_per_method_without_buffering_them() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, mut client) = start_binary(dir.path(), &[]).await;
+    let (mut child, mut client, _) = start_binary(dir.path(), &[]).await;
     let pid = child.id();
     let baseline = vm_hwm_bytes(pid);
 
@@ -107,13 +107,14 @@ pub(crate) fn refused_naming(err: &tonic::Status, what: &str, limit: &str) {
 }
 
 /// Starts the binary on SQLite with a local sink and no relays, `envs` added; returns the
-/// child and a client without size limits.
+/// child, a client without size limits, and its channel.
 async fn start_binary(
     dir: &std::path::Path,
     envs: &[(&str, &str)],
 ) -> (
     std::process::Child,
     OutboxServiceClient<tonic::transport::Channel>,
+    tonic::transport::Channel,
 ) {
     let port = free_port();
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_mailroom"));
@@ -146,10 +147,10 @@ async fn start_binary(
             Err(e) => panic!("mailroom did not start: {e}"),
         }
     };
-    let client = OutboxServiceClient::new(channel)
+    let client = OutboxServiceClient::new(channel.clone())
         .max_encoding_message_size(usize::MAX)
         .max_decoding_message_size(usize::MAX);
-    (child, client)
+    (child, client, channel)
 }
 
 /// Eight producers each send a ~60 MiB `EnqueueBatch` at once; returns how many were
@@ -157,7 +158,7 @@ async fn start_binary(
 async fn eight_large_batches(envs: &[(&str, &str)]) -> (usize, usize, usize) {
     use tonic_types::StatusExt;
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, client) = start_binary(dir.path(), envs).await;
+    let (mut child, client, _) = start_binary(dir.path(), envs).await;
     let pid = child.id();
     let mut calls = Vec::new();
     for p in 0..8 {
@@ -230,4 +231,227 @@ async fn concurrent_large_batches_are_admitted_by_bytes() {
         "the control run should exceed the limit: {} MiB",
         peak_off / MIB
     );
+}
+
+const ENQUEUE_BATCH: &str = "/mailroom.v1.OutboxService/EnqueueBatch";
+
+/// Ordinary Enqueues, one every 20 ms while a test runs: what a producer sees.
+struct Ordinary {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<(usize, Vec<tonic::Status>)>,
+}
+
+impl Ordinary {
+    fn start(mut client: OutboxServiceClient<tonic::transport::Channel>) -> Ordinary {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let task = tokio::spawn(async move {
+            let (mut ok, mut refused) = (0, Vec::new());
+            while !flag.load(Ordering::Relaxed) {
+                let e = event("budget", "ordinary", b"an ordinary event");
+                match client.enqueue(pb::EnqueueRequest { event: Some(e) }).await {
+                    Ok(_) => ok += 1,
+                    Err(e) => refused.push(e),
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            (ok, refused)
+        });
+        Ordinary { stop, task }
+    }
+
+    /// Stops; asserts that every Enqueue was answered OK, and that there were some.
+    async fn stop(self) -> usize {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (ok, refused) = self.task.await.unwrap();
+        assert!(refused.is_empty(), "ordinary Enqueues refused: {refused:?}");
+        assert!(ok > 0, "no ordinary Enqueue was answered");
+        ok
+    }
+}
+
+/// Issue 43, item 1: one `EnqueueBatch` of 16 MiB made of empty events (`0a 00`, two
+/// bytes each on the wire, some 200 bytes each once decoded), sent as raw bytes, then
+/// the same gzip-compressed (16 KiB on the wire): both are refused `INVALID_ARGUMENT` on
+/// `events` at the 1001st event, counted from the wire before prost builds any, while
+/// ordinary Enqueues are answered throughout. Peak RSS stays under 300 MiB (main decoded
+/// all 8 Mi events first: 1,636 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_events_are_counted_before_they_are_built() {
+    use crate::support::raw::*;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, client, channel) = start_binary(dir.path(), &[]).await;
+    let pid = child.id();
+    let ordinary = Ordinary::start(client);
+    let message = [0x0a, 0x00].repeat(8 * MIB);
+    let started = Instant::now();
+    let plain = raw_call(
+        channel.clone(),
+        ENQUEUE_BATCH,
+        whole_body(frame(false, &message)),
+        false,
+    )
+    .await;
+    let packed = gzip(&message);
+    let zipped = raw_call(
+        channel.clone(),
+        ENQUEUE_BATCH,
+        whole_body(frame(true, &packed)),
+        true,
+    )
+    .await;
+    let took = started.elapsed();
+    let answered = ordinary.stop().await;
+    let peak = vm_hwm_bytes(pid);
+    let _ = child.kill();
+    let _ = child.wait();
+    println!(
+        "16 MiB of empty events ({} bytes gzip): peak RSS {} MiB, {answered} ordinary \
+         Enqueues answered, {took:?}",
+        packed.len(),
+        peak / MIB
+    );
+    for (what, r) in [("raw", plain), ("gzip", zipped)] {
+        let err = r.expect_err(what);
+        println!("{what}: {:?} {}", err.code(), err.message());
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{what}: {err:?}");
+        assert_eq!(field_of(&err), "events", "{what}");
+        assert!(err.message().contains("MAILROOM_MAX_BATCH"), "{err:?}");
+    }
+    assert!(
+        peak < 300 * MIB,
+        "peak RSS {} MiB: the events were built before they were counted",
+        peak / MIB
+    );
+}
+
+/// Issue 43, item 1: eight concurrent valid gzip batches of 60 events x 1,000,000 zero
+/// bytes (60 MB each once decompressed, ~60 KiB on the wire). The budget of bytes in
+/// flight counts them decompressed and decoded (twice 60 MB each), so one is admitted
+/// at a time and the others are refused `RESOURCE_EXHAUSTED` with a retry delay, while
+/// ordinary Enqueues (kept a share of the budget) are answered throughout. Peak RSS stays
+/// under 300 MiB (main counted the compressed bytes and admitted all eight: 599 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_batches_are_charged_decompressed() {
+    use crate::support::raw::*;
+    use prost::Message as _;
+    use tonic_types::StatusExt;
+    let batch = pb::EnqueueBatchRequest {
+        events: (0..60)
+            .map(|i| event("budget", &format!("z{i}"), &vec![0u8; 1_000_000]))
+            .collect(),
+    };
+    let body = frame(true, &gzip(&batch.encode_to_vec()));
+    drop(batch);
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, client, channel) = start_binary(dir.path(), &[]).await;
+    let pid = child.id();
+    let ordinary = Ordinary::start(client);
+    let calls: Vec<_> = (0..8)
+        .map(|_| {
+            let (channel, body) = (channel.clone(), body.clone());
+            tokio::spawn(
+                async move { raw_call(channel, ENQUEUE_BATCH, whole_body(body), true).await },
+            )
+        })
+        .collect();
+    let (mut stored, mut refused) = (0, 0);
+    for c in calls {
+        match c.await.unwrap() {
+            Ok(()) => stored += 1,
+            Err(e) => {
+                refused_naming(&e, "a gzip batch", "MAILROOM_MAX_REQUEST_BYTES_IN_FLIGHT");
+                assert!(e.get_details_retry_info().is_some(), "retryable: {e:?}");
+                refused += 1;
+            }
+        }
+    }
+    let answered = ordinary.stop().await;
+    let peak = vm_hwm_bytes(pid);
+    let _ = child.kill();
+    let _ = child.wait();
+    println!(
+        "8 gzip batches of {} bytes: {stored} stored, {refused} refused, {answered} \
+         ordinary Enqueues answered, peak RSS {} MiB",
+        body.len(),
+        peak / MIB
+    );
+    assert!(stored >= 1, "{stored} stored, {refused} refused");
+    assert!(
+        peak < 300 * MIB,
+        "peak RSS {} MiB: compressed batches were admitted by their wire size",
+        peak / MIB
+    );
+}
+
+/// Issue 43, item 1: two streams declare 64 MiB batches and send nothing more. A
+/// declared length reserves nothing (main reserved it before any byte arrived, until the
+/// RPC deadline, and refused every other producer meanwhile): an 8 MiB batch and an
+/// ordinary Enqueue are stored at once, and the stalled streams are answered
+/// `UNAVAILABLE` at the body deadline (1.5 s here), not at the RPC deadline (30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_declarations_do_not_refuse_other_callers() {
+    use crate::support::raw::*;
+    let dir = tempfile::tempdir().unwrap();
+    let envs = [("MAILROOM_REQUEST_BODY_TIMEOUT_MS", "1500")];
+    let (mut child, mut client, channel) = start_binary(dir.path(), &envs).await;
+    let declared = (64 * MIB - 16) as u32;
+    let mut prefix = vec![0u8];
+    prefix.extend(declared.to_be_bytes());
+    let prefix = bytes::Bytes::from(prefix);
+    let stalled: Vec<_> = (0..2)
+        .map(|_| {
+            let (channel, prefix) = (channel.clone(), prefix.clone());
+            tokio::spawn(async move {
+                let t = Instant::now();
+                let r = raw_call(channel, ENQUEUE_BATCH, stalled_body(prefix), false).await;
+                (r, t.elapsed())
+            })
+        })
+        .collect();
+    // Nothing the server shows says the two prefixes have arrived: give them a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let batch = client
+        .enqueue_batch(pb::EnqueueBatchRequest {
+            events: (0..9)
+                .map(|i| big_event(&format!("s{i}"), 1_000_000))
+                .collect(),
+        })
+        .await;
+    let one = client
+        .enqueue(pb::EnqueueRequest {
+            event: Some(big_event("one", 1024)),
+        })
+        .await;
+    let mut answers = Vec::new();
+    for s in stalled {
+        answers.push(
+            tokio::time::timeout(Duration::from_secs(10), s)
+                .await
+                .map(|j| j.unwrap()),
+        );
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        batch.is_ok(),
+        "an 8 MiB batch beside the stalled streams: {batch:?}"
+    );
+    assert!(
+        one.is_ok(),
+        "an Enqueue beside the stalled streams: {one:?}"
+    );
+    for a in answers {
+        let (r, took) = a.expect("a stalled stream is answered");
+        let err = r.expect_err("a stalled stream is refused");
+        println!(
+            "stalled: {:?} after {took:?}: {}",
+            err.code(),
+            err.message()
+        );
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+        assert!(err.message().contains("MAILROOM_REQUEST_BODY_TIMEOUT_MS"));
+        assert!(took < Duration::from_secs(5), "answered after {took:?}");
+    }
 }

@@ -25,6 +25,16 @@ use crate::support::*;
 /// `deadline`, default runs (a claim's run of 1,000, continued runs after it), retries
 /// soon and often.
 fn relay(s: &Service, brokers: &str, deadline: Duration) -> Relay {
+    leased_relay(s, brokers, deadline, Duration::from_secs(30))
+}
+
+/// [`relay`] with a lease of `lease` (longer than `deadline`).
+pub(crate) fn leased_relay(
+    s: &Service,
+    brokers: &str,
+    deadline: Duration,
+    lease: Duration,
+) -> Relay {
     let sink = KafkaSink::new(
         producer_config(brokers, deadline, &Default::default()),
         "mailroom-test".into(),
@@ -36,7 +46,7 @@ fn relay(s: &Service, brokers: &str, deadline: Duration) -> Relay {
         Arc::new(sink),
         Queue::Outbox,
         RelayConfig {
-            lease: Duration::from_secs(30),
+            lease,
             probe_max: Duration::from_millis(500),
             retry: RetryPolicy {
                 base: Duration::from_millis(100),
@@ -49,7 +59,7 @@ fn relay(s: &Service, brokers: &str, deadline: Duration) -> Relay {
 }
 
 /// Waits until `stats` counts more than `above` continued runs; false after `within`.
-async fn continued_past(stats: &RelayStats, above: u64, within: Duration) -> bool {
+pub(crate) async fn continued_past(stats: &RelayStats, above: u64, within: Duration) -> bool {
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
         if stats.continued.load(Ordering::Relaxed) > above {
@@ -61,14 +71,14 @@ async fn continued_past(stats: &RelayStats, above: u64, within: Duration) -> boo
 }
 
 /// Events of one key, numbered in their payloads.
-fn deep(topic: &str, n: usize) -> Vec<pb::Event> {
+pub(crate) fn deep(topic: &str, n: usize) -> Vec<pb::Event> {
     (0..n)
         .map(|i| event(topic, "deep", format!("{i}").as_bytes()))
         .collect()
 }
 
 /// Pending events of the outbox, polled until none is left; false after `within`.
-async fn drained(s: &Service, within: Duration) -> bool {
+pub(crate) async fn drained(s: &Service, within: Duration) -> bool {
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
         if s.outbox_count(Some(Status::Pending)).await == 0 {

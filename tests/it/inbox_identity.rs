@@ -3,6 +3,10 @@
 //! replaced (offsets start at 0 again), and rows stored under the older place-only
 //! identity still drop redeliveries; structured-mode CloudEvents are identified by
 //! their `source` and `id`.
+//!
+//! A log replaced under a running subscription (issue 43, item 4) is noticed and read
+//! again from its start: a topic recreated (a new topic id) even when its new log
+//! already reached the consumer's old position, and a position past the log end.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
@@ -17,6 +21,8 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
+use crate::support::kafka_proxy::KafkaProxy;
+use crate::support::probe::{sample, scrape};
 use crate::support::*;
 
 /// A subscriber that handles everything.
@@ -159,6 +165,97 @@ async fn records_without_ce_id_survive_a_recreated_topic_and_a_new_cluster() {
         "every record of the new cluster handled ({duplicates} dropped as duplicates)"
     );
     assert_eq!(handler.calls().len(), 12, "each handled once");
+}
+
+/// A subscription to `topic` on `brokers` handles 10 records; the topic is then deleted
+/// and created again under the running service and `new` records are written at once,
+/// before the consumer looks again. Every new record must reach the handler once, and
+/// the partition's rewind be counted once in `metric`.
+async fn replaced_under_a_running_subscription(
+    brokers: &str,
+    topic: &str,
+    new: usize,
+    metric: &str,
+) {
+    create_topic(brokers, topic).await;
+    let handler = Handler::default();
+    let url = handler.serve().await;
+    let db = fresh_pg().await;
+    let mut c = config(&db);
+    kafka_sink_config(&mut c, brokers, Duration::from_secs(1));
+    c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.subscriptions = vec![subscription(topic, &[topic], &url)];
+    let p = raw_producer(brokers);
+    let old = named("old", 10);
+    produce(&p, topic, &old).await;
+    let s = Service::start(c).await;
+    let seen = || -> BTreeSet<String> { handler.calls().into_iter().map(|c| c.payload).collect() };
+    let mut want: BTreeSet<String> = old.iter().cloned().collect();
+    assert!(
+        within(Duration::from_secs(60), || seen() == want).await,
+        "the first life handled"
+    );
+    // Deleted and created again in a moment, and written to at once: the new log starts
+    // at 0, and with 10 records it ends where the consumer waits.
+    delete_topic(brokers, topic).await;
+    create_topic(brokers, topic).await;
+    let fresh = named("new", new);
+    let offsets: Vec<i64> = (0..new as i64).collect();
+    assert_eq!(
+        produce(&p, topic, &fresh).await,
+        offsets,
+        "offsets start again"
+    );
+    want.extend(fresh.iter().cloned());
+    let started = Instant::now();
+    let all = within(Duration::from_secs(20), || seen() == want).await;
+    let took = started.elapsed();
+    // Duplicates would be handled right after the last new record.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let text = scrape(s.app.metrics_addr.unwrap()).await;
+    s.app.stop().await.unwrap();
+    let handled = seen();
+    let missing: Vec<&String> = want.difference(&handled).collect();
+    assert!(all, "every new record handled: {missing:?} missing");
+    println!("the new records were handled {took:?} after they were written");
+    assert_eq!(handler.calls().len(), 10 + new, "each handled once");
+    let series = format!("{metric}{{subscription=\"{topic}\"}}");
+    assert_eq!(sample(&text, &series), 1.0, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_recreated_under_a_running_subscription_is_read_from_its_start() {
+    let proxy = KafkaProxy::listen().await;
+    let broker = Broker::start_advertising(free_port(), &proxy.addr());
+    proxy.set_upstream(&broker.addr());
+    proxy.no_leader_for_missing_topics();
+    // Ten new records: the consumer's position (10) is the new log's end, so only the
+    // topic's new id tells the logs apart.
+    replaced_under_a_running_subscription(
+        &proxy.addr(),
+        "recreated",
+        10,
+        "mailroom_inbox_topic_recreations_total",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_position_past_the_log_end_goes_back_to_the_log_start() {
+    // A broker without topic ids (as before Kafka 2.8): the new log, 3 records long,
+    // ends before the consumer's position (10), as after an unclean leader election.
+    let proxy = KafkaProxy::listen().await;
+    let broker = Broker::start_advertising(free_port(), &proxy.addr());
+    proxy.set_upstream(&broker.addr());
+    proxy.hide_topic_ids();
+    proxy.no_leader_for_missing_topics();
+    replaced_under_a_running_subscription(
+        &proxy.addr(),
+        "truncated",
+        3,
+        "mailroom_inbox_log_truncations_total",
+    )
+    .await;
 }
 
 /// Stores `kafka:<topic>:0:<offset>` for `subscription` as a version that identified

@@ -176,8 +176,11 @@ async fn crash_in_transaction(url: &str, user: &str, order: i64, key: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut probe = a.begin().await.unwrap();
+    // The order lock is the key's slot row (migration 0020), tried as a relay tries it.
     let free: bool = sqlx::query_scalar(
-        "SELECT pg_try_advisory_xact_lock_shared(mailroom_order_lock('sql.orders', $1))",
+        "SELECT EXISTS (SELECT 1 FROM mailroom_order_slots
+                        WHERE slot = mailroom_order_slot('sql.orders', $1)
+                        FOR SHARE SKIP LOCKED)",
     )
     .bind(key)
     .fetch_one(&mut *probe)
@@ -640,6 +643,28 @@ async fn validation_errors_have_documented_sqlstates_and_store_nothing() {
             "mailroom.enqueue_batch(ARRAY['t','bad topic'], ARRAY['k1','k2'])".into(),
             "MR001",
             "events[2].topic",
+        ),
+        // Arrays are indexed from 1: another lower bound (or a second dimension) once put
+        // events on other events' keys (issue 42, item 3).
+        (
+            "mailroom.enqueue_batch('[0:1]={t,t}'::text[], ARRAY['k1','k2'])".into(),
+            "MR033",
+            "topics",
+        ),
+        (
+            "mailroom.enqueue_batch(ARRAY['t','t'], '[0:1]={k1,k2}'::text[])".into(),
+            "MR033",
+            "keys",
+        ),
+        (
+            "mailroom.enqueue_batch(ARRAY['t','t'], ARRAY[['k1'],['k2']])".into(),
+            "MR033",
+            "keys",
+        ),
+        (
+            "mailroom.enqueue_batch(ARRAY['t','t'], max_attempts => '[2:3]={1,2}'::int[])".into(),
+            "MR033",
+            "max_attempts",
         ),
         // PostgreSQL itself refuses NUL in text and jsonb, before the function runs.
         ("mailroom.enqueue('t', headers => '{\"a\": \"\\u0000\"}')".into(), "22P05", ""),
@@ -1667,4 +1692,422 @@ async fn a_producer_role_works_in_its_own_database_only() {
     assert_ne!(producer_role(&url_a).await, producer_role(&url_b).await);
     s_a.app.stop().await.unwrap();
     s_b.app.stop().await.unwrap();
+}
+
+/// A login role with no grant at all, connected to the database at `url`: what any
+/// neighbour on a shared cluster can be.
+async fn outsider(url: &str) -> sqlx::PgConnection {
+    let role = unique("nobody");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE ROLE {role} LOGIN")))
+        .execute(&mut admin(url).await)
+        .await
+        .unwrap();
+    sqlx::PgConnection::connect(&as_user(url, &role))
+        .await
+        .expect("connect as a role with no grants")
+}
+
+/// `n` SQL-API events, each in its own committed transaction, on the keys
+/// `{prefix}-0`.. of `topic`.
+async fn enqueue_keys(pool: &PgPool, topic: &str, prefix: &str, n: usize) -> Vec<String> {
+    let keys: Vec<String> = (0..n).map(|i| format!("{prefix}-{i}")).collect();
+    for k in &keys {
+        sqlx::query("SELECT mailroom.enqueue($1, $2, 'x'::bytea)")
+            .bind(topic)
+            .bind(k)
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+    keys
+}
+
+/// Advisory locks need no privilege (issue 42, item 3): a role with no grant held the
+/// fold's (7110, 1) and SQL-API events on new keys waited as long as it held it. The fold
+/// turn and the order locks are rows now, which only mailroom's owner may lock: events
+/// are published within a few poll intervals whatever the outsider holds, and it cannot
+/// lock the rows. Relays find SQL events by polling here (NOTIFY off).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_with_no_privilege_stalls_neither_the_fold_nor_a_key() {
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(2));
+    let s = Service::start(c).await;
+    let (_, pool) = app_role(&url).await;
+    let mut a = admin(&url).await;
+    sqlx::query("UPDATE mailroom_sql_settings SET notify = false")
+        .execute(&mut a)
+        .await
+        .unwrap();
+    let topic = "sql.neighbour";
+    let mut outsider = outsider(&url).await;
+    sqlx::query("SELECT pg_advisory_lock(7110, 1)")
+        .execute(&mut outsider)
+        .await
+        .unwrap();
+
+    // The fold: 10 new keys while the outsider holds what was the fold's lock.
+    let t = Instant::now();
+    enqueue_keys(&pool, topic, "new", 10).await;
+    eventually(
+        Duration::from_secs(5),
+        "SQL events on new keys published while (7110, 1) is held",
+        || async { s.outbox_count(Some(Status::Completed)).await == 10 },
+    )
+    .await;
+    eprintln!("10 new keys published in {:?}", t.elapsed());
+
+    // A key: with the transitional advisory lock off, the outsider holds every key's
+    // former order lock, exclusive and shared, and the keys flow all the same.
+    sqlx::query("UPDATE mailroom_sql_settings SET legacy_order_lock = false")
+        .execute(&mut a)
+        .await
+        .unwrap();
+    for i in 0..10 {
+        let id: i64 = sqlx::query_scalar("SELECT mailroom_order_lock($1, $2)")
+            .bind(topic)
+            .bind(format!("held-{i}"))
+            .fetch_one(&mut a)
+            .await
+            .unwrap();
+        let take = if i % 2 == 0 {
+            "SELECT pg_advisory_lock($1)"
+        } else {
+            "SELECT pg_advisory_lock_shared($1)"
+        };
+        sqlx::query(take)
+            .bind(id)
+            .execute(&mut outsider)
+            .await
+            .unwrap();
+    }
+    let t = Instant::now();
+    enqueue_keys(&pool, topic, "held", 10).await;
+    eventually(
+        Duration::from_secs(5),
+        "SQL events published while their keys' advisory locks are held",
+        || async { s.outbox_count(Some(Status::Completed)).await == 20 },
+    )
+    .await;
+    eprintln!(
+        "10 keys with held advisory locks published in {:?}",
+        t.elapsed()
+    );
+
+    // The rows themselves: neither the outsider nor the producer role may lock them.
+    for (who, conn) in [
+        ("outsider", &mut outsider),
+        ("producer", &mut *pool.acquire().await.unwrap()),
+    ] {
+        for table in ["mailroom_order_slots", "mailroom_fold_turn"] {
+            let e = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT 1 FROM {table} LIMIT 1 FOR SHARE"
+            )))
+            .execute(&mut *conn)
+            .await
+            .expect_err(table);
+            assert_eq!(sqlstate(&e).0, "42501", "{who} locks {table}: {e}");
+        }
+    }
+    let recs = consume(&broker.addr(), topic, 20, Duration::from_secs(30));
+    assert_eq!(first_deliveries(&recs).1, 0, "nothing published twice");
+    s.app.stop().await.unwrap();
+}
+
+/// Row locks take no lock-table entry: an `enqueue_batch` over 1,000 keys holds a fixed
+/// handful of entries (its relations) instead of one advisory lock per key, which a few
+/// bulk callers used to run out of (`53200` for every database of the cluster). With the
+/// transitional advisory lock on, the count is the old one (docs/sql-api.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_batch_takes_a_bounded_number_of_lock_table_entries() {
+    let (url, s) = quiet_pg().await;
+    let (_, pool) = app_role(&url).await;
+    let batch = "SELECT count(*) FROM mailroom.enqueue_batch(array_fill('t'::text, ARRAY[1000]),
+                     (SELECT array_agg($1 || i) FROM generate_series(1, 1000) i))";
+    let mut entries = Vec::new();
+    for legacy in [true, false] {
+        sqlx::query("UPDATE mailroom_sql_settings SET legacy_order_lock = $1")
+            .bind(legacy)
+            .execute(&mut admin(&url).await)
+            .await
+            .unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        let n: i64 = sqlx::query_scalar(batch)
+            .bind(format!("k{legacy}-"))
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(n, 1000);
+        let held = count_rows(
+            &url,
+            &format!("SELECT count(*) FROM pg_locks WHERE pid = {pid}"),
+        )
+        .await;
+        // The keys are held all the same: another writer of one of them waits.
+        let mut other = pool.begin().await.unwrap();
+        sqlx::query("SET LOCAL lock_timeout = '100ms'")
+            .execute(&mut *other)
+            .await
+            .unwrap();
+        let e = sqlx::query("SELECT mailroom.enqueue('t', $1)")
+            .bind(format!("k{legacy}-500"))
+            .execute(&mut *other)
+            .await
+            .expect_err("the key's order lock is held");
+        assert_eq!(sqlstate(&e).0, "55P03", "{e}");
+        other.rollback().await.unwrap();
+        tx.commit().await.unwrap();
+        entries.push(held);
+    }
+    eprintln!(
+        "lock-table entries of a 1,000-key batch: legacy on {}, off {}",
+        entries[0], entries[1]
+    );
+    assert!(
+        entries[0] > 1000,
+        "the transitional advisory locks: {}",
+        entries[0]
+    );
+    assert!(entries[1] <= 32, "row locks only: {} entries", entries[1]);
+    s.app.stop().await.unwrap();
+}
+
+/// The slot rows are only ever locked, never updated: REPEATABLE READ and SERIALIZABLE
+/// writers of one key wait for each other, and for a relay's share lock, and never fail
+/// with 40001 for it, whatever locked the row since their snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_isolated_writers_of_one_key_never_fail_on_its_order_lock() {
+    let (url, s) = quiet_pg().await;
+    let (_, pool) = app_role(&url).await;
+    let hot = "SELECT mailroom.enqueue('t', 'hot', 'x'::bytea)";
+    for iso in ["REPEATABLE READ", "SERIALIZABLE"] {
+        let begin = format!("SET TRANSACTION ISOLATION LEVEL {iso}");
+        let mut first = pool.begin().await.unwrap();
+        let mut second = pool.begin().await.unwrap();
+        for tx in [&mut first, &mut second] {
+            sqlx::query(sqlx::AssertSqlSafe(begin.clone()))
+                .execute(&mut **tx)
+                .await
+                .unwrap();
+            // The snapshot is taken here, before anyone locks the slot.
+            sqlx::query("SELECT count(*) FROM orders")
+                .execute(&mut **tx)
+                .await
+                .unwrap();
+        }
+        // A relay's share lock comes and goes, then a committed writer's lock.
+        let mut relay = admin(&url).await;
+        let mut r = relay.begin().await.unwrap();
+        sqlx::query(
+            "SELECT 1 FROM mailroom_order_slots WHERE slot = mailroom_order_slot('t', 'hot') FOR SHARE",
+        )
+        .execute(&mut *r)
+        .await
+        .unwrap();
+        r.commit().await.unwrap();
+        sqlx::query(hot).execute(&pool).await.unwrap();
+        // Then the two, overlapping: the second waits for the first's commit.
+        sqlx::query(hot).execute(&mut *first).await.unwrap();
+        let waiting = tokio::spawn(async move {
+            sqlx::query(hot).execute(&mut *second).await?;
+            second.commit().await
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "{iso}: the second writer waits");
+        first.commit().await.unwrap();
+        waiting
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{iso}: {e}"));
+    }
+    assert_eq!(outbox_rows(&url).await, 6);
+    s.app.stop().await.unwrap();
+}
+
+/// One key row held elsewhere (an operator's `SELECT ... FOR UPDATE`, a replica cut off
+/// mid-settle) delays only its key: the fold skips it (it waited on it, and every claim
+/// behind it, until the relay's statement timeout) and the other keys, SQL and gRPC, are
+/// published meanwhile. Its own SQL event goes out once the row is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_row_held_elsewhere_holds_back_only_its_key() {
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(2));
+    let s = Service::start(c).await;
+    let (_, pool) = app_role(&url).await;
+    let topic = "sql.rowheld";
+    let mut client = s.client.clone();
+    enqueue(&mut client, event(topic, "held", b"before")).await;
+    wait_completed(&s.app.store, 1, Duration::from_secs(30)).await;
+
+    let mut operator = admin(&url).await;
+    let mut hold = operator.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM outbox_keys WHERE event_key = 'held' FOR UPDATE")
+        .execute(&mut *hold)
+        .await
+        .unwrap();
+    let held_id: i64 = sqlx::query_scalar("SELECT mailroom.enqueue($1, 'held', 'sql'::bytea)")
+        .bind(topic)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let t = Instant::now();
+    enqueue_keys(&pool, topic, "sql", 10).await;
+    for i in 0..5 {
+        enqueue(&mut client, event(topic, &format!("grpc-{i}"), b"g")).await;
+    }
+    eventually(
+        Duration::from_secs(5),
+        "the other keys published while one key row is held",
+        || async { s.outbox_count(Some(Status::Completed)).await == 16 },
+    )
+    .await;
+    eprintln!(
+        "15 other keys published in {:?} with a key row held",
+        t.elapsed()
+    );
+    assert_eq!(
+        s.stored(BoxKind::Outbox, held_id).await.status,
+        Status::Pending,
+        "the held key waits"
+    );
+    hold.rollback().await.unwrap();
+    let t = Instant::now();
+    wait_completed(&s.app.store, 17, Duration::from_secs(10)).await;
+    eprintln!(
+        "the held key published {:?} after its row was freed",
+        t.elapsed()
+    );
+    let recs = consume(&broker.addr(), topic, 17, Duration::from_secs(30));
+    assert_eq!(first_deliveries(&recs).1, 0, "nothing published twice");
+    s.app.stop().await.unwrap();
+}
+
+/// Two SQL writers loop `BEGIN; enqueue(hot); pg_sleep(0.05); COMMIT` on one key: their
+/// transactions overlap, so the key's order lock is never free when a relay tries it
+/// (PostgreSQL hands it to the next writer in line). A key found held for a second gets
+/// a relay's turn in that line (`src/store/postgres/held.rs`): its events are published
+/// while the writers go on, within a bounded wait. Before, they waited until the loops
+/// stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_kept_busy_by_overlapping_writers_is_published_while_they_go_on() {
+    let broker = Broker::start();
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(2));
+    let s = Service::start(c).await;
+    let (_, pool) = app_role(&url).await;
+    let topic = "sql.hot";
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for w in 0..2 {
+        let (pool, stop) = (pool.clone(), stop.clone());
+        writers.push(tokio::spawn(async move {
+            let mut n = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query("SELECT mailroom.enqueue($1, 'hot', $2)")
+                    .bind(topic)
+                    .bind(format!("w{w}-{n}").into_bytes())
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                sqlx::query("SELECT pg_sleep(0.05)")
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                n += 1;
+            }
+            n
+        }));
+    }
+    let started = Instant::now();
+    let run = Duration::from_secs(8);
+    let mut first = None;
+    let mut during = 0;
+    while started.elapsed() < run {
+        during = s.outbox_count(Some(Status::Completed)).await;
+        if during > 0 && first.is_none() {
+            first = Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut total = 0;
+    for w in writers {
+        total += w.await.unwrap();
+    }
+    eprintln!(
+        "busy key: {total} events in {run:?}; first published after {first:?}; {during} published while the writers ran"
+    );
+    let first = first.expect("the busy key published nothing while its writers ran");
+    assert!(
+        first < Duration::from_secs(4),
+        "first published after {first:?}"
+    );
+    assert!(
+        during as usize * 2 >= total,
+        "{during} of {total} published while the writers ran"
+    );
+    wait_completed(&s.app.store, total as i64, Duration::from_secs(30)).await;
+    let recs = consume(&broker.addr(), topic, total, Duration::from_secs(30));
+    let (per_key, dups) = first_deliveries(&recs);
+    assert_eq!(dups, 0, "nothing published twice");
+    let ids = &per_key["hot"];
+    assert_eq!(ids.len(), total);
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "in id order");
+    s.app.stop().await.unwrap();
+}
+
+/// A SQL transaction that holds a key's order lock past the report threshold (5 s) while
+/// events of the key wait is named, with its backend pid, in `mailroom_outbox_key_held_seconds` (and a warning
+/// in the log); the series goes once the key is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_long_is_named_with_its_holders_pid() {
+    let url = fresh_pg().await;
+    let s = Service::start(config(&url)).await;
+    let (_, pool) = app_role(&url).await;
+    let mut tx = pool.begin().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("SELECT mailroom.enqueue('sql.long', 'm', 'x'::bytea)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    // An event that waits behind it (a key with nothing waiting is never leased).
+    let mut client = s.client.clone();
+    enqueue(&mut client, event("sql.long", "m", b"behind")).await;
+    let series =
+        format!("mailroom_outbox_key_held_seconds{{topic=\"sql.long\",key=\"m\",pid=\"{pid}\"}}");
+    let t = Instant::now();
+    eventually(
+        Duration::from_secs(15),
+        "the held key named with its holder's pid",
+        || async { s.app.metrics.encode().contains(&series) },
+    )
+    .await;
+    eprintln!("named after {:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_secs(4),
+        "not before the threshold"
+    );
+    tx.commit().await.unwrap();
+    eventually(Duration::from_secs(10), "the series gone", || async {
+        !s.app
+            .metrics
+            .encode()
+            .contains("mailroom_outbox_key_held_seconds{")
+    })
+    .await;
+    wait_completed(&s.app.store, 2, Duration::from_secs(10)).await;
+    s.app.stop().await.unwrap();
 }

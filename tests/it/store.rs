@@ -1635,7 +1635,9 @@ async fn a_line_goes_on_only_while_its_relay_may() {
 
     // A SQL-API writer holding the key's order lock (its transaction open).
     let mut writer = pool.begin().await.unwrap();
-    sqlx::query("SELECT pg_advisory_xact_lock(mailroom_order_lock('conf', 'k'))")
+    sqlx::query(
+        "SELECT 1 FROM mailroom_order_slots WHERE slot = mailroom_order_slot('conf', 'k') FOR UPDATE",
+    )
         .execute(&mut *writer)
         .await
         .unwrap();

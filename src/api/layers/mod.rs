@@ -1,12 +1,14 @@
 //! The tower layers every RPC passes through, outermost first: `rpc_log` (span, log
 //! line, metrics), `authenticate` (token and scope), `overload` (concurrency limit,
-//! deadline), `admission` (request bytes in flight, from the gRPC length prefix). Each is a `Middleware`, what it does around one request; `MiddlewareLayer`
+//! deadline), `admission` (what each request becomes, counted as it arrives, with `walk`
+//! counting the elements of its repeated fields). Each is a `Middleware`, what it does around one request; `MiddlewareLayer`
 //! makes any of them a tower layer, so the Layer/Service plumbing is written once.
 
 mod admission;
 mod authenticate;
 mod overload;
 mod rpc_log;
+pub mod walk;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -15,7 +17,7 @@ use std::task::{Context, Poll};
 use tonic::codegen::http;
 use tower::{Layer, Service};
 
-pub use admission::{ByteAdmission, ByteAdmissionLayer};
+pub use admission::{ByteAdmission, ByteAdmissionLayer, DEFAULT_LIMIT, Rule, Rules};
 pub use authenticate::{AuthLayer, Authenticate};
 pub use overload::{Overload, OverloadConfig, OverloadLayer};
 pub use rpc_log::{RpcLog, RpcLogLayer};

@@ -28,6 +28,8 @@ pub struct OverloadConfig {
     pub rpc_timeout: Option<Duration>,
     /// Request bytes in flight at once (`admission`); 0 = no limit.
     pub max_request_bytes: usize,
+    /// Time for a request's message to arrive whole (`admission`).
+    pub body_timeout: Option<Duration>,
 }
 
 impl Default for OverloadConfig {
@@ -36,6 +38,7 @@ impl Default for OverloadConfig {
             max_concurrent_rpcs: 1024,
             rpc_timeout: Some(Duration::from_secs(30)),
             max_request_bytes: 128 * 1024 * 1024,
+            body_timeout: Some(Duration::from_secs(10)),
         }
     }
 }

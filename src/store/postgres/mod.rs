@@ -6,10 +6,12 @@
 //! n+1 of a key committed while event n is still in flight.
 //!
 //! Files: `sql.rs` the claim and settle statements per box, `write.rs` enqueue and
-//! receive, `relay.rs` claim, settle and renew, `admin.rs` the operator statements,
+//! receive, `relay.rs` claim, settle and renew, `held.rs` keys SQL-API writers keep held, `admin.rs` the operator statements,
 //! `retention.rs` the purges, `notify.rs` LISTEN/NOTIFY wake-ups.
 
 mod admin;
+mod held;
+pub mod migrate;
 pub mod notify;
 pub mod profile;
 mod relay;
@@ -47,6 +49,17 @@ pub struct PgStore {
     names: Qualifier,
     outbox: Sql,
     inbox: Sql,
+    /// Where the next fold's scan starts (`PgStore::fold`): above the last id of a full
+    /// fold, else 0.
+    fold_from: std::sync::atomic::AtomicI64,
+    /// Keys this replica's claims found held by SQL-API writers (`held.rs`).
+    held: Arc<held::HeldKeys>,
+    /// `held.rs`'s statements, qualified.
+    held_sql: Arc<held::Statements>,
+    /// The schema this binary knows (`Store::known_schema`), bound into every claim,
+    /// continued-line, renewal and settle statement: the database refuses them itself
+    /// when a migration requires more (`sql::compatible`).
+    known: i64,
 }
 
 /// The service's connection pools, one per query class so that each carries the
@@ -102,6 +115,45 @@ pub async fn pool(url: &str, shape: PoolShape, profile: &SessionProfile) -> Stor
         .parse()
         .map_err(|e: sqlx::Error| StoreError::other(format!("bad database url: {e}")))?;
     pool_with(opts, shape, profile).await
+}
+
+/// Migrates the database at `url`, whose mailroom tables are in `schema`, on a pool of
+/// its own: the migrator's profile (the released migrations name objects without a
+/// schema) with `wait`'s lock timeout, retrying lock waits as `migrate::run` does.
+pub async fn migrate_database(
+    url: &str,
+    schema: &str,
+    acquire_timeout: Duration,
+    wait: migrate::MigrationWait,
+) -> StoreResult<migrate::MigrationReport> {
+    let opts: PgConnectOptions = url
+        .parse()
+        .map_err(|e: sqlx::Error| StoreError::other(format!("bad database url: {e}")))?;
+    migrate_on(opts, schema, acquire_timeout, wait).await
+}
+
+async fn migrate_on(
+    opts: PgConnectOptions,
+    schema: &str,
+    acquire_timeout: Duration,
+    wait: migrate::MigrationWait,
+) -> StoreResult<migrate::MigrationReport> {
+    let migrator = pool_with(
+        opts,
+        wait.pool_shape(acquire_timeout),
+        &wait.profile(schema),
+    )
+    .await?;
+    let ran = async {
+        refuse_other_home(&migrator, schema).await?;
+        ensure_schema(&migrator, schema).await?;
+        migrate::run(PgStore::migrator(), &migrator, wait)
+            .await
+            .map_err(|e| StoreError::other(format!("migrating: {e}")))
+    }
+    .await;
+    migrator.close().await;
+    ran
 }
 
 async fn pool_with(
@@ -177,7 +229,11 @@ impl PgStore {
             admin_pool: pools.admin,
             outbox: Sql::new("outbox_events", "outbox_keys", false, &names),
             inbox: Sql::new("inbox_events", "inbox_keys", true, &names),
+            held_sql: held::Statements::new(&names),
             names,
+            fold_from: std::sync::atomic::AtomicI64::new(0),
+            held: Arc::default(),
+            known: schema::highest(&sqlx::migrate!("migrations/postgres")),
         }
     }
 
@@ -221,6 +277,25 @@ impl PgStore {
     /// A built statement with mailroom's names qualified.
     pub(crate) fn built(&self, sql: &str) -> String {
         self.names.text(sql)
+    }
+
+    /// This binary's migrations, set to tolerate newer ones (`schema::tolerant`).
+    pub fn migrator() -> sqlx::migrate::Migrator {
+        schema::tolerant(sqlx::migrate!("migrations/postgres"))
+    }
+
+    /// Migrates this store's database (`migrate_database`).
+    pub async fn migrate_with(
+        &self,
+        wait: migrate::MigrationWait,
+    ) -> StoreResult<migrate::MigrationReport> {
+        migrate_on(
+            (*self.pool.connect_options()).clone(),
+            self.names.schema(),
+            self.pool.options().get_acquire_timeout(),
+            wait,
+        )
+        .await
     }
 
     /// The pool of enqueues and health checks.
@@ -270,6 +345,19 @@ impl PgStore {
             .fetch_one(&self.pool)
             .await?;
         Ok(plan)
+    }
+
+    /// The identity sequences of the tables whose ids the relay's order relies on that
+    /// hand out ids in blocks per session (`CACHE` above 1): `(table, sequence, cache)`.
+    /// With a cache, a session can commit a lower id after another session committed a
+    /// higher one for the same key, and the per-key cursor (migration 0011), already
+    /// past it, never publishes it; the inbox dispatches it out of order.
+    pub async fn cached_sequences(&self) -> StoreResult<Vec<(String, String, i64)>> {
+        Ok(
+            sqlx::query_as(AssertSqlSafe(self.names.fixed(CACHED_SEQUENCES)))
+                .fetch_all(&self.pool)
+                .await?,
+        )
     }
 
     fn sql(&self, b: BoxKind) -> &Sql {
@@ -322,6 +410,21 @@ async fn refuse_other_home(pool: &PgPool, schema: &str) -> StoreResult<()> {
     }
 }
 
+/// See `PgStore::cached_sequences`. The tables are named as types (`NULL::outbox_events`),
+/// where a name is resolved as everywhere else in mailroom's SQL, not in a string
+/// literal; each one's identity sequences are found through `pg_depend` (`deptype`
+/// `i`: owned by an identity column).
+const CACHED_SEQUENCES: &str = "SELECT c.relname::text, s.seqrelid::regclass::text, s.seqcache
+     FROM (VALUES (pg_typeof(NULL::outbox_events)::oid),
+                  (pg_typeof(NULL::inbox_events)::oid)) AS t(typ)
+     JOIN pg_type ty ON ty.oid = t.typ
+     JOIN pg_class c ON c.oid = ty.typrelid
+     JOIN pg_depend d ON d.refclassid = 'pg_class'::regclass AND d.refobjid = c.oid
+                     AND d.classid = 'pg_class'::regclass AND d.deptype = 'i'
+     JOIN pg_sequence s ON s.seqrelid = d.objid
+     WHERE s.seqcache > 1
+     ORDER BY 1";
+
 fn q(sql: &Arc<str>) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
     sqlx::query(AssertSqlSafe(sql.clone()))
 }
@@ -335,6 +438,16 @@ fn scoped(
         Some(s) => query.bind(s.to_string()),
         None => query,
     }
+}
+
+/// Binds what a gated statement takes after its own parameters: the subscription of a
+/// scoped (inbox) statement, then the binary's schema (`sql::compatible`).
+fn gated(
+    query: sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    queue: &Queue,
+    known: i64,
+) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    scoped(query, queue).bind(known)
 }
 
 /// Runs of a call PostgreSQL aborted as a deadlock victim (`40P01`) or a serialization
@@ -421,33 +534,13 @@ impl Store for PgStore {
     }
 
     async fn migrate(&self) -> StoreResult<()> {
-        // On a pool of its own, one connection with the migrator's profile (the
-        // released migrations name objects without a schema), closed afterwards.
-        let opts = (*self.pool.connect_options()).clone();
-        let migrator = pool_with(
-            opts,
-            PoolShape {
-                max_connections: 1,
-                ..PoolShape::default()
-            },
-            &SessionProfile::migrator(self.names.schema()),
-        )
-        .await?;
-        let ran = async {
-            refuse_other_home(&migrator, self.names.schema()).await?;
-            ensure_schema(&migrator, self.names.schema()).await?;
-            schema::tolerant(sqlx::migrate!("migrations/postgres"))
-                .run(&migrator)
-                .await
-                .map_err(|e| StoreError::other(format!("migration failed: {e}")))
-        }
-        .await;
-        migrator.close().await;
-        ran
+        self.migrate_with(migrate::MigrationWait::default())
+            .await
+            .map(drop)
     }
 
     fn known_schema(&self) -> i64 {
-        schema::highest(&sqlx::migrate!("migrations/postgres"))
+        self.known
     }
 
     async fn schema_state(&self) -> StoreResult<schema::SchemaState> {
@@ -505,7 +598,7 @@ impl Store for PgStore {
     }
 
     async fn settle(&self, settlement: Settlement<'_>) -> StoreResult<SettleReport> {
-        retry_aborted(|| self.settle_once(settlement)).await
+        retry_aborted(|| self.settle_once(settlement)).await?
     }
 
     async fn renew(&self, renewal: Renewal<'_>) -> StoreResult<usize> {
@@ -567,6 +660,10 @@ impl Store for PgStore {
         .fetch_one(&self.admin_pool)
         .await?;
         Ok(n)
+    }
+
+    fn held_keys(&self) -> Vec<super::HeldKey> {
+        self.held.snapshot(std::time::Instant::now())
     }
 
     fn pool_use(&self) -> Vec<super::PoolUse> {

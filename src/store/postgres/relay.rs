@@ -3,13 +3,15 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Row};
 
+use super::held;
 use super::sql::Sql;
-use super::{PgStore, decode_event, millis, q, scoped};
+use super::{PgStore, decode_event, gated, millis, q, scoped};
 use crate::domain::{EventId, Queue, Status, StoredEvent};
 use crate::store::Due;
 use crate::store::rows::in_due_order;
@@ -31,8 +33,23 @@ impl PgStore {
         let Some(fold) = &self.outbox.fold else {
             return Ok(0);
         };
-        let r = q(fold).bind(FOLD_BATCH).execute(&self.relay_pool).await?;
-        Ok(r.rows_affected())
+        let from = self.fold_from.load(Ordering::Relaxed);
+        let r = q(fold)
+            .bind(FOLD_BATCH)
+            .bind(from)
+            .bind(self.known)
+            .fetch_one(&self.relay_pool)
+            .await?;
+        let scanned: i64 = r.try_get("scanned")?;
+        // A full batch goes on above its last id next time; anything less starts over,
+        // which comes back to the events of keys that were held.
+        let next = match r.try_get::<Option<i64>, _>("last")? {
+            Some(last) if scanned >= FOLD_BATCH => last,
+            _ => 0,
+        };
+        self.fold_from.store(next, Ordering::Relaxed);
+        let folded: i64 = r.try_get("folded")?;
+        Ok(u64::try_from(folded).unwrap_or(0))
     }
 
     /// Leases ready keys, reads the front of their lines and claims due unkeyed events.
@@ -52,7 +69,7 @@ impl PgStore {
             Some(_) => Some(self.relay_pool.begin().await?),
             None => None,
         };
-        let lease = scoped(
+        let lease = gated(
             q(&sql.lease_keys)
                 .bind(limits.max_keys as i64)
                 .bind(token)
@@ -60,6 +77,7 @@ impl PgStore {
                 .bind(limits.max_run.max(1) as i64)
                 .bind(limits.max_events as i64),
             queue,
+            self.known,
         );
         let leased = self.fetch_in(&mut tx, lease).await?;
         // The database's time, as the lease statement saw it, until the windows say
@@ -72,6 +90,7 @@ impl PgStore {
         let mut keyed = Vec::with_capacity(leased.len());
         if !leased.is_empty() {
             let mut lines = Leased::split(&leased, now)?;
+            self.observe_held(&lines);
             let per_key = limits.per_key(leased.len());
             if !lines.free.is_empty() {
                 let windows = scoped(
@@ -103,6 +122,34 @@ impl PgStore {
         })
     }
 
+    /// Follows the keys a claim found held by SQL-API writers (`held.rs`): queues turns
+    /// for those held long, names those held longer in a warning. Both run beside the
+    /// relay, which goes on with its claim.
+    fn observe_held(&self, lines: &Leased) {
+        let held: Vec<&LineKey> = lines.held.iter().map(|w| &w.line).collect();
+        let free: Vec<&LineKey> = lines.free.iter().map(|w| &w.line).collect();
+        let connections = self.relay_pool.options().get_max_connections();
+        let f = self
+            .held
+            .observe(&held, &free, connections, std::time::Instant::now());
+        for key in f.turns {
+            tokio::spawn(held::take_turn(
+                self.relay_pool.clone(),
+                self.held_sql.clone(),
+                self.held.clone(),
+                key,
+            ));
+        }
+        if !f.report.is_empty() {
+            let (pool, sql, keys) = (
+                self.relay_pool.clone(),
+                self.held_sql.clone(),
+                self.held.clone(),
+            );
+            tokio::spawn(async move { held::report(&pool, &sql, &keys, f.report).await });
+        }
+    }
+
     /// The next window of a line `token` keeps leased, after `after` (`Store::continue_line`),
     /// read under the check's locks; the window comes with the line's horizon.
     pub(super) async fn read_on_line(
@@ -122,6 +169,7 @@ impl PgStore {
             .bind(&line.topic)
             .bind(&line.key)
             .bind(token)
+            .bind(self.known)
             .fetch_optional(&mut *tx)
             .await?
         else {
@@ -161,6 +209,7 @@ impl PgStore {
             .line_window(within, line, after, limits)
             .bind(token)
             .bind(horizon)
+            .bind(self.known)
             .fetch_all(&self.relay_pool)
             .await?;
         let Some(mut c) = continued(&rows, line, limits, Some(horizon))? else {
@@ -214,20 +263,30 @@ impl PgStore {
         if limits.max_unkeyed == 0 {
             return Ok(Vec::new());
         }
-        let rows = scoped(
+        let rows = gated(
             q(&sql.claim_unkeyed)
                 .bind(limits.max_unkeyed as i64)
                 .bind(token)
                 .bind(millis(limits.lease))
                 .bind(i64::try_from(limits.max_bytes).unwrap_or(i64::MAX)),
             queue,
+            self.known,
         )
         .fetch_all(&self.relay_pool)
         .await?;
         in_due_order(&rows)
     }
 
-    pub(super) async fn settle_once(&self, s: Settlement<'_>) -> Result<SettleReport, sqlx::Error> {
+    /// One settle transaction; the inner error is the schema gate's refusal (rolled back,
+    /// not retried). The requirement is read last, after every write: in READ COMMITTED
+    /// each statement sees what committed before it began, so when the last one finds no
+    /// requirement above this binary, neither did any write before it. A migration that
+    /// raises it after that read commits after the writes' snapshots, as though it had
+    /// come after the settle.
+    pub(super) async fn settle_once(
+        &self,
+        s: Settlement<'_>,
+    ) -> Result<StoreResult<SettleReport>, sqlx::Error> {
         let sql = self.sql(s.queue.box_kind());
         let mut tx = self.relay_pool.begin().await?;
         if !s.releases.is_empty() {
@@ -246,8 +305,19 @@ impl PgStore {
         if !s.releases.is_empty() {
             release_keys(&mut tx, sql, &s, &runs.per_key).await?;
         }
+        let required: i64 =
+            sqlx::query_scalar(AssertSqlSafe(self.names.fixed(super::sql::REQUIRED)))
+                .fetch_one(&mut *tx)
+                .await?;
+        if required > self.known {
+            tx.rollback().await?;
+            return Ok(Err(StoreError::SchemaRefused {
+                binary: self.known,
+                required,
+            }));
+        }
         tx.commit().await?;
-        Ok(SettleReport::of(applied, s.updates.len()))
+        Ok(Ok(SettleReport::of(applied, s.updates.len())))
     }
 
     pub(super) async fn renew_once(&self, r: Renewal<'_>) -> Result<usize, sqlx::Error> {
@@ -259,13 +329,14 @@ impl PgStore {
             let names: Vec<&str> = lines.iter().map(|l| l.key.as_str()).collect();
             // `as usize` fits: at most one key row per line.
             #[allow(clippy::cast_possible_truncation)]
-            let changed = scoped(
+            let changed = gated(
                 q(&sql.renew_keys)
                     .bind(topics)
                     .bind(names)
                     .bind(millis(lease))
                     .bind(token),
                 queue,
+                self.known,
             )
             .execute(&self.relay_pool)
             .await?
@@ -275,12 +346,13 @@ impl PgStore {
         if !unkeyed.is_empty() {
             // `as usize` fits: at most one row per id in `unkeyed`.
             #[allow(clippy::cast_possible_truncation)]
-            let changed = scoped(
+            let changed = gated(
                 q(&sql.renew_unkeyed)
                     .bind(unkeyed)
                     .bind(token)
                     .bind(millis(lease)),
                 queue,
+                self.known,
             )
             .execute(&self.relay_pool)
             .await?

@@ -62,8 +62,8 @@ impl Sql {
             // new cursor, $8: the events it covers, NULL and 0 elsewhere) and logs each
             // advance with its time in `outbox_publishes`: one write per key row.
             release_advance: (!scoped).then(|| q(t.release(true))),
-            fold: (!scoped).then(|| q(FOLD.to_string())),
-            continue_line: (!scoped).then(|| q(CONTINUE_LINE.to_string())),
+            fold: (!scoped).then(|| q(FOLD.replace("$GATE", &compatible(3)))),
+            continue_line: (!scoped).then(|| q(continue_line().replace("$GATE", &compatible(4)))),
             windows_within: (!scoped).then(|| q(t.windows(true))),
         }
     }
@@ -92,27 +92,65 @@ fn size(a: &str) -> String {
     format!("octet_length({a}.payload)::int8 + pg_column_size({a}.headers)::int8")
 }
 
+/// The schema gate inside a statement (issue 42, item 2; docs/storage.md, "Schema
+/// compatibility"): true while no applied migration requires a binary that knows more
+/// than the caller's schema, bound as `$n` (its highest embedded migration). A condition
+/// the planner runs once per statement (an InitPlan over a table of a few rows), in the
+/// statement's own snapshot: a lease, a continued line or a renewal taken under a
+/// requirement that this binary does not meet is not taken at all, whatever any cache
+/// says; and a requirement that cannot be read fails the statement, so the gate fails
+/// closed.
+pub(super) fn compatible(n: u8) -> String {
+    format!(
+        "(SELECT COALESCE(max(sc.min_binary_schema), 0) FROM mailroom_schema_compat sc) <= ${n}"
+    )
+}
+
+/// The requirement the settle reads last, in its transaction (see `settle_once`).
+pub(super) const REQUIRED: &str =
+    "SELECT COALESCE(max(min_binary_schema), 0) FROM mailroom_schema_compat";
+
 /// SQL-API events (stored `counted = false`, with no key row written): the key rows are
-/// created or woken first, in the byte order every key-locking statement uses, then the
-/// events are marked counted, which the update trigger counts. (The outbox's only: the
-/// inbox has no SQL API.)
+/// created or woken first, then the events are marked counted, which the update trigger
+/// counts. (The outbox's only: the inbox has no SQL API.)
 ///
-/// One relay folds at a time (advisory lock (7110, 1), tried, never waited for): a second relay's
-/// fold would read the same rows, wait for the first's row locks and then find them
-/// counted, so its claim only waited. A key is woken only when a folded event is above
-/// its cursor (read without a lock: a cursor that moves on meanwhile only makes the wake
-/// unneeded; one lowered by a requeue is woken by the requeue): the relays read events
-/// whether counted or not, so by the time a deep backlog is folded most of it is
-/// published, and waking those keys (with their events' old schedules, ahead of every
-/// key with work in the ready order) made the relays lease empty lines while the rest
-/// waited.
+/// One relay folds at a time: the fold locks the one row of `mailroom_fold_turn`, `FOR
+/// UPDATE SKIP LOCKED`, for the length of the statement (migration 0020), and only when
+/// there is something to fold (a row lock draws a transaction id). A second relay's fold
+/// would read the same rows, wait for the first's row locks and then find them counted,
+/// so its claim only waited. The turn was an advisory lock, which any role may take: a
+/// session with no privilege at all held it and stopped every fold. Nobody but
+/// mailroom's owner may lock the row.
 ///
-/// The lock is tried once, in a sub-select the planner runs before the scan (a one-time
-/// filter): in the scan's filter it was called per row, and a relay that did not get
-/// it walked every unfolded row for nothing.
-const FOLD: &str = "WITH f AS MATERIALIZED (
+/// A key is woken only when a folded event is above its cursor (read without a lock: a
+/// cursor that moves on meanwhile only makes the wake unneeded; one lowered by a requeue
+/// is woken by the requeue): the relays read events whether counted or not, so by the
+/// time a deep backlog is folded most of it is published, and waking those keys (with
+/// their events' old schedules, ahead of every key with work in the ready order) made the
+/// relays lease empty lines while the rest waited.
+///
+/// A key row another session holds (a settle in flight, a replica cut off mid-settle,
+/// an operator's `SELECT ... FOR UPDATE`) is skipped, `SKIP LOCKED`, and its events are
+/// left for a later fold: waiting on it stopped the fold, and so every claim, for every
+/// key. The scan starts above $2 (the last id of the previous fold when that one was
+/// full, else 0), so events of held keys at the front cannot fill every batch.
+///
+/// New key rows are inserted first (in byte order, as every key-locking statement
+/// locks: an insert may wait for a writer inserting the same key), and only then are the
+/// existing rows locked: holding rows locked before that wait could close a cycle with a
+/// gRPC writer that inserted one key and waits for another.
+///
+/// The turn is locked once, in a sub-select the planner runs before the scan (a
+/// one-time filter): in the scan's filter it was evaluated per row. The schema gate
+/// (`compatible`, $3) comes first: a binary the database does not accept neither folds
+/// nor takes the turn.
+const FOLD: &str = "WITH turn AS MATERIALIZED (
+                    SELECT true FROM mailroom_fold_turn
+                    WHERE $GATE AND EXISTS (SELECT 1 FROM outbox_events WHERE NOT counted AND id > $2)
+                    FOR UPDATE SKIP LOCKED),
+                 f AS MATERIALIZED (
                     SELECT id, topic, event_key, scheduled_at FROM outbox_events
-                    WHERE (SELECT pg_try_advisory_xact_lock(7110, 1)) AND NOT counted
+                    WHERE (SELECT count(*) FROM turn) > 0 AND NOT counted AND id > $2
                     ORDER BY id LIMIT $1),
                  g AS MATERIALIZED (
                     SELECT g.topic, g.event_key,
@@ -121,37 +159,73 @@ const FOLD: &str = "WITH f AS MATERIALIZED (
                     FROM (SELECT topic, event_key, min(scheduled_at) AS at, max(id) AS top
                           FROM f GROUP BY topic, event_key) g
                     LEFT JOIN outbox_keys c ON c.topic = g.topic AND c.event_key = g.event_key),
-                 keys AS (
+                 fresh AS MATERIALIZED (
                     INSERT INTO outbox_keys AS k (topic, event_key, ready_at, pending)
                     SELECT topic, event_key, at, 0 FROM g
+                    WHERE NOT EXISTS (SELECT 1 FROM outbox_keys c
+                                      WHERE c.topic = g.topic AND c.event_key = g.event_key)
                     ORDER BY topic COLLATE \"C\", event_key COLLATE \"C\"
-                    ON CONFLICT (topic, event_key)
-                    DO UPDATE SET ready_at = LEAST(k.ready_at, EXCLUDED.ready_at)
+                    ON CONFLICT (topic, event_key) DO NOTHING
+                    RETURNING k.topic, k.event_key),
+                 held AS MATERIALIZED (
+                    SELECT c.topic, c.event_key, g.at FROM outbox_keys c
+                    JOIN g ON c.topic = g.topic AND c.event_key = g.event_key
+                    WHERE (SELECT count(*) FROM fresh) >= 0
+                    FOR UPDATE OF c SKIP LOCKED),
+                 woken AS (
+                    UPDATE outbox_keys k SET ready_at = held.at FROM held
+                    WHERE k.topic = held.topic AND k.event_key = held.event_key
+                      AND held.at < k.ready_at
+                    RETURNING 1),
+                 marked AS (
+                    UPDATE outbox_events e SET counted = true
+                    FROM f WHERE e.id = f.id AND NOT e.counted
+                      AND ((f.topic, f.event_key) IN (SELECT topic, event_key FROM held)
+                           OR (f.topic, f.event_key) IN (SELECT topic, event_key FROM fresh))
+                      AND (SELECT count(*) FROM woken) >= 0
                     RETURNING 1)
-                 UPDATE outbox_events e SET counted = true
-                 FROM f WHERE e.id = f.id AND NOT e.counted
-                   AND (SELECT count(*) FROM keys) >= 0";
+                 SELECT (SELECT count(*) FROM f) AS scanned, (SELECT max(id) FROM f) AS last,
+                        (SELECT count(*) FROM marked) AS folded";
+
+/// Whether no SQL-API writer holds the order lock of key `k` (docs/sql-api.md, "Order
+/// locks"): its slot row (migration 0020), tried in shared mode, `SKIP LOCKED`, and held
+/// until the caller's transaction ends, so no writer draws an id below what the caller
+/// then reads. While `legacy_order_lock` is on, the advisory lock that older writers
+/// held is tried too (shared): a writer of a binary before 0020 may still be open.
+const ORDER_FREE: &str = "(EXISTS (SELECT 1 FROM mailroom_order_slots o
+                     WHERE o.slot = mailroom_order_slot(k.topic, k.event_key)
+                     FOR SHARE SKIP LOCKED)
+                 AND (NOT (SELECT s.legacy_order_lock FROM mailroom_sql_settings s)
+                      OR pg_try_advisory_xact_lock_shared(mailroom_order_lock(k.topic, k.event_key))))";
 
 /// Before a leased line's next window is read (in the same transaction): the key is
 /// still leased by the relay's token ($3) and its topic is not paused; its row is locked,
 /// as the claim's lease locks it, so no gRPC writer is between drawing an id and
-/// committing it (they upsert the key row first); and the key's order lock is tried in
-/// shared mode, as the lease tries it, for the SQL-API writers. Returns the cursor and
-/// the line's *horizon*, its highest id in this statement's snapshot. Every writer of a
-/// key holds the key row or the order lock from drawing its id to its end, so once both
-/// are held here every id up to the horizon belongs to a transaction that has ended,
-/// and every id drawn later is above it: the line's events up to the horizon can no
-/// longer change by a writer, and the next windows are read up to it without a lock
-/// (`windows_within`).
-const CONTINUE_LINE: &str = "SELECT k.published_through,
-            pg_try_advisory_xact_lock_shared(mailroom_order_lock(k.topic, k.event_key)) AS free,
-            (SELECT max(h.id) FROM outbox_events h
-             WHERE h.status = 'pending' AND h.topic = k.topic AND h.event_key = k.event_key)
-              AS horizon
-     FROM outbox_keys k
-     WHERE k.topic = $1 AND k.event_key = $2 AND k.lease_token = $3
-       AND k.topic NOT IN (SELECT p.topic FROM outbox_paused_topics p)
-     FOR UPDATE OF k";
+/// committing it (they upsert the key row first); and then the key's order lock is tried
+/// in shared mode, as the lease tries it, for the SQL-API writers (the row first: holding
+/// the order lock while waiting on the row kept the key's SQL writers waiting too).
+/// Returns the cursor and the line's *horizon*, its highest id in this statement's
+/// snapshot. Every writer of a key holds the key row or the order lock from drawing its
+/// id to its end, so once both are held here every id up to the horizon belongs to a
+/// transaction that has ended, and every id drawn later is above it: the line's events up
+/// to the horizon can no longer change by a writer, and the next windows are read up to
+/// it without a lock (`windows_within`). Nothing comes back while the schema gate ($4,
+/// `compatible`) refuses this binary: the line is then released, or left to its lease.
+fn continue_line() -> String {
+    format!(
+        "WITH k AS MATERIALIZED (
+            SELECT k.topic, k.event_key, k.published_through FROM outbox_keys k
+            WHERE k.topic = $1 AND k.event_key = $2 AND k.lease_token = $3
+              AND k.topic NOT IN (SELECT p.topic FROM outbox_paused_topics p)
+              AND $GATE
+            FOR UPDATE OF k)
+         SELECT k.published_through, {ORDER_FREE} AS free,
+                (SELECT max(h.id) FROM outbox_events h
+                 WHERE h.status = 'pending' AND h.topic = k.topic AND h.event_key = k.event_key)
+                  AS horizon
+         FROM k"
+    )
+}
 
 /// The outbox's claims skip paused topics (migration 0017): their events stay pending and
 /// spend no attempt. The table is small (one row per paused topic), so the anti-join is a
@@ -169,6 +243,13 @@ impl Tables<'_> {
         }
     }
 
+    /// The schema gate (`compatible`) with the binary's schema as the parameter after the
+    /// statement's own: `n` on the outbox, `n + 1` on the inbox, whose subscription is
+    /// bound before it (`scoped`, then the schema: see `PgStore::gated`).
+    fn gate(&self, n: u8) -> String {
+        compatible(if self.scoped { n + 1 } else { n })
+    }
+
     /// What a claim adds to its candidates' filter: the inbox's subscription (`frag`, as
     /// `scope` takes it), or in the outbox, topics not paused (on `alias`'s `topic`).
     fn claim_scope(&self, frag: &str, n: u8, alias: &str) -> String {
@@ -184,24 +265,21 @@ impl Tables<'_> {
     /// lines come a few keys at a time with long runs, since every leased key costs its
     /// writes whatever it carries. The count is taken over the candidates without
     /// locking; the lease then skips the locked ones. It returns the claim's time too,
-    /// which saves a round trip per cycle.
+    /// which saves a round trip per cycle. Nothing is leased while the schema gate
+    /// refuses this binary (`compatible`, the parameter after the others).
     fn lease_keys(&self) -> String {
         let keys = self.keys;
         let lease_scope = self.claim_scope(" AND subscription = $S", 6, "");
         let lease_join = self.scope(" AND k.subscription = $S", 6);
-        // Whether no SQL-API writer holds the key's order lock (migration 0015): tried in
-        // shared mode and, when got, held until the claim's transaction ends, so no
-        // writer can draw an id below what the window then reads. The inbox has no SQL
-        // writers.
-        let free = if self.scoped {
-            "true"
-        } else {
-            "pg_try_advisory_xact_lock_shared(mailroom_order_lock(k.topic, k.event_key))"
-        };
+        let gate = self.gate(6);
+        // Whether no SQL-API writer holds the key's order lock (`ORDER_FREE`). The inbox
+        // has no SQL writers.
+        let free = if self.scoped { "true" } else { ORDER_FREE };
         format!(
             "WITH picked AS (
                     SELECT topic, event_key FROM {keys}
                     WHERE ready_at <= now() AND (lease_until IS NULL OR lease_until <= now()){lease_scope}
+                      AND {gate}
                     ORDER BY ready_at
                     LIMIT (SELECT count(*) FROM (
                               SELECT sum(w) OVER (ORDER BY ready_at ROWS UNBOUNDED PRECEDING) - w AS before
@@ -235,8 +313,8 @@ impl Tables<'_> {
     ///
     /// `within` (the outbox's continued lines): only the events up to the line's horizon
     /// ($7), and no row at all unless the key is still leased by the token $6 and its
-    /// topic is not paused, the check `CONTINUE_LINE` makes under lock (docs/relay.md,
-    /// "Continued lines").
+    /// topic is not paused, the check `continue_line` makes under lock (docs/relay.md,
+    /// "Continued lines"), and the schema gate ($8, `compatible`) accepts this binary.
     fn windows(&self, within: bool) -> String {
         debug_assert!(!(within && self.scoped), "continued lines are the outbox's");
         let events = self.events;
@@ -253,7 +331,8 @@ impl Tables<'_> {
             format!(
                 " WHERE EXISTS (SELECT 1 FROM {keys} lk WHERE lk.topic = k.topic
                       AND lk.event_key = k.event_key AND lk.lease_token = $6
-                      AND lk.{NOT_PAUSED})"
+                      AND lk.{NOT_PAUSED} AND {gate})",
+                gate = compatible(8)
             )
         } else {
             String::new()
@@ -301,11 +380,13 @@ impl Tables<'_> {
         )
     }
 
-    /// Due unkeyed events in schedule order, at most $1 and $4 bytes (at least one).
+    /// Due unkeyed events in schedule order, at most $1 and $4 bytes (at least one); none
+    /// while the schema gate refuses this binary.
     fn claim_unkeyed(&self) -> String {
         let events = self.events;
         let c = &crate::store::rows::event_columns("payload", "headers::text");
         let unkeyed_scope = self.claim_scope(" AND u.subscription = $S", 5, "u.");
+        let gate = self.gate(5);
         let u_size = size("u");
         format!(
             "UPDATE {events} SET claim_token = $2,
@@ -319,6 +400,7 @@ impl Tables<'_> {
                               WHERE u.status = 'pending'{unkeyed_scope} AND u.event_key IS NULL
                                 AND u.scheduled_at <= now()
                                 AND (u.claimed_until IS NULL OR u.claimed_until <= now())
+                                AND {gate}
                               ORDER BY u.scheduled_at, u.id LIMIT $1 FOR UPDATE SKIP LOCKED) u) s
                     WHERE s.n = 1 OR s.total <= $4)
                  RETURNING {c}"
@@ -442,16 +524,18 @@ impl Tables<'_> {
     }
 
     /// Locks in the same collation-independent order as every key-locking statement;
-    /// keeps an enqueue's wake-up (ready_at pulled below the lease).
+    /// keeps an enqueue's wake-up (ready_at pulled below the lease). A binary the schema
+    /// gate refuses renews nothing: its leases run out and a newer binary takes over.
     fn renew_keys(&self) -> String {
         let keys = self.keys;
         let renew_scope = self.scope(" AND k.subscription = $S", 5);
+        let gate = self.gate(5);
         format!(
             "WITH held AS (
                     SELECT k.topic, k.event_key FROM {keys} k
                     JOIN unnest($1::text[], $2::text[]) AS u(topic, event_key)
                       ON k.topic = u.topic AND k.event_key = u.event_key
-                    WHERE k.lease_token = $4{renew_scope}
+                    WHERE k.lease_token = $4{renew_scope} AND {gate}
                     ORDER BY k.topic COLLATE \"C\", k.event_key COLLATE \"C\" FOR UPDATE OF k)
                  UPDATE {keys} k SET lease_until = now() + $3 * interval '1 millisecond',
                         ready_at = CASE WHEN k.ready_at >= k.lease_until
@@ -465,9 +549,11 @@ impl Tables<'_> {
     fn renew_unkeyed(&self) -> String {
         let events = self.events;
         let renew_unkeyed_scope = self.scope(" AND subscription = $S", 4);
+        let gate = self.gate(4);
         format!(
             "UPDATE {events} SET claimed_until = now() + $3 * interval '1 millisecond'
-                 WHERE id = ANY($1) AND claim_token = $2 AND status = 'pending'{renew_unkeyed_scope}"
+                 WHERE id = ANY($1) AND claim_token = $2 AND status = 'pending'{renew_unkeyed_scope}
+                   AND {gate}"
         )
     }
 

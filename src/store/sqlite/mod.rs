@@ -43,6 +43,8 @@ pub struct SqliteStore {
     pool: SqlitePool,
     outbox: sql::Sql,
     inbox: sql::Sql,
+    /// The schema this binary knows, checked inside each relay transaction (`relay.rs`).
+    known: i64,
 }
 
 pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
@@ -112,6 +114,7 @@ impl SqliteStore {
             pool,
             outbox: sql::Sql::new("outbox_events", "outbox_keys", false),
             inbox: sql::Sql::new("inbox_events", "inbox_keys", true),
+            known: schema::highest(&sqlx::migrate!("migrations/sqlite")),
         })
     }
 
@@ -142,7 +145,7 @@ impl Store for SqliteStore {
     }
 
     fn known_schema(&self) -> i64 {
-        schema::highest(&sqlx::migrate!("migrations/sqlite"))
+        self.known
     }
 
     async fn schema_state(&self) -> StoreResult<schema::SchemaState> {

@@ -50,6 +50,14 @@ impl SqliteStore {
             limits,
         };
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        if self.refused(&mut tx).await?.is_some() {
+            return Ok(Claim {
+                token,
+                now: now_t,
+                keyed: Vec::new(),
+                unkeyed: Vec::new(),
+            });
+        }
         let leased = lease_keys(&mut tx, &c).await?;
         // Per leased key, with PostgreSQL's rules: the in-line ids and sizes, the
         // earliest delayed schedule before the window's end, the highest pending id;
@@ -77,6 +85,9 @@ impl SqliteStore {
         let sub = s.queue.subscription();
         let now = micros(Utc::now());
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        if let Some(refusal) = self.refused(&mut tx).await? {
+            return Err(refusal);
+        }
         let mut applied = 0;
         for u in s.updates {
             let c = u.columns();
@@ -141,6 +152,9 @@ impl SqliteStore {
         let sub = r.queue.subscription();
         let until = micros(Utc::now()).saturating_add(dur_micros(r.lease));
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        if self.refused(&mut tx).await?.is_some() {
+            return Ok(0);
+        }
         let mut held = 0;
         for l in r.lines {
             // `as usize` fits: one key row at most.
@@ -171,6 +185,25 @@ impl SqliteStore {
         }
         tx.commit().await?;
         Ok(held)
+    }
+}
+
+impl SqliteStore {
+    /// The schema gate inside the relay's transactions (issue 42, item 2), as on
+    /// PostgreSQL: the refusal when an applied migration requires a binary that knows
+    /// more than this one. Read first: `BEGIN IMMEDIATE` holds the database's write lock,
+    /// so no migration can raise the requirement before the transaction ends. A
+    /// requirement that cannot be read fails the call (the gate fails closed).
+    async fn refused(
+        &self,
+        tx: &mut Transaction<'_, Sqlite>,
+    ) -> StoreResult<Option<crate::store::StoreError>> {
+        let required: i64 = sqlx::query_scalar(crate::store::schema::REQUIRED_SCHEMA_SQL)
+            .fetch_one(&mut **tx)
+            .await?;
+        let binary = self.known;
+        Ok((required > binary)
+            .then_some(crate::store::StoreError::SchemaRefused { binary, required }))
     }
 }
 

@@ -4,6 +4,13 @@
 //! - `hide_leader`: `Metadata` answers that a partition has no leader
 //!   (`LEADER_NOT_AVAILABLE`, leader -1), as a real cluster does while a partition's
 //!   leader is down, so clients queue its records and keep asking;
+//! - `hide_topic_ids`: `Metadata` answers every topic's id as zeros, as brokers before
+//!   Kafka 2.8 do (clients then cannot tell a recreated topic by its id);
+//! - `no_leader_for_missing_topics`: a `Fetch` answer for a topic the broker does not
+//!   have carries no leader (`CurrentLeader`, `NodeEndpoints`), as Kafka's does. tansu
+//!   names one, without the topic's name, and librdkafka 2.12 crashes on it (SIGSEGV in
+//!   `rd_kafka_metadata_cache_find`): without this, no client may fetch a topic while it
+//!   is deleted and created again;
 //! - `refuse_produce`: a `Produce` request's data for a partition is taken out before the
 //!   request goes on, and the response answers that partition with a chosen error code
 //!   (`NOT_LEADER_OR_FOLLOWER` when its leader just died). Nothing of a refused batch is
@@ -27,7 +34,8 @@ use std::sync::{Arc, Mutex};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use kafka_protocol::messages::produce_response::{PartitionProduceResponse, TopicProduceResponse};
 use kafka_protocol::messages::{
-    ApiKey, MetadataResponse, ProduceRequest, ProduceResponse, RequestHeader, ResponseHeader,
+    ApiKey, FetchResponse, MetadataResponse, ProduceRequest, ProduceResponse, RequestHeader,
+    ResponseHeader,
 };
 use kafka_protocol::protocol::{Decodable, Encodable};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -41,6 +49,10 @@ pub const NOT_LEADER_OR_FOLLOWER: i16 = 6;
 #[derive(Default)]
 struct Faults {
     hidden: Mutex<HashSet<(String, i32)>>,
+    /// Whether `Metadata` answers zeros for topic ids.
+    no_topic_ids: std::sync::atomic::AtomicBool,
+    /// Whether `Fetch` answers for missing topics lose their leader tags.
+    kafka_missing_topics: std::sync::atomic::AtomicBool,
     /// Metadata responses in which a leader was hidden: proof that the fault fired.
     hidden_answers: AtomicU64,
     refused: Mutex<HashMap<(String, i32), i16>>,
@@ -133,6 +145,18 @@ impl KafkaProxy {
             .lock()
             .unwrap()
             .insert((topic.to_string(), partition));
+    }
+
+    /// From now on, `Metadata` answers zeros for every topic's id.
+    pub fn hide_topic_ids(&self) {
+        self.faults.no_topic_ids.store(true, Ordering::Relaxed);
+    }
+
+    /// From now on, a `Fetch` answer names no leader for a topic the broker lacks.
+    pub fn no_leader_for_missing_topics(&self) {
+        self.faults
+            .kafka_missing_topics
+            .store(true, Ordering::Relaxed);
     }
 
     /// Every partition's leader is shown again.
@@ -242,6 +266,12 @@ async fn connection(client: TcpStream, server: TcpStream, faults: Arc<Faults>) {
             let frame = match api {
                 Some((key, version, _)) if key == ApiKey::Metadata as i16 => {
                     rewrite_metadata(frame.clone(), version, &faults).unwrap_or(frame)
+                }
+                Some((key, version, _))
+                    if key == ApiKey::Fetch as i16
+                        && faults.kafka_missing_topics.load(Ordering::Relaxed) =>
+                {
+                    missing_without_leader(frame.clone(), version).unwrap_or(frame)
                 }
                 Some((key, version, refused))
                     if key == ApiKey::Produce as i16 && !refused.is_empty() =>
@@ -386,11 +416,45 @@ fn produce_answer(correlation: i32, version: i16, refused: &Refused) -> Bytes {
     out.freeze()
 }
 
-/// The metadata response with the hidden partitions' leaders removed; `None` when
-/// nothing is hidden there (the frame goes on untouched).
+/// Kafka's `UNKNOWN_TOPIC_OR_PARTITION` and `UNKNOWN_TOPIC_ID`.
+const MISSING_TOPIC: [i16; 2] = [3, 100];
+
+/// The fetch response without leader tags on partitions of missing topics (and without
+/// node endpoints once no partition names a leader); `None` when it has none.
+fn missing_without_leader(mut f: Bytes, version: i16) -> Option<Bytes> {
+    let header_version = ApiKey::Fetch.response_header_version(version);
+    let header = ResponseHeader::decode(&mut f, header_version).ok()?;
+    let mut body = FetchResponse::decode(&mut f, version).ok()?;
+    let mut changed = false;
+    for p in body.responses.iter_mut().flat_map(|t| &mut t.partitions) {
+        if MISSING_TOPIC.contains(&p.error_code) && p.current_leader.leader_id.0 >= 0 {
+            p.current_leader = Default::default();
+            changed = true;
+        }
+    }
+    if !changed {
+        return None;
+    }
+    let led = body
+        .responses
+        .iter()
+        .flat_map(|t| &t.partitions)
+        .any(|p| p.current_leader.leader_id.0 >= 0);
+    if !led {
+        body.node_endpoints.clear();
+    }
+    let mut out = BytesMut::new();
+    header.encode(&mut out, header_version).ok()?;
+    body.encode(&mut out, version).ok()?;
+    Some(out.freeze())
+}
+
+/// The metadata response with the hidden partitions' leaders (and topic ids) removed;
+/// `None` when nothing is hidden there (the frame goes on untouched).
 fn rewrite_metadata(mut f: Bytes, version: i16, faults: &Faults) -> Option<Bytes> {
     let hidden = faults.hidden.lock().unwrap().clone();
-    if hidden.is_empty() {
+    let no_ids = faults.no_topic_ids.load(Ordering::Relaxed);
+    if hidden.is_empty() && !no_ids {
         return None;
     }
     let header_version = ApiKey::Metadata.response_header_version(version);
@@ -398,6 +462,10 @@ fn rewrite_metadata(mut f: Bytes, version: i16, faults: &Faults) -> Option<Bytes
     let mut body = MetadataResponse::decode(&mut f, version).ok()?;
     let mut changed = false;
     for t in &mut body.topics {
+        if no_ids && !t.topic_id.is_nil() {
+            t.topic_id = Default::default();
+            changed = true;
+        }
         let Some(name) = t.name.as_ref().map(|n| n.to_string()) else {
             continue;
         };

@@ -9,6 +9,7 @@ pub mod kafka_proxy;
 pub mod pki;
 pub mod probe;
 pub mod proxy;
+pub mod raw;
 
 pub use cli::*;
 pub use handler::*;
@@ -414,6 +415,8 @@ pub struct Record {
     pub key: String,
     pub payload: Vec<u8>,
     pub headers: HashMap<String, String>,
+    /// The record's timestamp (ms since the epoch): its producer's send time.
+    pub timestamp: Option<i64>,
 }
 
 /// Reads a topic from the beginning until `expected` distinct records (by `ce_id`, so
@@ -456,6 +459,7 @@ pub fn consume(brokers: &str, topic: &str, expected: usize, timeout: Duration) -
                     .unwrap_or_default(),
                 payload: m.payload().unwrap_or_default().to_vec(),
                 headers,
+                timestamp: m.timestamp().to_millis(),
             });
         }
     }
