@@ -11,6 +11,11 @@
 //! - Only the legacy `admin_token`: the AdminService needs it, Enqueue and the
 //!   InboxService stay open.
 //! - A token file: every service except health and reflection needs a token.
+//! - mTLS (`tls_client_ca`): nothing is open. A bearer token decides as above; without
+//!   one, the client certificate's identity is looked up among the file's
+//!   `certificate` entries (the named one, else the catch-all `"*"`), which carry the
+//!   same scopes, topics and subscriptions as a token. A certificate that matches no
+//!   entry may call health and reflection only.
 //!
 //! Wrong or missing token: `UNAUTHENTICATED`; a valid token without the scope, or a
 //! topic outside its list: `PERMISSION_DENIED` (both with a `google.rpc.ErrorInfo`,
@@ -69,14 +74,21 @@ impl Scope {
     }
 }
 
-/// One configured token.
+/// One configured identity: a bearer token, or (over mTLS) a client certificate.
 #[derive(Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TokenEntry {
     /// Who holds it: logged and written to the audit log, unlike the token.
     pub name: String,
-    /// The secret, sent as `authorization: Bearer <token>`; never logged.
+    /// The secret, sent as `authorization: Bearer <token>`; never logged. Empty in a
+    /// certificate entry (an empty token never matches).
+    #[serde(default)]
     pub token: String,
+    /// Instead of a token: the client certificate identity this entry is for (see
+    /// [`Principal::certificate`]), or [`ANY_CERTIFICATE`] for every certificate the
+    /// client CA signed that no other entry names.
+    #[serde(default)]
+    pub certificate: Option<String>,
     /// What it may do.
     pub scopes: Vec<Scope>,
     /// Enqueue only to these topics; absent: any topic.
@@ -92,6 +104,7 @@ impl std::fmt::Debug for TokenEntry {
         f.debug_struct("TokenEntry")
             .field("name", &self.name)
             .field("token", &"***")
+            .field("certificate", &self.certificate)
             .field("scopes", &self.scopes)
             .field("topics", &self.topics)
             .field("subscriptions", &self.subscriptions)
@@ -106,6 +119,9 @@ struct TokenFile {
     token: Vec<TokenEntry>,
 }
 
+/// The `certificate` of the catch-all entry: any certificate no other entry names.
+pub const ANY_CERTIFICATE: &str = "*";
+
 /// Reads a token file:
 ///
 /// ```toml
@@ -119,6 +135,13 @@ struct TokenFile {
 /// name = "on-call-viewer"
 /// token = "…"
 /// scopes = ["admin_read"]           # the admin reads and the console, no actions
+///
+/// [[token]]
+/// name = "billing"
+/// certificate = "billing.internal"  # over mTLS: this client certificate, no token
+/// scopes = ["enqueue", "inbox"]
+/// topics = ["invoices"]
+/// subscriptions = ["billing"]
 /// ```
 ///
 /// Errors name the file and the problem, never a token.
@@ -134,6 +157,7 @@ pub fn load_tokens(path: &Path) -> Result<Vec<TokenEntry>, String> {
         )
     })?;
     let mut names = std::collections::HashSet::new();
+    let mut certificates = std::collections::HashSet::new();
     for t in &file.token {
         if t.name.trim().is_empty() {
             return Err(format!("{}: a token has an empty name", path.display()));
@@ -145,7 +169,15 @@ pub fn load_tokens(path: &Path) -> Result<Vec<TokenEntry>, String> {
                 t.name
             ));
         }
-        if t.token.len() < MIN_TOKEN_LEN {
+        if let Some(c) = &t.certificate {
+            check_certificate_entry(t, c).map_err(|why| format!("{}: {why}", path.display()))?;
+            if !certificates.insert(c.clone()) {
+                return Err(format!(
+                    "{}: certificate {c:?} is named by more than one entry",
+                    path.display()
+                ));
+            }
+        } else if t.token.len() < MIN_TOKEN_LEN {
             return Err(format!(
                 "{}: token {:?} is shorter than {MIN_TOKEN_LEN} characters",
                 path.display(),
@@ -178,7 +210,7 @@ pub fn load_tokens(path: &Path) -> Result<Vec<TokenEntry>, String> {
     }
     let tokens = file.token;
     for (i, a) in tokens.iter().enumerate() {
-        if tokens[i + 1..].iter().any(|b| a.token == b.token) {
+        if a.certificate.is_none() && tokens[i + 1..].iter().any(|b| a.token == b.token) {
             return Err(format!(
                 "{}: token {:?} has the same secret as another",
                 path.display(),
@@ -187,6 +219,37 @@ pub fn load_tokens(path: &Path) -> Result<Vec<TokenEntry>, String> {
         }
     }
     Ok(tokens)
+}
+
+/// A certificate entry: a name and no token; the catch-all without admin scopes.
+fn check_certificate_entry(t: &TokenEntry, certificate: &str) -> Result<(), String> {
+    if !t.token.is_empty() {
+        return Err(format!(
+            "entry {:?} has a token and a certificate: give each its own entry",
+            t.name
+        ));
+    }
+    if certificate.trim().is_empty() {
+        return Err(format!("entry {:?} has an empty certificate", t.name));
+    }
+    // Every certificate of the client CA an operator is rarely meant; name them.
+    let admin = t
+        .scopes
+        .iter()
+        .any(|s| matches!(s, Scope::Admin | Scope::AdminRead | Scope::Payloads));
+    if certificate == ANY_CERTIFICATE && admin {
+        return Err(format!(
+            "entry {:?} gives every client certificate an admin scope: name the \
+             operators' certificates in entries of their own",
+            t.name
+        ));
+    }
+    Ok(())
+}
+
+/// Whether any entry is for a client certificate.
+pub fn has_certificate_entries(tokens: &[TokenEntry]) -> bool {
+    tokens.iter().any(|t| t.certificate.is_some())
 }
 
 /// The shortest token accepted, in the token file and as the legacy admin token.
@@ -198,7 +261,8 @@ pub struct Principal {
     /// The token's name; `None`: no token was needed and none checked.
     pub name: Option<String>,
     /// The verified client certificate's identity (its first DNS, URI or e-mail name,
-    /// else its subject's common name), over mTLS.
+    /// else its subject's common name), over mTLS: what a token file's `certificate`
+    /// entries are matched against, exactly.
     pub certificate: Option<String>,
     /// Whether no token was needed for the admin scope either (an open server): the
     /// caller sees payloads.
@@ -328,11 +392,6 @@ pub struct Auth {
     open: Vec<Scope>,
 }
 
-/// What mTLS alone (client certificates, no token file) opens: the producer and inbox
-/// services, not the admin ones. A certificate proves who connects, not what an
-/// operator may do: the admin scopes need a token even then.
-const OPEN_WITH_MTLS: &[Scope] = &[Scope::Enqueue, Scope::Inbox];
-
 impl Auth {
     /// `tokens` from the token file (`file` says one was given) plus the legacy admin
     /// token.
@@ -341,6 +400,7 @@ impl Auth {
             tokens.push(TokenEntry {
                 name: LEGACY_ADMIN_TOKEN.into(),
                 token: t.to_string(),
+                certificate: None,
                 scopes: vec![Scope::Admin],
                 topics: None,
                 subscriptions: None,
@@ -356,11 +416,14 @@ impl Auth {
         Auth { tokens, open }
     }
 
-    /// With client certificates required (mTLS): the admin scopes are never open, even
-    /// without a token file (see [`OPEN_WITH_MTLS`]).
+    /// With client certificates required (mTLS): no scope is open. A caller is who its
+    /// bearer token or its certificate's entry says; a certificate that no entry names
+    /// (and no catch-all `"*"` entry covers) reaches health and reflection only.
+    /// (Before issue 43, every certificate of the client CA could enqueue to any topic
+    /// and push into any subscription.)
     pub fn with_mtls(mut self, mtls: bool) -> Auth {
         if mtls {
-            self.open.retain(|s| OPEN_WITH_MTLS.contains(s));
+            self.open.clear();
         }
         self
     }
@@ -370,36 +433,35 @@ impl Auth {
         !self.tokens.is_empty()
     }
 
-    /// Authenticates `authorization` for a call that needs `scope`.
+    /// Authenticates a call that needs `scope`: by its `authorization` header when it
+    /// has one, else by `certificate`, the verified client certificate's identity.
     pub fn check(
         &self,
         scope: Option<Scope>,
         authorization: Option<&http::HeaderValue>,
+        certificate: Option<&str>,
     ) -> Result<Principal, Error> {
         let Some(scope) = scope else {
-            return Ok(Principal::anonymous());
+            return Ok(Principal {
+                certificate: certificate.map(str::to_string),
+                ..Principal::anonymous()
+            });
         };
         if self.open.iter().any(|o| o.covers(scope)) {
             return Ok(Principal {
+                certificate: certificate.map(str::to_string),
                 open_admin: self.open.contains(&Scope::Admin),
                 ..Principal::anonymous()
             });
         }
-        let given = authorization
-            .and_then(|v| v.to_str().ok())
-            .and_then(bearer)
-            .ok_or(Error::Unauthenticated)?;
-        // Compare against every token (no early exit) so timing says nothing about which.
-        let mut found: Option<&TokenEntry> = None;
-        for t in &self.tokens {
-            if secrets_equal(given.as_bytes(), t.token.as_bytes()) {
-                found = Some(t);
-            }
-        }
-        let t = found.ok_or(Error::Unauthenticated)?;
-        if !t.scopes.iter().any(|s| s.covers(scope)) {
-            tracing::info!(token = %t.name, scope = scope.name(), "token lacks the scope");
-            let message = if scope == Scope::Admin && t.scopes.contains(&Scope::AdminRead) {
+        let entry = match (authorization, certificate) {
+            (Some(value), _) => self.token_entry(value)?,
+            (None, Some(c)) => self.certificate_entry(c)?,
+            (None, None) => return Err(Error::Unauthenticated),
+        };
+        if !entry.scopes.iter().any(|s| s.covers(scope)) {
+            tracing::info!(token = %entry.name, scope = scope.name(), "token lacks the scope");
+            let message = if scope == Scope::Admin && entry.scopes.contains(&Scope::AdminRead) {
                 "this token may only read (admin_read): this call needs the admin scope".to_string()
             } else {
                 format!("this token does not have the {} scope", scope.name())
@@ -410,13 +472,45 @@ impl Auth {
             });
         }
         Ok(Principal {
-            name: Some(t.name.clone()),
-            certificate: None,
+            name: Some(entry.name.clone()),
+            certificate: certificate.map(str::to_string),
             open_admin: false,
-            topics: t.topics.clone().map(Into::into),
-            subscriptions: t.subscriptions.clone().map(Into::into),
-            scopes: t.scopes.clone().into(),
+            topics: entry.topics.clone().map(Into::into),
+            subscriptions: entry.subscriptions.clone().map(Into::into),
+            scopes: entry.scopes.clone().into(),
         })
+    }
+
+    /// The token entry whose secret `authorization` carries.
+    fn token_entry(&self, authorization: &http::HeaderValue) -> Result<&TokenEntry, Error> {
+        let given = authorization
+            .to_str()
+            .ok()
+            .and_then(bearer)
+            .ok_or(Error::Unauthenticated)?;
+        // Compare against every token (no early exit) so timing says nothing about which.
+        let mut found: Option<&TokenEntry> = None;
+        for t in &self.tokens {
+            if t.certificate.is_none() && secrets_equal(given.as_bytes(), t.token.as_bytes()) {
+                found = Some(t);
+            }
+        }
+        found.ok_or(Error::Unauthenticated)
+    }
+
+    /// The entry that names `certificate`, else the catch-all one.
+    fn certificate_entry(&self, certificate: &str) -> Result<&TokenEntry, Error> {
+        let named = |name: &str| {
+            self.tokens
+                .iter()
+                .find(|t| t.certificate.as_deref() == Some(name))
+        };
+        named(certificate)
+            .or_else(|| named(ANY_CERTIFICATE))
+            .ok_or_else(|| {
+                tracing::info!(certificate, "client certificate named by no entry: refused");
+                Error::Unauthenticated
+            })
     }
 }
 
@@ -437,6 +531,7 @@ mod tests {
         TokenEntry {
             name: name.into(),
             token: token.into(),
+            certificate: None,
             scopes: scopes.to_vec(),
             topics: topics.map(|t| t.iter().map(|s| s.to_string()).collect()),
             subscriptions: None,
@@ -465,7 +560,7 @@ mod tests {
         let enq = Some(Scope::Enqueue);
         let adm = Some(Scope::Admin);
         let p = auth
-            .check(enq, Some(&header("Bearer producer-token-0001")))
+            .check(enq, Some(&header("Bearer producer-token-0001")), None)
             .unwrap();
         assert_eq!(p.name.as_deref(), Some("p"));
         assert!(p.check_topic("orders").is_ok());
@@ -477,7 +572,7 @@ mod tests {
             tonic::Code::PermissionDenied
         );
         let code = |s, h: Option<&str>| {
-            auth.check(s, h.map(header).as_ref())
+            auth.check(s, h.map(header).as_ref(), None)
                 .map(|_| tonic::Code::Ok)
                 .unwrap_or_else(|e| tonic::Status::from(e).code())
         };
@@ -499,31 +594,89 @@ mod tests {
     }
 
     #[test]
-    fn mtls_never_opens_the_admin_scopes_and_admin_includes_payloads() {
+    fn mtls_opens_nothing_and_admin_includes_payloads() {
         let open = Auth::new(vec![], false, None);
-        assert!(open.check(Some(Scope::Admin), None).is_ok());
+        assert!(open.check(Some(Scope::Admin), None, None).is_ok());
         assert!(
-            open.check(Some(Scope::AdminRead), None)
+            open.check(Some(Scope::AdminRead), None, None)
                 .unwrap()
                 .sees_payloads()
         );
+        // mTLS without entries: a certificate reaches nothing but health.
         let mtls = Auth::new(vec![], false, None).with_mtls(true);
-        assert!(mtls.check(Some(Scope::Enqueue), None).is_ok());
-        assert!(mtls.check(Some(Scope::Inbox), None).is_ok());
-        assert!(mtls.check(Some(Scope::Admin), None).is_err());
-        assert!(mtls.check(Some(Scope::AdminRead), None).is_err());
+        for scope in [Scope::Enqueue, Scope::Inbox, Scope::Admin, Scope::AdminRead] {
+            assert!(mtls.check(Some(scope), None, Some("client")).is_err());
+        }
+        assert!(mtls.check(None, None, Some("client")).is_ok());
         assert!(Scope::Admin.covers(Scope::Payloads));
         assert!(!Scope::AdminRead.covers(Scope::Payloads));
     }
 
     #[test]
+    fn certificates_get_their_entrys_scopes_topics_and_subscriptions() {
+        let cert = |name: &str, certificate: &str, scopes: &[Scope]| TokenEntry {
+            certificate: Some(certificate.into()),
+            ..entry(name, "", scopes, Some(&["orders"]))
+        };
+        let mut billing = cert(
+            "billing",
+            "billing.internal",
+            &[Scope::Enqueue, Scope::Inbox],
+        );
+        billing.subscriptions = Some(vec!["billing".into()]);
+        let code = |r: Result<Principal, Error>| {
+            r.map(|_| tonic::Code::Ok)
+                .unwrap_or_else(|e| tonic::Status::from(e).code())
+        };
+        let auth = Auth::new(vec![billing.clone()], true, None).with_mtls(true);
+        let p = auth
+            .check(Some(Scope::Inbox), None, Some("billing.internal"))
+            .unwrap();
+        assert_eq!(p.name.as_deref(), Some("billing"));
+        assert_eq!(
+            p.audit_label().as_deref(),
+            Some("billing (certificate billing.internal)")
+        );
+        assert!(p.check_topic("orders").is_ok() && p.check_topic("payments").is_err());
+        assert!(p.may_use_subscription("billing") && !p.may_use_subscription("shipping"));
+        assert_eq!(
+            code(auth.check(Some(Scope::Admin), None, Some("billing.internal"))),
+            tonic::Code::PermissionDenied
+        );
+        assert_eq!(
+            code(auth.check(Some(Scope::Enqueue), None, Some("stranger"))),
+            tonic::Code::Unauthenticated
+        );
+        // A certificate entry has no token: an empty bearer never matches it.
+        assert_eq!(
+            code(auth.check(Some(Scope::Enqueue), Some(&header("Bearer ")), None)),
+            tonic::Code::Unauthenticated
+        );
+        // The catch-all covers certificates no entry names; a named entry wins.
+        let any = cert("anyone", ANY_CERTIFICATE, &[Scope::Enqueue]);
+        let auth = Auth::new(vec![billing, any], true, None).with_mtls(true);
+        let p = auth
+            .check(Some(Scope::Enqueue), None, Some("stranger"))
+            .unwrap();
+        assert_eq!(p.name.as_deref(), Some("anyone"));
+        assert_eq!(
+            code(auth.check(Some(Scope::Inbox), None, Some("stranger"))),
+            tonic::Code::PermissionDenied
+        );
+        let p = auth
+            .check(Some(Scope::Enqueue), None, Some("billing.internal"))
+            .unwrap();
+        assert_eq!(p.name.as_deref(), Some("billing"));
+    }
+
+    #[test]
     fn legacy_admin_token_leaves_enqueue_open() {
         let auth = Auth::new(vec![], false, Some("legacy"));
-        assert!(auth.check(Some(Scope::Enqueue), None).is_ok());
-        assert!(auth.check(Some(Scope::Admin), None).is_err());
+        assert!(auth.check(Some(Scope::Enqueue), None, None).is_ok());
+        assert!(auth.check(Some(Scope::Admin), None, None).is_err());
         let open = Auth::new(vec![], false, None);
         assert!(!open.enabled());
-        assert!(open.check(Some(Scope::Admin), None).is_ok());
+        assert!(open.check(Some(Scope::Admin), None, None).is_ok());
     }
 
     #[test]
@@ -578,10 +731,10 @@ mod tests {
         let write = Some(Scope::Admin);
         let v = header("Bearer viewer-token-000001");
         let o = header("Bearer ops-token-00000001");
-        let p = auth.check(read, Some(&v)).unwrap();
+        let p = auth.check(read, Some(&v), None).unwrap();
         assert!(p.has(Scope::AdminRead) && !p.has(Scope::Admin));
         let e = auth
-            .check(write, Some(&v))
+            .check(write, Some(&v), None)
             .map_err(tonic::Status::from)
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
@@ -589,22 +742,26 @@ mod tests {
         let info = e.get_details_error_info().expect("ErrorInfo");
         assert_eq!(info.reason, "PERMISSION_DENIED");
         assert_eq!(info.metadata["required_scope"], "admin");
-        let p = auth.check(read, Some(&o)).unwrap();
+        let p = auth.check(read, Some(&o), None).unwrap();
         assert!(p.has(Scope::Admin) && p.has(Scope::AdminRead));
-        assert!(auth.check(write, Some(&o)).is_ok());
+        assert!(auth.check(write, Some(&o), None).is_ok());
         // The legacy admin token and an open admin scope include the reads.
         let legacy = Auth::new(vec![], false, Some("legacy-admin-token-1"));
         assert!(
             legacy
-                .check(read, Some(&header("Bearer legacy-admin-token-1")))
+                .check(read, Some(&header("Bearer legacy-admin-token-1")), None)
                 .is_ok()
         );
-        assert!(legacy.check(read, None).is_err());
-        assert!(Auth::new(vec![], false, None).check(read, None).is_ok());
+        assert!(legacy.check(read, None, None).is_err());
+        assert!(
+            Auth::new(vec![], false, None)
+                .check(read, None, None)
+                .is_ok()
+        );
         // An admin_read token reaches nothing else.
         for other in [Scope::Enqueue, Scope::Inbox] {
             assert_eq!(
-                auth.check(Some(other), Some(&v))
+                auth.check(Some(other), Some(&v), None)
                     .map_err(tonic::Status::from)
                     .unwrap_err()
                     .code(),

@@ -579,7 +579,11 @@ async fn start_metrics(
         return Ok(None);
     };
     let (l, addr) = bind(listen, "metrics").await?;
-    bg.spawn(metrics.clone().serve(l, bg.token.clone()));
+    bg.spawn(
+        metrics
+            .clone()
+            .serve(l, config.metrics_allowed_hosts.clone(), bg.token.clone()),
+    );
     bg.spawn(metrics.clone().poll_stats(
         store.clone(),
         config.metrics_stats_interval,
@@ -597,10 +601,10 @@ fn auth_for(config: &Config) -> Auth {
         config.admin_token.as_ref().map(|t| t.0.as_str()),
     )
     .with_mtls(mtls);
-    if mtls && config.tokens.is_empty() && config.admin_token.is_none() {
+    if mtls && !crate::access::has_certificate_entries(&config.tokens) {
         tracing::info!(
-            "mTLS without tokens: client certificates may enqueue and receive; the admin \
-             service and the console's actions need a token (MAILROOM_TOKENS_FILE)"
+            "mTLS: no token file entry names a client certificate, so a certificate alone \
+             reaches only health checks; every other call needs a bearer token"
         );
     }
     if config.open_on_network {

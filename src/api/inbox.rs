@@ -43,6 +43,13 @@ impl pb::inbox_service_server::InboxService for InboxApi {
         }
         let sub = self.inbox.subscription(&r.subscription)?;
         let mut v = Vec::new();
+        if !sub.accepts_topic(&r.topic) {
+            // A handler trusts that a message of its subscription is of one of its topics.
+            v.push(FieldViolation::new(
+                "topic",
+                "is not one of the subscription's topics",
+            ));
+        }
         if r.message_id.is_empty() || r.message_id.len() > 256 {
             v.push(FieldViolation::new(
                 "message_id",

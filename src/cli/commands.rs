@@ -301,7 +301,10 @@ async fn pauses(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Re
             };
             let r = answer(c.inner.resume_topic(c.req(req)).await)?;
             if !r.changed && !t.json {
-                return Ok(format!("{topic} was not paused: nothing changed\n"));
+                return Ok(format!(
+                    "{} was not paused: nothing changed\n",
+                    escape(&topic)
+                ));
             }
             Ok(pause_out(
                 r.lifted.as_ref(),

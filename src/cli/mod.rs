@@ -245,7 +245,8 @@ pub enum AdminCommand {
 }
 
 /// A failed command's message: its causes joined with `: `, each said once (a
-/// transport error's chain repeats itself: "tcp connect error: tcp connect error").
+/// transport error's chain repeats itself: "tcp connect error: tcp connect error"),
+/// escaped: a status message is the server's (or a proxy's) text, shown, never obeyed.
 pub fn error_text(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {
@@ -258,7 +259,7 @@ pub fn error_text(e: &anyhow::Error) -> String {
         }
         out.push_str(&text);
     }
-    out
+    render::escape(&out)
 }
 
 /// Runs one admin command, printing to stdout.

@@ -100,19 +100,18 @@ pub(super) fn pause_out(
     let Some(p) = p else {
         return "nothing changed\n".into();
     };
+    // Another operator wrote the reason and the name: shown, never obeyed.
+    let topic = escape(&p.topic);
     let by = format!(
         "by {} at {}: {}",
-        p.actor,
+        escape(&p.actor),
         ts(p.paused_at.as_ref()).unwrap_or_default(),
-        p.reason
+        escape(&p.reason)
     );
     match (pausing, changed) {
-        (true, true) => format!("paused {} (audit entry {audit_id})\n", p.topic),
-        (true, false) => format!("{} was already paused, {by}: nothing changed\n", p.topic),
-        (false, _) => format!(
-            "resumed {} (audit entry {audit_id}); it was paused {by}\n",
-            p.topic
-        ),
+        (true, true) => format!("paused {topic} (audit entry {audit_id})\n"),
+        (true, false) => format!("{topic} was already paused, {by}: nothing changed\n"),
+        (false, _) => format!("resumed {topic} (audit entry {audit_id}); it was paused {by}\n"),
     }
 }
 
@@ -196,8 +195,21 @@ pub(super) fn failed_out(r: &pb::ListEventsResponse, json_out: bool, inbox: bool
     }
 }
 
+/// `v` as pretty JSON, one document. serde_json escapes only the C0 controls; DEL, the
+/// C1 controls (U+009B is CSI to many terminals) and the invisible formatting characters
+/// are written as `\uXXXX` too, so that `--json` printed to a terminal cannot steer it.
+/// Outside strings the JSON holds only ASCII structure, so every such character is
+/// inside a string, where the escape means the same character.
 pub(super) fn lines(v: &Value) -> String {
-    let mut s = serde_json::to_string_pretty(v).expect("json");
+    let pretty = serde_json::to_string_pretty(v).expect("json");
+    let mut s = String::with_capacity(pretty.len() + 1);
+    for c in pretty.chars() {
+        if c != '\n' && steers_terminal(c) {
+            s.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            s.push(c);
+        }
+    }
     s.push('\n');
     s
 }
@@ -249,14 +261,20 @@ pub fn age(d: Duration) -> String {
 pub fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
-        let formatting = matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}');
-        if c.is_control() || formatting {
+        if steers_terminal(c) {
             out.push_str(&c.escape_unicode().to_string());
         } else {
             out.push(c);
         }
     }
     out
+}
+
+/// A control character (C0, DEL, C1) or an invisible formatting one (bidi overrides and
+/// isolates, zero-width characters, the BOM).
+fn steers_terminal(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
 }
 
 /// At most `max` characters, on one line, with `…` when cut.
@@ -295,7 +313,7 @@ pub(super) fn next_page(token: &str) -> String {
     if token.is_empty() {
         String::new()
     } else {
-        format!("next page: --page-token {token}\n")
+        format!("next page: --page-token {}\n", escape(token))
     }
 }
 
@@ -408,10 +426,10 @@ pub(super) fn pending_table(r: &pb::ListPendingResponse, inbox: bool) -> String 
         .map(|p| {
             format!(
                 "paused: {} since {} by {}: {}\n",
-                p.topic,
+                escape(&p.topic),
                 ts(p.paused_at.as_ref()).unwrap_or_default(),
-                p.actor,
-                p.reason
+                escape(&p.actor),
+                escape(&p.reason)
             )
         })
         .collect();
@@ -691,5 +709,17 @@ mod escape_tests {
         };
         let text = event_text(&e, false, false);
         assert!(!text.contains('\u{1b}') && !text.contains('\r'), "{text}");
+    }
+
+    #[test]
+    fn json_escapes_c1_and_formatting_and_means_the_same() {
+        let v = json!({ "reason": "a\u{9b}2J\u{7f}\u{202e}b\u{1b}é", "n": 1 });
+        let out = lines(&v);
+        assert!(
+            !out.chars().any(|c| c != '\n' && steers_terminal(c)),
+            "{out}"
+        );
+        assert!(out.contains("\\u009b") && out.contains("é"), "{out}");
+        assert_eq!(serde_json::from_str::<Value>(&out).unwrap(), v);
     }
 }

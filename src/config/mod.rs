@@ -84,6 +84,8 @@ pub struct Config {
     pub tokens: Vec<crate::access::TokenEntry>,
     /// Prometheus `/metrics` address, when served.
     pub metrics_listen: Option<SocketAddr>,
+    /// Extra `Host` names `/metrics` answers to (besides IP addresses and localhost).
+    pub metrics_allowed_hosts: Vec<String>,
     /// The operator console's address, when it is served.
     pub console_listen: Option<SocketAddr>,
     /// Extra `Host` names the console answers to (behind a proxy).

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::enqueue_request_bytes;
 use super::{Config, ConfigError, DatabaseTimeouts, Settings, SubscriptionSettings, bad};
-use crate::access::{MIN_TOKEN_LEN, TokenEntry, load_tokens};
+use crate::access::{MIN_TOKEN_LEN, TokenEntry, has_certificate_entries, load_tokens};
 use crate::api::connections::ConnectionLimits;
 use crate::api::layers::OverloadConfig;
 use crate::domain::Limits;
@@ -85,7 +85,8 @@ impl Config {
             console_listen,
             console_read_only: s.console_read_only.unwrap_or(false),
             console_secure_cookie: s.console_secure_cookie.unwrap_or(false),
-            console_allowed_hosts: console_allowed_hosts(&s),
+            console_allowed_hosts: allowed_hosts(s.console_allowed_hosts.as_deref()),
+            metrics_allowed_hosts: allowed_hosts(s.metrics_allowed_hosts.as_deref()),
             metrics_stats_interval: Duration::from_millis(
                 s.metrics_stats_interval_ms.unwrap_or(15_000).max(100),
             ),
@@ -117,12 +118,11 @@ fn listen(s: &Settings) -> Result<SocketAddr, ConfigError> {
     })
 }
 
-/// The Host names the console answers besides loopback, lower-cased.
-fn console_allowed_hosts(s: &Settings) -> Vec<String> {
-    s.console_allowed_hosts
-        .clone()
+/// The Host names a web server (console, metrics) answers besides its own, lower-cased.
+fn allowed_hosts(given: Option<&[String]>) -> Vec<String> {
+    given
         .unwrap_or_default()
-        .into_iter()
+        .iter()
         .map(|h| h.trim().to_ascii_lowercase())
         .filter(|h| !h.is_empty())
         .collect()
@@ -527,11 +527,29 @@ fn access(
             ));
         }
     }
+    let mtls = tls.is_some_and(|t| t.client_ca.is_some());
+    if mtls && s.tokens_file.is_none() {
+        // Before issue 43 this meant "every certificate may enqueue and push anywhere";
+        // now a certificate alone may do nothing, so say how to get either back.
+        return Err(bad(
+            "tls_client_ca (MAILROOM_TLS_CLIENT_CA)",
+            "needs tokens_file (MAILROOM_TOKENS_FILE): a client certificate may do only what \
+             an entry with its name (certificate = \"<name>\") allows; an entry with \
+             certificate = \"*\" and scopes = [\"enqueue\", \"inbox\"] lets every \
+             certificate of the CA enqueue and push as before",
+        ));
+    }
+    if !mtls && has_certificate_entries(&tokens) {
+        return Err(bad(
+            "tokens_file (MAILROOM_TOKENS_FILE)",
+            "has certificate entries, which need tls_client_ca (MAILROOM_TLS_CLIENT_CA)",
+        ));
+    }
     let allow_unauthenticated = s.allow_unauthenticated.unwrap_or(false);
     // Closed by default: every caller is authenticated by a token file or a client
     // certificate (mTLS), or the port is reachable from this host only. The legacy
     // admin token alone leaves Enqueue and the inbox open, so it does not count.
-    let authenticated = !tokens.is_empty() || tls.is_some_and(|t| t.client_ca.is_some());
+    let authenticated = !tokens.is_empty() || mtls;
     if !listen.ip().is_loopback() && !authenticated && !allow_unauthenticated {
         return Err(bad(
             "listen (MAILROOM_LISTEN)",

@@ -210,6 +210,16 @@ pub struct Settings {
     /// endpoint [default: off].
     #[arg(long, env = "MAILROOM_METRICS_LISTEN", global = true)]
     pub metrics_listen: Option<String>,
+    /// Host names (`name` or `name:port`) `/metrics` answers to besides its own address,
+    /// localhost and IP addresses, comma-separated: the names scrapers use. Any other
+    /// `Host` is refused (421), which stops DNS rebinding.
+    #[arg(
+        long,
+        env = "MAILROOM_METRICS_ALLOWED_HOSTS",
+        global = true,
+        value_delimiter = ','
+    )]
+    pub metrics_allowed_hosts: Option<Vec<String>>,
     /// Operator console address (HTTP, browser UI behind the admin tokens); unset or
     /// empty: no console [default: off].
     #[arg(long, env = "MAILROOM_CONSOLE_LISTEN", global = true)]
@@ -445,6 +455,7 @@ impl Settings {
             subscriptions,
             tokens_file,
             metrics_listen,
+            metrics_allowed_hosts,
             console_listen,
             console_read_only,
             console_allowed_hosts,

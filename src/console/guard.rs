@@ -9,14 +9,13 @@
 //!   inline style and script (by hash) and nothing from elsewhere, no framing
 //!   (`frame-ancestors 'none'`), forms only to the console; `nosniff`; no referrer to
 //!   other sites; and `Cache-Control: no-store` (pages carry payloads and CSRF tokens).
-//! - **Login attempts.** At most `LOGIN_FAILURES` failed logins per client address per
-//!   `LOGIN_WINDOW`; past that, `429` until the window ends. Each failure is logged with
-//!   the address, never with what was typed.
-//! - **Login attempts.** At most `LOGIN_FAILURES` failed logins per client address per
-//!   `LOGIN_WINDOW`; past that, `429` until the window ends. Each failure is logged with
-//!   the address, never with what was typed.
+//! - **Login attempts** ([`Logins`], used where a credential is checked: the login form
+//!   and every `Authorization` header). At most `LOGIN_FAILURES` failed checks per
+//!   client address per `LOGIN_WINDOW`, bearer guesses and the form's together; past
+//!   that, `429` until the window ends. Each failure is logged with the address, never
+//!   with what was typed.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -28,67 +27,33 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use sha2::{Digest, Sha256};
 
-/// The `Host` values the console answers to, lower-cased.
-#[derive(Clone)]
-pub(super) struct Hosts(Arc<HashSet<String>>);
-
-impl Hosts {
-    /// The console's own address and localhost's names with its port, and `extra`
-    /// (`name` or `name:port`; a bare name matches any port).
-    pub(super) fn new(addr: SocketAddr, extra: &[String]) -> Hosts {
-        let port = addr.port();
-        let mut set: HashSet<String> = [
-            addr.to_string(),
-            format!("localhost:{port}"),
-            format!("127.0.0.1:{port}"),
-            format!("[::1]:{port}"),
-        ]
-        .into_iter()
-        .collect();
-        set.extend(extra.iter().map(|h| h.to_ascii_lowercase()));
-        Hosts(Arc::new(set))
-    }
-
-    pub(super) fn allows(&self, host: &str) -> bool {
-        let host = host.to_ascii_lowercase();
-        if self.0.contains(&host) {
-            return true;
-        }
-        // A configured bare name covers any port the proxy forwards with (the console's
-        // own names are in the set with their port only).
-        match host.rsplit_once(':') {
-            Some((name, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => {
-                self.0.contains(name)
-            }
-            _ => false,
-        }
-    }
-}
+pub(super) use crate::web::Hosts;
 
 /// Failed logins a client address may make per window.
 const LOGIN_FAILURES: u32 = 5;
 /// The window failed logins are counted in.
 const LOGIN_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Failed logins per client address: when its window began and how many.
+/// Failed credential checks per client address (the login form's and bearer headers'):
+/// when its window began and how many.
 #[derive(Clone, Default)]
 pub(super) struct Logins(Arc<Mutex<HashMap<IpAddr, (Instant, u32)>>>);
 
-impl Logins {
-    /// Whether `ip` may try again now.
-    fn may_try(&self, ip: IpAddr) -> bool {
-        let mut m = self.0.lock().expect("logins lock");
-        match m.get(&ip) {
-            Some((start, n)) if start.elapsed() < LOGIN_WINDOW => *n < LOGIN_FAILURES,
-            Some(_) => {
-                m.remove(&ip);
-                true
-            }
-            None => true,
-        }
-    }
+/// The answer once an address has used up its attempts.
+pub(super) struct TooManyAttempts;
 
-    fn failed(&self, ip: IpAddr) {
+impl Logins {
+    /// Runs `check` (a credential check: `None` when it fails) for `ip`, unless the
+    /// address has failed `LOGIN_FAILURES` times this window, and counts a failure. The
+    /// limit is read, the credential checked and a failure counted under one lock, so
+    /// attempts sent at once are counted one after another, never all against the
+    /// same count. A limited address is refused without a check, the right token too:
+    /// otherwise the answer would still tell a right guess from a wrong one.
+    pub(super) fn attempt<T>(
+        &self,
+        ip: IpAddr,
+        check: impl FnOnce() -> Option<T>,
+    ) -> Result<Option<T>, TooManyAttempts> {
         let mut m = self.0.lock().expect("logins lock");
         if m.len() > 10_000 {
             m.retain(|_, (start, _)| start.elapsed() < LOGIN_WINDOW);
@@ -97,34 +62,70 @@ impl Logins {
         if e.0.elapsed() >= LOGIN_WINDOW {
             *e = (Instant::now(), 0);
         }
-        e.1 += 1;
+        if e.1 >= LOGIN_FAILURES {
+            tracing::warn!(client = %ip, "console: too many failed logins; refused (429)");
+            return Err(TooManyAttempts);
+        }
+        let found = check();
+        if found.is_none() {
+            if e.1 == 0 {
+                e.0 = Instant::now();
+            }
+            e.1 += 1;
+            tracing::warn!(client = %ip, "console: failed login");
+        }
+        Ok(found)
     }
 }
 
-/// The console's routes behind the host check, the login limit and the response headers.
+impl IntoResponse for TooManyAttempts {
+    fn into_response(self) -> Response {
+        let mut r = (
+            StatusCode::TOO_MANY_REQUESTS,
+            "too many failed logins from this address; try again in a minute",
+        )
+            .into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
+        r
+    }
+}
+
+/// The client's address (`web::serve` puts it on every request; unspecified without).
+pub(super) struct Peer(pub(super) IpAddr);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Peer {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(Peer(
+            parts
+                .extensions
+                .get::<axum::extract::ConnectInfo<SocketAddr>>()
+                .map_or(IpAddr::from([0, 0, 0, 0]), |c| c.0.ip()),
+        ))
+    }
+}
+
+/// The console's routes behind the host check and the response headers.
 pub(super) fn wrap(router: axum::Router, hosts: Hosts) -> axum::Router {
-    let logins = Logins::default();
     router.layer(axum::middleware::from_fn(
         move |req: Request, next: Next| {
-            let (hosts, logins) = (hosts.clone(), logins.clone());
-            async move { guard(&hosts, &logins, req, next).await }
+            let hosts = hosts.clone();
+            async move { guard(&hosts, req, next).await }
         },
     ))
 }
 
-async fn guard(hosts: &Hosts, logins: &Logins, req: Request, next: Next) -> Response {
+async fn guard(hosts: &Hosts, req: Request, next: Next) -> Response {
     let host = req
         .headers()
         .get(header::HOST)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let login = if req.method() == axum::http::Method::POST && req.uri().path() == "/login" {
-        req.extensions()
-            .get::<axum::extract::ConnectInfo<SocketAddr>>()
-            .map(|c| c.0.ip())
-    } else {
-        None
-    };
     let mut resp = if !hosts.allows(host) {
         tracing::warn!(
             host,
@@ -135,25 +136,8 @@ async fn guard(hosts: &Hosts, logins: &Logins, req: Request, next: Next) -> Resp
             "this console does not answer to that host name (see MAILROOM_CONSOLE_ALLOWED_HOSTS)",
         )
             .into_response()
-    } else if let Some(ip) = login.filter(|ip| !logins.may_try(*ip)) {
-        tracing::warn!(client = %ip, "console: too many failed logins; refused (429)");
-        let mut r = (
-            StatusCode::TOO_MANY_REQUESTS,
-            "too many failed logins from this address; try again in a minute",
-        )
-            .into_response();
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
-        r
     } else {
-        let r = next.run(req).await;
-        if let Some(ip) = login
-            && r.status() == StatusCode::UNAUTHORIZED
-        {
-            logins.failed(ip);
-            tracing::warn!(client = %ip, "console: failed login");
-        }
-        r
+        next.run(req).await
     };
     let h = resp.headers_mut();
     h.insert(
@@ -192,40 +176,4 @@ pub(super) fn content_security_policy() -> String {
             )
         })
         .clone()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_the_consoles_own_names_are_served() {
-        let addr: SocketAddr = "127.0.0.1:8080".parse().unwrap();
-        let h = Hosts::new(
-            addr,
-            &["console.example.com".into(), "ops.example.com:8443".into()],
-        );
-        for ok in [
-            "127.0.0.1:8080",
-            "localhost:8080",
-            "LOCALHOST:8080",
-            "[::1]:8080",
-            "console.example.com",
-            "console.example.com:443",
-            "ops.example.com:8443",
-        ] {
-            assert!(h.allows(ok), "{ok}");
-        }
-        for refused in [
-            "a.test:8080",
-            "a.test",
-            "",
-            "localhost:9999",
-            "127.0.0.1:9999",
-            "ops.example.com:9999",
-            "evil.console.example.com",
-        ] {
-            assert!(!h.allows(refused), "{refused}");
-        }
-    }
 }

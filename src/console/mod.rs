@@ -38,6 +38,7 @@ use crate::domain::{BoxKind, EventId, Status};
 use crate::error::Error;
 use crate::inbox::InboxHandles;
 use crate::relay::RelayStats;
+use guard::Peer;
 
 mod session;
 mod views;
@@ -173,6 +174,7 @@ pub struct ConsoleParts {
 struct Inner {
     parts: ConsoleParts,
     sessions: Mutex<HashMap<String, Session>>,
+    logins: guard::Logins,
     samples: Mutex<VecDeque<Sample>>,
 }
 
@@ -190,6 +192,7 @@ impl Console {
             inner: Arc::new(Inner {
                 parts,
                 sessions: Mutex::new(HashMap::new()),
+                logins: guard::Logins::default(),
                 samples: Mutex::new(VecDeque::new()),
             }),
         };
@@ -300,33 +303,47 @@ impl Console {
             .with_state(self)
     }
 
-    /// The caller's access, from a bearer header or a session cookie; `None`: log in.
-    /// Any token that may read gets in; it may act only with the admin scope.
-    fn access(&self, headers: &HeaderMap) -> Option<Access> {
+    /// The caller's access, from a bearer header or a session cookie; `None`: log in;
+    /// `Err`: this address failed too often (a bearer header is a login attempt of
+    /// `peer`, counted with the form's). Any token that may read gets in; it may act
+    /// only with the admin scope.
+    fn access(
+        &self,
+        headers: &HeaderMap,
+        peer: std::net::IpAddr,
+    ) -> Result<Option<Access>, guard::TooManyAttempts> {
         let auth = &self.inner.auth;
         let writable = !self.inner.read_only;
         // An open admin scope needs no token.
-        if auth.check(Some(Scope::AdminRead), None).is_ok() {
-            return Some(Access {
+        if auth.check(Some(Scope::AdminRead), None, None).is_ok() {
+            return Ok(Some(Access {
                 name: None,
-                can_write: writable && auth.check(Some(Scope::Admin), None).is_ok(),
+                can_write: writable && auth.check(Some(Scope::Admin), None, None).is_ok(),
                 csrf: None,
                 via_session: false,
                 sees_payloads: auth
-                    .check(Some(Scope::AdminRead), None)
+                    .check(Some(Scope::AdminRead), None, None)
                     .is_ok_and(|p| p.sees_payloads()),
-            });
+            }));
         }
         if let Some(h) = headers.get(header::AUTHORIZATION) {
-            let p = auth.check(Some(Scope::AdminRead), Some(h)).ok()?;
-            return Some(Access {
+            let found = self.inner.logins.attempt(peer, || {
+                auth.check(Some(Scope::AdminRead), Some(h), None).ok()
+            })?;
+            return Ok(found.map(|p| Access {
                 can_write: writable && p.has(Scope::Admin),
                 sees_payloads: p.sees_payloads(),
                 name: p.name,
                 csrf: None,
                 via_session: false,
-            });
+            }));
         }
+        Ok(self.session_access(headers, writable))
+    }
+
+    /// The access of a session cookie's login (its token checked again).
+    fn session_access(&self, headers: &HeaderMap, writable: bool) -> Option<Access> {
+        let auth = &self.inner.auth;
         let id = cookie(headers, self.session_cookie())?;
         let (token, csrf) = {
             let mut sessions = self.inner.sessions.lock().expect("sessions lock");
@@ -336,7 +353,9 @@ impl Console {
         };
         // The token is checked again on every request: a revoked token ends the session.
         let value = axum::http::HeaderValue::from_str(&format!("Bearer {token}")).ok()?;
-        let p = auth.check(Some(Scope::AdminRead), Some(&value)).ok()?;
+        let p = auth
+            .check(Some(Scope::AdminRead), Some(&value), None)
+            .ok()?;
         Some(Access {
             can_write: writable && p.has(Scope::Admin),
             sees_payloads: p.sees_payloads(),

@@ -63,6 +63,7 @@ pub(super) async fn login_page(Query(q): Query<Params>) -> Response {
 
 pub(super) async fn login(
     State(c): State<Console>,
+    peer: Peer,
     headers: HeaderMap,
     Form(f): Form<Params>,
 ) -> Response {
@@ -74,9 +75,17 @@ pub(super) async fn login(
         .unwrap_or("/outbox")
         .to_string();
     let token = param(&f, "token").unwrap_or("").to_string();
-    let ok = axum::http::HeaderValue::from_str(&format!("Bearer {token}"))
-        .ok()
-        .is_some_and(|v| c.inner.auth.check(Some(Scope::AdminRead), Some(&v)).is_ok());
+    let checked = c.inner.logins.attempt(peer.0, || {
+        let v = axum::http::HeaderValue::from_str(&format!("Bearer {token}")).ok()?;
+        c.inner
+            .auth
+            .check(Some(Scope::AdminRead), Some(&v), None)
+            .ok()
+    });
+    let ok = match checked {
+        Ok(found) => found.is_some(),
+        Err(too_many) => return too_many.into_response(),
+    };
     if !ok {
         return (
             StatusCode::UNAUTHORIZED,
@@ -106,6 +115,10 @@ pub(super) async fn login(
 }
 
 pub(super) async fn logout(State(c): State<Console>, headers: HeaderMap) -> Response {
+    // Another site must not end the operator's session (nor learn that it could).
+    if !same_origin(&headers) {
+        return (StatusCode::FORBIDDEN, "cross-origin request refused").into_response();
+    }
     if let Some(id) = cookie(&headers, c.session_cookie()) {
         c.inner.sessions.lock().expect("sessions lock").remove(&id);
     }

@@ -41,11 +41,14 @@ pub(super) fn param<'a>(p: &'a Params, k: &str) -> Option<&'a str> {
 
 pub(super) async fn audit(
     State(c): State<Console>,
+    peer: Peer,
     headers: HeaderMap,
     Query(q): Query<Params>,
 ) -> Response {
-    let Some(access) = c.access(&headers) else {
-        return unauthorized(&headers, "/audit");
+    let access = match c.access(&headers, peer.0) {
+        Ok(Some(a)) => a,
+        Ok(None) => return unauthorized(&headers, "/audit"),
+        Err(too_many) => return too_many.into_response(),
     };
     let nav = c.nav(&access);
     let before = match param(&q, "before").map(str::parse::<i64>) {
@@ -88,11 +91,14 @@ pub(super) fn route(c: &Console, path: &str) -> Option<(Target, Page)> {
 pub(super) async fn page_get(
     State(c): State<Console>,
     axum::extract::Path(path): axum::extract::Path<String>,
+    peer: Peer,
     headers: HeaderMap,
     Query(q): Query<Params>,
 ) -> Response {
-    let Some(access) = c.access(&headers) else {
-        return unauthorized(&headers, &format!("/{path}"));
+    let access = match c.access(&headers, peer.0) {
+        Ok(Some(a)) => a,
+        Ok(None) => return unauthorized(&headers, &format!("/{path}")),
+        Err(too_many) => return too_many.into_response(),
     };
     let nav = c.nav(&access);
     let Some((target, page)) = route(&c, &path) else {
@@ -323,11 +329,14 @@ pub(super) async fn event(
 pub(super) async fn page_post(
     State(c): State<Console>,
     axum::extract::Path(path): axum::extract::Path<String>,
+    peer: Peer,
     headers: HeaderMap,
     Form(form): Form<Vec<(String, String)>>,
 ) -> Response {
-    let Some(access) = c.access(&headers) else {
-        return unauthorized(&headers, &format!("/{path}"));
+    let access = match c.access(&headers, peer.0) {
+        Ok(Some(a)) => a,
+        Ok(None) => return unauthorized(&headers, &format!("/{path}")),
+        Err(too_many) => return too_many.into_response(),
     };
     let nav = c.nav(&access);
     let fields: Params = form.iter().cloned().collect();

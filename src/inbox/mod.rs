@@ -59,6 +59,17 @@ pub struct SubscriptionConfig {
     pub handler_max_defer: Duration,
 }
 
+impl SubscriptionConfig {
+    /// Whether `Receive` may push a message of `topic`: one of the subscription's
+    /// topics, none (empty), or any topic when it lists none (a `Receive`-only
+    /// subscription).
+    pub fn accepts_topic(&self, topic: &str) -> bool {
+        // An empty topic names no topic: the message claims no topic's stream, so it
+        // cannot pass for another topic's records.
+        topic.is_empty() || self.topics.is_empty() || self.topics.iter().any(|t| t == topic)
+    }
+}
+
 /// Handles of the running inbox, shared with the API.
 #[derive(Clone, Default)]
 pub struct InboxHandles {

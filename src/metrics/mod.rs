@@ -459,8 +459,23 @@ impl Metrics {
         out
     }
 
-    /// Serves `/metrics` on `listener` until `shutdown`.
-    pub async fn serve(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) {
+    /// Serves `/metrics` on `listener` until `shutdown`, to requests whose `Host` is an
+    /// IP address, localhost with the port, or one of `allowed_hosts` (like the
+    /// console: a rebinding page must not read the metrics through a browser on the
+    /// host).
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        allowed_hosts: Vec<String>,
+        shutdown: CancellationToken,
+    ) {
+        let hosts = match listener.local_addr() {
+            Ok(addr) => crate::web::Hosts::new(addr, &allowed_hosts).and_ip_addresses(),
+            Err(e) => {
+                tracing::error!(error = %e, "metrics: no local address; not serving");
+                return;
+            }
+        };
         let app = axum::Router::new().route(
             "/metrics",
             axum::routing::get(move || {
@@ -476,6 +491,7 @@ impl Metrics {
                 }
             }),
         );
+        let app = crate::web::only_for(app, hosts, "metrics", "MAILROOM_METRICS_ALLOWED_HOSTS");
         crate::web::serve(listener, app, shutdown, "metrics").await;
     }
 

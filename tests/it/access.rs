@@ -26,6 +26,12 @@ struct Pki {
     client_key: String,
     other_client_cert: String,
     other_client_key: String,
+    /// Named `billing.internal` (a DNS name).
+    billing_cert: String,
+    billing_key: String,
+    /// No subject alternative name: named by its common name, `cn-only`.
+    cn_cert: String,
+    cn_key: String,
 }
 
 #[tokio::test]
@@ -169,6 +175,18 @@ fn pki() -> Pki {
     };
     let (server_cert, server_key) = leaf(vec!["localhost".into(), "127.0.0.1".into()]);
     let (client_cert, client_key) = leaf(vec!["client".into()]);
+    let (billing_cert, billing_key) = leaf(vec!["billing.internal".into()]);
+    let (cn_cert, cn_key) = {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "cn-only");
+        (
+            params.signed_by(&key, &issuer).unwrap().pem(),
+            key.serialize_pem(),
+        )
+    };
     // A client certificate from another CA.
     let other_key = KeyPair::generate().unwrap();
     let other = CertificateParams::new(vec!["intruder".to_string()])
@@ -183,6 +201,10 @@ fn pki() -> Pki {
         client_key,
         other_client_cert: other.pem(),
         other_client_key: other_key.serialize_pem(),
+        billing_cert,
+        billing_key,
+        cn_cert,
+        cn_key,
     }
 }
 
@@ -263,7 +285,7 @@ async fn tls_and_mutual_tls() {
     assert!(!plain_ok, "plaintext must not reach a TLS port");
     app.stop().await.unwrap();
 
-    // mTLS: a client certificate from the CA is required.
+    // mTLS: a client certificate from the CA is required (and an entry naming it).
     let (url, _d) = fresh_sqlite();
     let mut c = quiet_config(&url);
     c.tls = Some(mailroom::tls::ServerTls {
@@ -271,6 +293,10 @@ async fn tls_and_mutual_tls() {
         key,
         client_ca: Some(ca),
     });
+    c.tokens = entries(
+        dir.path(),
+        "[[token]]\nname = \"c\"\ncertificate = \"client\"\nscopes = [\"enqueue\"]\n",
+    );
     let app = mailroom::app::App::start(c, CancellationToken::new())
         .await
         .unwrap();
@@ -298,8 +324,8 @@ async fn tls_and_mutual_tls() {
 }
 
 /// Issue 25, item 3: identities decide what a caller may do.
-/// - mTLS alone (no token file): a client certificate may enqueue, but the admin service
-///   needs a token (before: every certificate got every scope, admin included).
+/// - mTLS with a certificate entry that may enqueue: the admin service needs a token
+///   (before: every certificate got every scope, admin included).
 /// - mTLS with a token file: the audit log records the token *and* the certificate.
 /// - An admin token with a topic list is refused at start-up (before: the list was
 ///   ignored and the token read every topic).
@@ -335,10 +361,15 @@ async fn identities_decide_what_a_caller_may_do() {
         }
     };
 
-    // mTLS alone.
-    let (url, _d) = fresh_sqlite();
+    // mTLS with a catch-all certificate entry that may enqueue: a certificate is not an
+    // operator.
+    let (url, d1) = fresh_sqlite();
     let mut c = quiet_config(&url);
     c.tls = Some(tls.clone());
+    c.tokens = entries(
+        d1.path(),
+        "[[token]]\nname = \"any\"\ncertificate = \"*\"\nscopes = [\"enqueue\"]\n",
+    );
     let app = mailroom::app::App::start(c, CancellationToken::new())
         .await
         .unwrap();
@@ -348,7 +379,7 @@ async fn identities_decide_what_a_caller_may_do() {
             event: Some(event("mtls", "k", b"x")),
         })
         .await
-        .expect("a client certificate may enqueue")
+        .expect("the catch-all entry may enqueue")
         .into_inner()
         .id;
     let mut admin = AdminServiceClient::new(ch);
@@ -365,12 +396,12 @@ async fn identities_decide_what_a_caller_may_do() {
     };
     assert_eq!(
         code(admin.cancel_events(cancel(None)).await),
-        Code::Unauthenticated,
+        Code::PermissionDenied,
         "a certificate alone is not an operator"
     );
     assert_eq!(
         code(admin.get_stats(pb::GetStatsRequest::default()).await),
-        Code::Unauthenticated
+        Code::PermissionDenied
     );
     app.stop().await.unwrap();
 
@@ -490,6 +521,298 @@ async fn identities_decide_what_a_caller_may_do() {
         assert_eq!(e.event.unwrap().payload, b"secret", "{token}");
     }
     s.app.stop().await.unwrap();
+}
+
+/// Writes `text` as a token file in `dir` and reads it.
+fn entries(dir: &std::path::Path, text: &str) -> Vec<mailroom::access::TokenEntry> {
+    let p = dir.join("entries.toml");
+    std::fs::write(&p, text).unwrap();
+    mailroom::access::load_tokens(&p).unwrap()
+}
+
+/// Issue 43, item 5: a client certificate may do what the token file's entry naming it
+/// allows, and nothing else.
+/// - mTLS without entries: a certificate of the client CA reaches health only (before:
+///   it enqueued to every topic, pushed into every subscription and listed every
+///   handler address).
+/// - A certificate named by an entry (its DNS name, or its common name without one) gets
+///   that entry's scopes, topics and subscriptions, exactly as a token would.
+/// - `Receive` refuses a topic its subscription does not consume (before: stored it).
+/// - A bearer token still decides when one is sent; a `"*"` entry covers the rest.
+#[tokio::test]
+async fn certificates_are_scoped_like_tokens() {
+    use mailroom::pb::inbox_service_client::InboxServiceClient;
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, pem: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, pem).unwrap();
+        p
+    };
+    let tls = mailroom::tls::ServerTls {
+        cert: write("server.pem", &pki.server_cert),
+        key: write("server.key", &pki.server_key),
+        client_ca: Some(write("ca.pem", &pki.ca)),
+    };
+    let connect = |addr: std::net::SocketAddr, cert: &str, key: &str| {
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&pki.ca))
+            .domain_name("localhost")
+            .identity(Identity::from_pem(cert, key));
+        async move {
+            Channel::from_shared(format!("https://{addr}"))
+                .unwrap()
+                .tls_config(tls)
+                .unwrap()
+                .connect()
+                .await
+                .unwrap()
+        }
+    };
+    let start = |tokens: Vec<mailroom::access::TokenEntry>| {
+        let (url, d) = fresh_sqlite();
+        let mut c = quiet_config(&url);
+        c.tls = Some(tls.clone());
+        c.tokens = tokens;
+        c.subscriptions = vec![
+            subscription("billing", &["invoices"], "http://127.0.0.1:9"),
+            subscription("shipping", &["parcels"], "http://127.0.0.1:9"),
+        ];
+        async move {
+            let app = mailroom::app::App::start(c, CancellationToken::new())
+                .await
+                .unwrap();
+            (app, d)
+        }
+    };
+    let enqueue = |ch: &Channel, topic: &str, token: Option<&str>| {
+        let mut c = OutboxServiceClient::new(ch.clone());
+        let r = with_token(
+            pb::EnqueueRequest {
+                event: Some(event(topic, "k", b"x")),
+            },
+            token,
+        );
+        async move { code(c.enqueue(r).await) }
+    };
+    let receive = |ch: &Channel, sub: &str, topic: &str| {
+        let mut c = InboxServiceClient::new(ch.clone());
+        let r = pb::ReceiveRequest {
+            subscription: sub.into(),
+            message_id: uuid::Uuid::new_v4().to_string(),
+            topic: topic.into(),
+            key: "k".into(),
+            payload: b"x".to_vec(),
+            ..Default::default()
+        };
+        async move { code(c.receive(r).await) }
+    };
+    let listed = |ch: &Channel| {
+        let mut c = InboxServiceClient::new(ch.clone());
+        async move {
+            c.list_subscriptions(pb::ListSubscriptionsRequest::default())
+                .await
+                .map(|r| {
+                    r.into_inner()
+                        .subscriptions
+                        .into_iter()
+                        .map(|s| s.name)
+                        .collect::<Vec<_>>()
+                })
+                .map_err(|s| s.code())
+        }
+    };
+    let stats = |ch: &Channel, token: Option<&str>| {
+        let mut c = AdminServiceClient::new(ch.clone());
+        let r = with_token(pb::GetStatsRequest::default(), token);
+        async move { code(c.get_stats(r).await) }
+    };
+
+    // mTLS without entries: a certificate of the CA reaches health and nothing else.
+    let (app, _d) = start(vec![]).await;
+    let ch = connect(app.addr, &pki.client_cert, &pki.client_key).await;
+    assert_eq!(enqueue(&ch, "orders", None).await, Code::Unauthenticated);
+    assert_eq!(
+        receive(&ch, "billing", "invoices").await,
+        Code::Unauthenticated
+    );
+    assert_eq!(listed(&ch).await, Err(Code::Unauthenticated));
+    tonic_health::pb::health_client::HealthClient::new(ch.clone())
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .expect("health stays open");
+    assert_eq!(
+        app.store.count_events(BoxKind::Outbox, None).await.unwrap()
+            + app.store.count_events(BoxKind::Inbox, None).await.unwrap(),
+        0
+    );
+    app.stop().await.unwrap();
+
+    // Entries for two certificates and an operator's token.
+    let file = format!(
+        r#"
+[[token]]
+name = "billing"
+certificate = "billing.internal"
+scopes = ["enqueue", "inbox"]
+topics = ["invoices"]
+subscriptions = ["billing"]
+
+[[token]]
+name = "cn"
+certificate = "cn-only"
+scopes = ["enqueue"]
+topics = ["cn"]
+
+[[token]]
+name = "ops"
+token = "{ADMIN}"
+scopes = ["admin"]
+"#
+    );
+    let (app, _d) = start(entries(dir.path(), &file)).await;
+    let billing = connect(app.addr, &pki.billing_cert, &pki.billing_key).await;
+    assert_eq!(enqueue(&billing, "invoices", None).await, Code::Ok);
+    assert_eq!(
+        enqueue(&billing, "orders", None).await,
+        Code::PermissionDenied
+    );
+    assert_eq!(receive(&billing, "billing", "invoices").await, Code::Ok);
+    assert_eq!(
+        receive(&billing, "billing", "parcels").await,
+        Code::InvalidArgument,
+        "a topic the subscription does not consume"
+    );
+    assert_eq!(
+        receive(&billing, "shipping", "parcels").await,
+        Code::PermissionDenied
+    );
+    assert_eq!(listed(&billing).await, Ok(vec!["billing".to_string()]));
+    assert_eq!(stats(&billing, None).await, Code::PermissionDenied);
+    let cn = connect(app.addr, &pki.cn_cert, &pki.cn_key).await;
+    assert_eq!(enqueue(&cn, "cn", None).await, Code::Ok);
+    assert_eq!(enqueue(&cn, "invoices", None).await, Code::PermissionDenied);
+    assert_eq!(
+        receive(&cn, "billing", "invoices").await,
+        Code::PermissionDenied
+    );
+    // A certificate no entry names: nothing without a token; the token decides with one.
+    let client = connect(app.addr, &pki.client_cert, &pki.client_key).await;
+    assert_eq!(
+        enqueue(&client, "invoices", None).await,
+        Code::Unauthenticated
+    );
+    assert_eq!(stats(&client, None).await, Code::Unauthenticated);
+    assert_eq!(stats(&client, Some(ADMIN)).await, Code::Ok);
+    assert_eq!(stats(&billing, Some(ADMIN)).await, Code::Ok);
+    assert_eq!(
+        enqueue(&billing, "invoices", Some("not-a-token-at-all-000")).await,
+        Code::Unauthenticated,
+        "a wrong token is not made up for by the certificate"
+    );
+    assert_eq!(
+        app.store.count_events(BoxKind::Outbox, None).await.unwrap(),
+        2
+    );
+    assert_eq!(
+        app.store.count_events(BoxKind::Inbox, None).await.unwrap(),
+        1,
+        "only the allowed push was stored"
+    );
+    app.stop().await.unwrap();
+
+    // A catch-all entry: every other certificate of the CA may enqueue, not push.
+    let file = format!(
+        "{file}\n[[token]]\nname = \"fleet\"\ncertificate = \"*\"\nscopes = [\"enqueue\"]\n"
+    );
+    let (app, _d) = start(entries(dir.path(), &file)).await;
+    let client = connect(app.addr, &pki.client_cert, &pki.client_key).await;
+    assert_eq!(enqueue(&client, "anything", None).await, Code::Ok);
+    assert_eq!(
+        receive(&client, "billing", "invoices").await,
+        Code::PermissionDenied
+    );
+    let billing = connect(app.addr, &pki.billing_cert, &pki.billing_key).await;
+    assert_eq!(
+        enqueue(&billing, "anything", None).await,
+        Code::PermissionDenied,
+        "a named entry wins over the catch-all"
+    );
+    app.stop().await.unwrap();
+
+    // The catch-all may not carry an admin scope; an entry has a token or a certificate.
+    for (bad, why) in [
+        (
+            "[[token]]\nname = \"x\"\ncertificate = \"*\"\nscopes = [\"admin_read\"]\n",
+            "admin scope",
+        ),
+        (
+            "[[token]]\nname = \"x\"\ncertificate = \"a\"\ntoken = \"0123456789abcdef0\"\nscopes = [\"enqueue\"]\n",
+            "a token and a certificate",
+        ),
+        (
+            "[[token]]\nname = \"x\"\ncertificate = \"a\"\nscopes = [\"enqueue\"]\n\
+             [[token]]\nname = \"y\"\ncertificate = \"a\"\nscopes = [\"inbox\"]\n",
+            "more than one entry",
+        ),
+    ] {
+        let p = dir.path().join("bad.toml");
+        std::fs::write(&p, bad).unwrap();
+        let e = mailroom::access::load_tokens(&p).unwrap_err();
+        assert!(e.contains(why), "{e}");
+    }
+}
+
+/// Issue 43, item 5, through the binary: mTLS without a token file is refused at start
+/// (it used to mean "every certificate may enqueue and push"), naming the way to keep
+/// that; certificate entries without mTLS are refused too.
+#[tokio::test]
+async fn mtls_without_entries_is_refused_at_start() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, pem: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, pem).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let (cert, key, ca) = (
+        write("server.pem", &pki.server_cert),
+        write("server.key", &pki.server_key),
+        write("ca.pem", &pki.ca),
+    );
+    let (url, _d) = fresh_sqlite();
+    let base = [
+        ("MAILROOM_DATABASE_URL", url.as_str()),
+        ("MAILROOM_LISTEN", "127.0.0.1:0"),
+        ("MAILROOM_TLS_CERT", cert.as_str()),
+        ("MAILROOM_TLS_KEY", key.as_str()),
+    ];
+    let mut envs = base.to_vec();
+    envs.push(("MAILROOM_TLS_CLIENT_CA", ca.as_str()));
+    let out = run_binary(&envs, &[], Duration::from_secs(3)).await;
+    assert!(
+        out.contains("MAILROOM_TLS_CLIENT_CA")
+            && out.contains("MAILROOM_TOKENS_FILE")
+            && out.contains(r#"certificate = "*""#)
+            && !out.contains("mailroom serving"),
+        "{out}"
+    );
+    let tokens = write(
+        "tokens.toml",
+        "[[token]]\nname = \"b\"\ncertificate = \"billing.internal\"\nscopes = [\"enqueue\"]\n",
+    );
+    let mut envs = base.to_vec();
+    envs.push(("MAILROOM_TOKENS_FILE", tokens.as_str()));
+    let out = run_binary(&envs, &[], Duration::from_secs(3)).await;
+    assert!(
+        out.contains("certificate entries") && !out.contains("mailroom serving"),
+        "{out}"
+    );
+    // With the CA and the file: it serves.
+    envs.push(("MAILROOM_TLS_CLIENT_CA", ca.as_str()));
+    let out = run_binary(&envs, &[], Duration::from_secs(3)).await;
+    assert!(out.contains("mailroom serving"), "{out}");
 }
 
 /// Runs the binary with secrets in its settings until it exits or `run_for` passes

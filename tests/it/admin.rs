@@ -1213,3 +1213,100 @@ async fn the_cli_end_to_end() {
         s.app.stop().await.unwrap();
     }
 }
+
+/// Issue 43, item 5: text another operator (pause reasons, operator names) or the server
+/// (status messages, page tokens) wrote reaches the terminal escaped in every command's
+/// output, tables, sentences, JSON and errors alike: ESC, BEL, CR, the 8-bit CSI (U+009B)
+/// and bidi overrides are shown as escapes, never written.
+#[tokio::test]
+async fn the_cli_never_writes_control_characters_to_the_terminal() {
+    const HOSTILE: &str = "x\u{1b}]0;pwned\u{7}\r\u{9b}2J\u{7f}\u{202e}txt";
+    let raw = |s: &str| {
+        s.chars().find(|c| {
+            matches!(
+                c,
+                '\u{1b}' | '\u{7}' | '\r' | '\u{9b}' | '\u{7f}' | '\u{202e}'
+            )
+        })
+    };
+    let (url, _dir) = fresh_sqlite();
+    let s = Service::start(quiet_config(&url)).await;
+    let addr = s.app.addr;
+    let mut a = admin(addr).await;
+    a.pause_topic(pb::PauseTopicRequest {
+        topic: "held".into(),
+        reason: HOSTILE.into(),
+        operator: HOSTILE.into(),
+    })
+    .await
+    .unwrap();
+    let mut written = Vec::new();
+    for args in [
+        &["pause", "held", "--reason", "again"][..],
+        &["paused"],
+        &["pending"],
+        &["--json", "paused"],
+        &["--json", "pending"],
+        &["resume", "held"],
+    ] {
+        let (ok, out, err) = admin_cli(addr, None, args).await;
+        assert!(ok, "{args:?}: {err}");
+        assert!(out.contains("pwned"), "{args:?} shows the text:\n{out}");
+        if let Some(c) = raw(&out) {
+            written.push(format!("{args:?} wrote {c:?}:\n{out:?}"));
+        }
+    }
+    s.app.stop().await.unwrap();
+
+    // A server (or anything on the way) answering with a hostile status message.
+    let port = free_port();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(HostileAdmin)
+            .serve(format!("127.0.0.1:{port}").parse().unwrap()),
+    );
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let err = loop {
+        let (ok, _, err) = admin_cli(addr, None, &["stats"]).await;
+        assert!(!ok);
+        if err.contains("pwned") || std::time::Instant::now() > deadline {
+            break err;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert!(err.contains("NOT_FOUND") && err.contains("pwned"), "{err}");
+    if let Some(c) = raw(&err) {
+        written.push(format!("the error wrote {c:?}:\n{err:?}"));
+    }
+    server.abort();
+    assert!(written.is_empty(), "{}", written.join("\n"));
+}
+
+/// An AdminService that answers every call NOT_FOUND with a hostile message.
+#[derive(Clone)]
+struct HostileAdmin;
+
+impl tonic::server::NamedService for HostileAdmin {
+    const NAME: &'static str = "mailroom.v1.AdminService";
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for HostileAdmin {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<tonic::body::Body>) -> Self::Future {
+        std::future::ready(Ok(tonic::Status::not_found(
+            "gone\u{1b}]0;pwned\u{7}\u{9b}2J\u{202e}",
+        )
+        .into_http()))
+    }
+}

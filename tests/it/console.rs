@@ -716,6 +716,7 @@ async fn an_admin_read_token_sees_the_console_without_actions() {
         TokenEntry {
             name: "viewer".into(),
             token: VIEWER.into(),
+            certificate: None,
             scopes: vec![Scope::AdminRead],
             topics: None,
             subscriptions: None,
@@ -723,6 +724,7 @@ async fn an_admin_read_token_sees_the_console_without_actions() {
         TokenEntry {
             name: "ops".into(),
             token: TOKEN.into(),
+            certificate: None,
             scopes: vec![Scope::Admin, Scope::Enqueue],
             topics: None,
             subscriptions: None,
@@ -862,6 +864,7 @@ fn ops_token() -> mailroom::access::TokenEntry {
     TokenEntry {
         name: "ops".into(),
         token: TOKEN.into(),
+        certificate: None,
         scopes: vec![Scope::Admin, Scope::Enqueue],
         topics: None,
         subscriptions: None,
@@ -975,18 +978,6 @@ async fn rebinding_framing_and_open_redirects_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logins_are_limited_and_a_confirmation_acts_once() {
     let (s, console) = console_service(vec![ops_token()]).await;
-    let login = |token: &str| form_post("/login", "", &format!("token={token}&next=/outbox"));
-    for i in 0..5 {
-        let r = http(console, &login(&format!("wrong-guess-{i}"))).await;
-        assert!(r.starts_with("HTTP/1.1 401"), "guess {i}: {r}");
-    }
-    let r = http(console, &login("wrong-guess-5")).await;
-    assert!(r.starts_with("HTTP/1.1 429"), "{r}");
-    let r = http(console, &login(TOKEN)).await;
-    assert!(
-        r.starts_with("HTTP/1.1 429"),
-        "the right token waits out the minute too: {r}"
-    );
 
     // A confirmation sent twice (the same form: the same request id) acts once.
     let mut client = s.client.clone();
@@ -1034,6 +1025,143 @@ async fn logins_are_limited_and_a_confirmation_acts_once() {
     assert_eq!(
         s.stored(BoxKind::Outbox, other).await.status,
         Status::Pending
+    );
+
+    // Last: once limited, this address's bearer requests are refused too.
+    let login = |token: &str| form_post("/login", "", &format!("token={token}&next=/outbox"));
+    for i in 0..5 {
+        let r = http(console, &login(&format!("wrong-guess-{i}"))).await;
+        assert!(r.starts_with("HTTP/1.1 401"), "guess {i}: {r}");
+    }
+    let r = http(console, &login("wrong-guess-5")).await;
+    assert!(r.starts_with("HTTP/1.1 429"), "{r}");
+    let r = http(console, &login(TOKEN)).await;
+    assert!(
+        r.starts_with("HTTP/1.1 429"),
+        "the right token waits out the minute too: {r}"
+    );
+    s.app.stop().await.unwrap();
+}
+
+/// Issue 43, item 5: the login limit counts bearer attempts and cannot be raced.
+/// - Bearer guesses (`Authorization` on any page) count with the login form's: of 8
+///   wrong bearer tokens, 5 are answered 401 and 3 are 429; the login form is then 429
+///   for this address, the right token too. Before: 8 × 401, and the form still
+///   answered (bearer guesses were never counted).
+/// - 20 wrong logins sent at once (their headers first, every body once all 20 are
+///   waiting): 5 are 401, 15 are 429. Before: the limit was checked before the body was
+///   read and counted after the answer, so all 20 were checked (20 × 401).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_login_limit_counts_bearer_guesses_and_cannot_be_raced() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (s, console) = console_service(vec![ops_token()]).await;
+    let mut statuses = Vec::new();
+    for i in 0..8 {
+        let r = http(
+            console,
+            &format!(
+                "GET /outbox HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong-guess-0000{i}\r\nConnection: close\r\n\r\n"
+            ),
+        )
+        .await;
+        statuses.push(r[9..12].to_string());
+    }
+    let r = http(
+        console,
+        &form_post("/login", "", &format!("token={TOKEN}&next=/outbox")),
+    )
+    .await;
+    statuses.push(format!("login {}", &r[9..12]));
+    assert_eq!(
+        statuses,
+        [
+            "401",
+            "401",
+            "401",
+            "401",
+            "401",
+            "429",
+            "429",
+            "429",
+            "login 429"
+        ],
+        "bearer guesses count"
+    );
+    s.app.stop().await.unwrap();
+
+    let (s, console) = console_service(vec![ops_token()]).await;
+    let mut conns = Vec::new();
+    for i in 0..20 {
+        let form = format!("token=wrong-guess-{i:05}&next=/outbox");
+        let request =
+            form_post("/login", "", &form).replace("Host: x\r\n", &format!("Host: {console}\r\n"));
+        let (head, body) = request.split_at(request.len() - form.len());
+        let mut c = tokio::net::TcpStream::connect(console).await.unwrap();
+        c.write_all(head.as_bytes()).await.unwrap();
+        conns.push((c, body.to_string()));
+    }
+    // Every request is in the server, waiting for its body.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    for (c, body) in &mut conns {
+        c.write_all(body.as_bytes()).await.unwrap();
+    }
+    let mut counts = std::collections::BTreeMap::new();
+    for (mut c, _) in conns {
+        let mut out = String::new();
+        c.read_to_string(&mut out).await.unwrap();
+        *counts.entry(out[9..12].to_string()).or_insert(0) += 1;
+    }
+    assert_eq!(
+        counts,
+        [("401".to_string(), 5), ("429".to_string(), 15)].into(),
+        "concurrent guesses"
+    );
+    s.app.stop().await.unwrap();
+}
+
+/// Issue 43, item 5: logging out checks the origin like every other form post. A page
+/// on another site posting to `/logout` (the cookie is `SameSite=Strict`, but not every
+/// browser honours it, and a sibling site is same-site) is refused 403 and the session
+/// stays; the console's own form (same origin, or no `Origin`) logs out. Before: the
+/// cross-origin post answered 303 and ended the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logout_refuses_another_origin() {
+    let (s, console) = console_service(vec![ops_token()]).await;
+    let r = http(
+        console,
+        &form_post("/login", "", &format!("token={TOKEN}&next=/outbox")),
+    )
+    .await;
+    let session = r
+        .lines()
+        .find(|l| l.to_ascii_lowercase().starts_with("set-cookie: "))
+        .map(|l| &l["set-cookie: ".len()..])
+        .and_then(|c| c.split(';').next())
+        .unwrap_or_else(|| panic!("no session cookie: {r}"))
+        .to_string();
+    let page = |session: String| async move {
+        let r = http(
+            console,
+            &format!(
+                "GET /outbox HTTP/1.1\r\nHost: x\r\nCookie: {session}\r\nConnection: close\r\n\r\n"
+            ),
+        )
+        .await;
+        r[9..12].to_string()
+    };
+    assert_eq!(page(session.clone()).await, "200");
+    let logout = |origin: &str| form_post("/logout", &format!("Cookie: {session}\r\n{origin}"), "");
+    let r = http(console, &logout("Origin: http://evil.example\r\n")).await;
+    let cross = (r[9..12].to_string(), page(session.clone()).await);
+    let r = http(console, &logout(&format!("Origin: http://{console}\r\n"))).await;
+    let own = (r[9..12].to_string(), page(session.clone()).await);
+    assert_eq!(
+        (cross, own),
+        (
+            ("403".to_string(), "200".to_string()),
+            ("303".to_string(), "303".to_string())
+        ),
+        "(another origin: logout, then the page), (the console's own)"
     );
     s.app.stop().await.unwrap();
 }

@@ -621,7 +621,7 @@ async fn messages_of_different_producers_never_collide() {
     }
     // Receive ids live in their own namespace: "3" is not Kafka's ce_id 3.
     let mut ic = inbox_client(&s).await;
-    let r = receive(&mut ic, "mixed", "3", "", "ok:rpc-3").await;
+    let r = receive_on(&mut ic, "mixed", "3", "other-events", "", b"ok:rpc-3").await;
     assert!(
         !r.duplicate,
         "a Receive id must not collide with a Kafka ce_id"

@@ -205,3 +205,52 @@ async fn build_pools_and_the_inbox_backlog_are_metrics() {
     }
     s.app.stop().await.unwrap();
 }
+
+/// Issue 43, item 5: `/metrics` checks the `Host` like the console. After a DNS rebind a
+/// page in the operator's browser reaches a loopback `/metrics` with its own name in
+/// `Host`; that is refused (421, no metrics). Its own address, localhost with its port,
+/// any IP address (scrapers that find pods by address) and the names in
+/// `MAILROOM_METRICS_ALLOWED_HOSTS` are answered.
+#[tokio::test]
+async fn metrics_answer_only_their_own_host_names() {
+    let (url, _d) = fresh_sqlite();
+    let mut c = quiet_config(&url);
+    c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.metrics_allowed_hosts = vec!["prometheus.internal".into()];
+    let s = Service::start(c).await;
+    let m = s.app.metrics_addr.expect("metrics address");
+    let port = m.port();
+    let mut wrong = Vec::new();
+    for host in [
+        m.to_string(),
+        format!("localhost:{port}"),
+        "10.1.2.3:9090".into(),
+        "[fd00::7]:9090".into(),
+        "prometheus.internal:9090".into(),
+        "PROMETHEUS.internal".into(),
+    ] {
+        let out = get_with_host(m, "/metrics", &host).await;
+        if !(out.starts_with("HTTP/1.1 200") && out.contains("mailroom_")) {
+            wrong.push(format!(
+                "{host} refused: {}",
+                out.lines().next().unwrap_or("")
+            ));
+        }
+    }
+    for host in [
+        format!("a.test:{port}"),
+        "rebind.example".into(),
+        format!("10.1.2.3.nip.io:{port}"),
+        String::new(),
+    ] {
+        let out = get_with_host(m, "/metrics", &host).await;
+        if !out.starts_with("HTTP/1.1 421") || out.contains("mailroom_") {
+            wrong.push(format!(
+                "{host:?} answered: {}",
+                out.lines().next().unwrap_or("")
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    s.app.stop().await.unwrap();
+}

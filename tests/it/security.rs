@@ -81,6 +81,7 @@ pub(crate) fn token(name: &str, secret: &str, scopes: &[Scope]) -> TokenEntry {
     TokenEntry {
         name: name.into(),
         token: secret.into(),
+        certificate: None,
         scopes: scopes.to_vec(),
         topics: None,
         subscriptions: None,

@@ -1,5 +1,6 @@
-//! Every RPC checked against the token table before any handler runs: the caller's
-//! `Principal` rides in the request's extensions; a refusal is answered here.
+//! Every RPC checked against the token table before any handler runs, by its bearer
+//! token or (mTLS) its client certificate: the caller's `Principal` rides in the
+//! request's extensions; a refusal is answered here.
 
 use std::sync::Arc;
 
@@ -8,7 +9,8 @@ use tonic::codegen::http;
 use super::{Inner, Middleware, MiddlewareLayer, Outcome};
 use crate::access::{Auth, required_scope};
 
-/// Checks the bearer token of every RPC against the scope its method needs.
+/// Checks the bearer token or client certificate of every RPC against the scope its
+/// method needs.
 #[derive(Clone)]
 pub struct Authenticate {
     auth: Arc<Auth>,
@@ -33,9 +35,13 @@ impl Middleware for Authenticate {
         RB: Default + Send + 'static,
     {
         let scope = required_scope(req.uri().path());
-        match self.auth.check(scope, req.headers().get("authorization")) {
-            Ok(mut principal) => {
-                principal.certificate = certificate_identity(req.extensions());
+        let certificate = certificate_identity(req.extensions());
+        match self.auth.check(
+            scope,
+            req.headers().get("authorization"),
+            certificate.as_deref(),
+        ) {
+            Ok(principal) => {
                 req.extensions_mut().insert(principal);
                 Box::pin(inner.call(req))
             }

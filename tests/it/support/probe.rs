@@ -24,16 +24,24 @@ pub async fn wait_health(
     super::eventually(timeout, what, reached).await;
 }
 
-/// GETs `/metrics` with a bare HTTP/1.1 request.
+/// GETs `/metrics` with a bare HTTP/1.1 request, `Host` its own address.
 pub async fn scrape(addr: std::net::SocketAddr) -> String {
+    let out = get_with_host(addr, "/metrics", &addr.to_string()).await;
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
+}
+
+/// GETs `path` with a bare HTTP/1.1 request naming `host`; the whole response.
+pub async fn get_with_host(addr: std::net::SocketAddr, path: &str, host: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).await.unwrap();
-    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     out
 }
 
