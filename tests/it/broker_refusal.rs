@@ -330,3 +330,181 @@ async fn a_refused_record_through_the_running_service_spends_only_its_own_attemp
     assert_m0_then_m2(&broker, "refused.service");
     s.app.stop().await.unwrap();
 }
+
+/// Kafka's `TOPIC_AUTHORIZATION_FAILED`: an ACL revoked on one topic.
+const TOPIC_AUTHORIZATION_FAILED: i16 = 29;
+
+/// What one drain beside a topic whose ACL is revoked saw.
+struct AclDrain {
+    /// Time for `other` to drain.
+    took: Duration,
+    /// Shared producers replaced during the drain.
+    replacements: u64,
+    /// Partition batches the proxy refused during the drain.
+    refusals: u64,
+}
+
+/// One timed drain of `other` (60 keys, 1,500 events each) by a relay with default
+/// settings through the proxy, beside topic `acl` (3 partitions, 10 keys of 20 events).
+/// With `revoked`, the proxy answers every partition of `acl` with
+/// `TOPIC_AUTHORIZATION_FAILED` during the drain (its metadata stays readable), then
+/// accepts it again, and the test checks that `acl` drains in order without spending an
+/// attempt. The relay starts when every party of `start` has its backlog in place.
+async fn drain_beside_revoked_acl(revoked: bool, start: Arc<tokio::sync::Barrier>) -> AclDrain {
+    let proxy = KafkaProxy::listen().await;
+    let broker = Broker::start_advertising(free_port(), &proxy.addr());
+    proxy.set_upstream(&broker.addr());
+    crate::partitions::create_topics(&proxy.addr(), &["acl", "other"]).await;
+    let (url, mut s) = quiet_pg().await;
+    // The refused topic's events first: its keys are claimed (and probed) from the
+    // start of the drain.
+    let acl_events = (0..10)
+        .flat_map(|k| {
+            (0..20).map(move |i| event("acl", &format!("a{k}"), format!("{i}").as_bytes()))
+        })
+        .collect();
+    s.client
+        .enqueue_batch(pb::EnqueueBatchRequest { events: acl_events })
+        .await
+        .unwrap();
+    let per_key = 1500;
+    for k in 0..60 {
+        for chunk in 0..per_key / 500 {
+            let events = (chunk * 500..(chunk + 1) * 500)
+                .map(|i| event("other", &format!("o{k}"), format!("{i}").as_bytes()))
+                .collect();
+            s.client
+                .enqueue_batch(pb::EnqueueBatchRequest { events })
+                .await
+                .unwrap();
+        }
+    }
+    if revoked {
+        for p in 0..crate::partitions::PARTITIONS {
+            proxy.refuse_produce("acl", p, TOPIC_AUTHORIZATION_FAILED);
+        }
+    }
+    let sink = Arc::new(
+        KafkaSink::new(
+            producer_config(&proxy.addr(), Duration::from_secs(15), &Default::default()),
+            "mailroom-test".into(),
+            Duration::from_secs(15),
+        )
+        .unwrap(),
+    );
+    let relay = Relay::new(
+        s.app.store.clone(),
+        sink.clone(),
+        Queue::Outbox,
+        RelayConfig::default(),
+    );
+    start.wait().await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    let done =
+        "SELECT count(*) FROM outbox_events_view WHERE topic = 'other' AND status = 'completed'";
+    let t0 = Instant::now();
+    while count_rows(&url, done).await < 60 * per_key {
+        assert!(
+            t0.elapsed() < Duration::from_secs(180),
+            "other did not drain"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = t0.elapsed();
+    let (replacements, refusals) = (sink.replacements(), proxy.refusals());
+    if revoked {
+        assert!(sink.is_narrowed("acl"), "the refused topic is narrowed");
+        assert!(!sink.is_narrowed("other"), "and only it");
+        // The ACL comes back: the topic drains, in order, having spent nothing.
+        proxy.accept_produce();
+    }
+    let acl_done =
+        "SELECT count(*) FROM outbox_events_view WHERE topic = 'acl' AND status = 'completed'";
+    eventually(Duration::from_secs(120), "acl drained", || async {
+        count_rows(&url, acl_done).await == 200
+    })
+    .await;
+    let spent = count_rows(
+        &url,
+        "SELECT count(*) FROM outbox_events_view WHERE attempts > 0 OR status = 'failed'",
+    )
+    .await;
+    assert_eq!(spent, 0, "no attempt spent");
+    stop.cancel();
+    task.await.unwrap();
+    for (topic, n) in [("other", 60 * per_key as usize), ("acl", 200)] {
+        // Blocking: off the runtime, so that a drain running beside this one is not held.
+        let addr = broker.addr();
+        let records =
+            tokio::task::spawn_blocking(move || consume(&addr, topic, n, Duration::from_secs(60)))
+                .await
+                .unwrap();
+        let (per_key_ids, _dups) = first_deliveries(&records);
+        assert_eq!(
+            per_key_ids.values().map(Vec::len).sum::<usize>(),
+            n,
+            "every event of {topic} read back from the broker"
+        );
+        for (k, ids) in &per_key_ids {
+            assert!(ids.windows(2).all(|w| w[0] < w[1]), "key {k} in order");
+        }
+    }
+    s.app.stop().await.unwrap();
+    AclDrain {
+        took,
+        replacements,
+        refusals,
+    }
+}
+
+/// Issue 43, item 3: an ACL revoked on one topic (`TOPIC_AUTHORIZATION_FAILED` for every
+/// partition, which librdkafka treats as permanent and, with the gapless guarantee, as
+/// fatal to the shared producer) narrows that topic: the shared producer is replaced
+/// once per narrowing window, not at every probe, and another topic keeps its pace.
+/// Alone and beside the refusals run one after the other, twice, interleaved; the best
+/// of each is compared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_acl_on_one_topic_narrows_it_and_resets_the_producer_once() {
+    let (mut alone, mut beside) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        // Two tasks, not one: each drain's own waits must not hold the other's clock.
+        let start = Arc::new(tokio::sync::Barrier::new(2));
+        let a = tokio::spawn(drain_beside_revoked_acl(false, start.clone()));
+        let b = tokio::spawn(drain_beside_revoked_acl(true, start));
+        alone.push(a.await.unwrap());
+        beside.push(b.await.unwrap());
+    }
+    let best = |v: &[AclDrain]| v.iter().map(|d| d.took).min().unwrap();
+    let ratio = best(&alone).as_secs_f64() / best(&beside).as_secs_f64();
+    eprintln!(
+        "revoked ACL: other drained alone in {:?}, beside the revoked topic in {:?} \
+         ({} refusals, {:?} producer replacements): {:.0} % of the pace",
+        alone.iter().map(|d| d.took).collect::<Vec<_>>(),
+        beside.iter().map(|d| d.took).collect::<Vec<_>>(),
+        beside.iter().map(|d| d.refusals).sum::<u64>(),
+        beside.iter().map(|d| d.replacements).collect::<Vec<_>>(),
+        ratio * 100.0
+    );
+    for d in &beside {
+        assert!(d.refusals >= 3, "the fault fired: {} refusals", d.refusals);
+        // At most once per narrowing window (60 s) for the whole drain.
+        let windows =
+            1 + d.took.as_secs() / mailroom::sink::kafka::narrowing::NARROWED_FOR.as_secs();
+        assert!(
+            d.replacements <= windows,
+            "{} producer replacements in {:?}",
+            d.replacements,
+            d.took
+        );
+    }
+    assert!(
+        alone.iter().all(|d| d.replacements == 0),
+        "no replacement without the fault"
+    );
+    assert!(
+        ratio >= 0.9,
+        "other kept {:.0} % of its pace",
+        ratio * 100.0
+    );
+}

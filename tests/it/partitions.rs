@@ -99,11 +99,11 @@ async fn keyed_events_land_on_the_partition_kafkas_partitioner_picks() {
 }
 
 /// Partitions of the topics the outage test creates.
-const PARTITIONS: i32 = 3;
+pub(crate) const PARTITIONS: i32 = 3;
 /// The partition whose leader goes away.
 const DEAD: i32 = 1;
 
-async fn create_topics(brokers: &str, topics: &[&str]) {
+pub(crate) async fn create_topics(brokers: &str, topics: &[&str]) {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()
