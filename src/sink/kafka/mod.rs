@@ -22,7 +22,7 @@
 //! record at a time (`narrowing`; docs/relay.md, "Broker refusals").
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
@@ -51,13 +51,20 @@ use classify::{decision_of, failure, producer_lost};
 /// after losing state, can leave an idempotent producer stuck forever.
 const STUCK_DELIVERIES: u32 = 3;
 
+/// librdkafka's default `batch.size`.
+const LIBRDKAFKA_BATCH_SIZE: usize = 1_000_000;
+
 /// Bytes a record may carry beyond its payload and user headers: key, CloudEvents
 /// headers and Kafka's record framing.
 pub const RECORD_OVERHEAD_BYTES: usize = 16 * 1024;
 
 /// The Kafka destination.
 pub struct KafkaSink {
-    config: ClientConfig,
+    /// The shared producer's configuration; its `batch.size` shrinks to the smallest
+    /// topic limit in use (`fit_batches`).
+    config: RwLock<ClientConfig>,
+    /// The shared producer's `batch.size`.
+    batch_size: AtomicUsize,
     producer: RwLock<Arc<FutureProducer>>,
     stuck: AtomicU32,
     /// Shared producers replaced so far.
@@ -142,9 +149,14 @@ impl KafkaSink {
         deadline: Duration,
     ) -> Result<Self, KafkaError> {
         let producer: FutureProducer = config.create()?;
+        let batch_size = config
+            .get("batch.size")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(LIBRDKAFKA_BATCH_SIZE);
         Ok(KafkaSink {
             narrowed: narrowing::Narrowed::new(&config),
-            config,
+            config: RwLock::new(config),
+            batch_size: AtomicUsize::new(batch_size),
             producer: RwLock::new(Arc::new(producer)),
             stuck: AtomicU32::new(0),
             replacements: AtomicU64::new(0),
@@ -245,6 +257,46 @@ impl KafkaSink {
         }
     }
 
+    /// Keeps the shared producer's batches within the smallest `max.message.bytes` of
+    /// the topics it publishes: librdkafka fills a batch up to `batch.size` (1 MB by
+    /// default) whatever the topic, and a broker refuses a batch over the topic's limit
+    /// whole, which is fatal to the producer and narrows the topic, again at each
+    /// narrowing window. When a cycle's topics include one with a lower limit than the
+    /// current `batch.size`, the producer is replaced by one with `batch.size` at that
+    /// limit (once per lower limit learned; a topic's first cycle learns its limit
+    /// before anything of it is sent). librdkafka counts the request's framing in
+    /// `batch.size`, so a batch stays below it; a single record over it still goes
+    /// alone (the topic-limit check refuses those before). Returns whether the producer
+    /// was replaced.
+    fn fit_batches(&self, lines: &[Vec<&StoredEvent>]) -> bool {
+        let Some(limits) = &self.topic_limits else {
+            return false;
+        };
+        let smallest = lines
+            .iter()
+            .filter_map(|l| l.first())
+            .filter_map(|e| limits.cached(&e.topic))
+            .min();
+        let Some(limit) = smallest else {
+            return false;
+        };
+        let limit = limit.max(MIN_BATCH_SIZE);
+        if self.batch_size.fetch_min(limit, Ordering::Relaxed) <= limit {
+            return false;
+        }
+        self.config
+            .write()
+            .expect("config lock")
+            .set("batch.size", limit.to_string());
+        // The current producer, whichever cycle made it: one made before the new
+        // `batch.size` must not stay.
+        self.replace(
+            &self.current(),
+            &format!("a topic's max.message.bytes ({limit}) is below the batch size"),
+        );
+        true
+    }
+
     /// Narrows the topic a fatal error names. The delivery report that narrows it may
     /// still be on its way when another cycle finds the producer fatal and replaces it:
     /// without this, that cycle could send the topic's records to the new producer and
@@ -288,7 +340,12 @@ impl KafkaSink {
         if !Arc::ptr_eq(&slot, broken) {
             return;
         }
-        match self.config.create::<FutureProducer>() {
+        let created = self
+            .config
+            .read()
+            .expect("config lock")
+            .create::<FutureProducer>();
+        match created {
             Ok(p) => {
                 tracing::warn!(reason = why, "replacing Kafka producer");
                 let old = std::mem::replace(&mut *slot, Arc::new(p));
@@ -478,6 +535,10 @@ fn purged_for_a_refusal(err: &KafkaError, producer: &Weak<FutureProducer>) -> bo
         .is_some_and(|p| matches!(p.client().fatal_error(), Some((C::GaplessGuarantee, _))))
 }
 
+/// The smallest `batch.size` set: below it, batches would hold few records for no gain
+/// (a topic limit that low refuses most records anyway).
+const MIN_BATCH_SIZE: usize = 4096;
+
 /// How often a line waiting for acknowledgements looks whether its producer became fatal.
 const FATAL_POLL: Duration = Duration::from_millis(50);
 
@@ -637,8 +698,12 @@ impl Sink for KafkaSink {
     }
 
     async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: LineDone<'_>) {
-        let producer = self.healthy_producer();
+        let mut producer = self.healthy_producer();
         self.learn_topics(lines, &producer).await;
+        if self.fit_batches(lines) {
+            release(producer);
+            producer = self.current();
+        }
         let deadline = tokio::time::Instant::now() + self.deadline;
         let narrowed: Vec<bool> = lines
             .iter()
