@@ -477,7 +477,7 @@ impl Shared {
         self: Arc<Self>,
         claim: Claim,
         honour_probe_pause: bool,
-        slot: ActiveSlot,
+        mut slot: ActiveSlot,
     ) -> Result<CycleReport, StoreError> {
         let started = Instant::now();
         let token = claim.token;
@@ -491,6 +491,13 @@ impl Shared {
         self.give_back_held(token, &idle, &held_unkeyed).await?;
         if out.is_empty() {
             return Ok(report);
+        }
+        if out.iter().all(|o| o.probe) {
+            // Only probes of domains that look down: a dead partition that never answers
+            // would hold the slot until the delivery deadline, and a few of them would
+            // stop the relay from claiming for every topic. Probes are bounded anyway
+            // (one per domain in flight, and `MAX_PARKED`).
+            slot.release();
         }
         report.attempted = out.iter().map(|o| o.plan.run.len()).sum();
         let delivered_at = Instant::now();

@@ -10,6 +10,7 @@ use mailroom::domain::{Queue, Status};
 use mailroom::pb;
 use mailroom::relay::backoff::RetryPolicy;
 use mailroom::relay::{Relay, RelayConfig};
+use mailroom::sink::kafka::topic_limits::TopicLimits;
 use mailroom::sink::kafka::{KafkaSink, producer_config};
 
 use crate::relay::{accept_only, ev, relay_config};
@@ -329,4 +330,276 @@ async fn a_refused_record_through_the_running_service_spends_only_its_own_attemp
     );
     assert_m0_then_m2(&broker, "refused.service");
     s.app.stop().await.unwrap();
+}
+
+/// Kafka's `TOPIC_AUTHORIZATION_FAILED`: an ACL revoked on one topic.
+const TOPIC_AUTHORIZATION_FAILED: i16 = 29;
+
+/// What one drain beside a faulty topic saw.
+struct Drain {
+    /// Time for `other` to drain.
+    took: Duration,
+    /// Shared producers replaced during the drain.
+    replacements: u64,
+    /// Partition batches the proxy refused during the drain.
+    refusals: u64,
+}
+
+/// The topic drained beside `other`, and what is wrong with it (`None`: nothing).
+#[derive(Clone, Copy, PartialEq)]
+enum Beside {
+    /// `acl` (3 partitions, 10 keys of 20 events): with the fault, every partition is
+    /// answered `TOPIC_AUTHORIZATION_FAILED` during the drain (its metadata stays
+    /// readable), then accepted again.
+    Acl(bool),
+    /// `small` (1 partition, one deep key of 2,000 events of 200 bytes): with the fault,
+    /// created with `max.message.bytes` = `SMALL_LIMIT`, which the proxy enforces as
+    /// stock Kafka does (a batch over it is refused `MESSAGE_TOO_LARGE`).
+    Small(bool),
+}
+
+/// The small topic's `max.message.bytes`: 64 KiB.
+const SMALL_LIMIT: usize = 64 * 1024;
+
+/// One timed drain of `other` (60 keys, 1,500 events each) by a relay with default
+/// settings through the proxy, beside `beside`'s topic, whose events are enqueued first
+/// (its keys are claimed, and probed, from the start). Afterwards the beside topic
+/// drains too, in order, without spending an attempt. The relay starts when every party
+/// of `start` has its backlog in place.
+async fn drain_beside(beside: Beside, start: Arc<tokio::sync::Barrier>) -> Drain {
+    let proxy = KafkaProxy::listen().await;
+    let broker = Broker::start_advertising(free_port(), &proxy.addr());
+    proxy.set_upstream(&broker.addr());
+    crate::partitions::create_topics(&proxy.addr(), &["acl", "other"]).await;
+    let (topic, total) = match beside {
+        Beside::Acl(_) => ("acl", 200),
+        Beside::Small(limited) => {
+            crate::topic_limits::create_topic(
+                &proxy.addr(),
+                "small",
+                limited.then_some(SMALL_LIMIT),
+            )
+            .await;
+            if limited {
+                proxy.limit_batches("small", SMALL_LIMIT);
+            }
+            ("small", 2000)
+        }
+    };
+    let (url, mut s) = quiet_pg().await;
+    let first: Vec<pb::Event> = match beside {
+        Beside::Acl(_) => (0..10)
+            .flat_map(|k| {
+                (0..20).map(move |i| event("acl", &format!("a{k}"), format!("{i}").as_bytes()))
+            })
+            .collect(),
+        Beside::Small(_) => (0..2000)
+            .map(|i| event("small", "deep", format!("{i:0>200}").as_bytes()))
+            .collect(),
+    };
+    for events in first.chunks(500) {
+        s.client
+            .enqueue_batch(pb::EnqueueBatchRequest {
+                events: events.to_vec(),
+            })
+            .await
+            .unwrap();
+    }
+    let per_key = 1500;
+    for k in 0..60 {
+        for chunk in 0..per_key / 500 {
+            let events = (chunk * 500..(chunk + 1) * 500)
+                .map(|i| event("other", &format!("o{k}"), format!("{i}").as_bytes()))
+                .collect();
+            s.client
+                .enqueue_batch(pb::EnqueueBatchRequest { events })
+                .await
+                .unwrap();
+        }
+    }
+    if beside == Beside::Acl(true) {
+        for p in 0..crate::partitions::PARTITIONS {
+            proxy.refuse_produce("acl", p, TOPIC_AUTHORIZATION_FAILED);
+        }
+    }
+    let mut sink = KafkaSink::new(
+        producer_config(&proxy.addr(), Duration::from_secs(15), &Default::default()),
+        "mailroom-test".into(),
+        Duration::from_secs(15),
+    )
+    .unwrap();
+    if let Beside::Small(_) = beside {
+        // As the service builds it.
+        sink = sink.with_topic_limits(
+            TopicLimits::new(
+                &proxy.addr(),
+                &Default::default(),
+                "mailroom-test".into(),
+                Duration::from_secs(60),
+            )
+            .unwrap(),
+        );
+    }
+    let sink = Arc::new(sink);
+    let relay = Relay::new(
+        s.app.store.clone(),
+        sink.clone(),
+        Queue::Outbox,
+        RelayConfig::default(),
+    );
+    start.wait().await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(relay.run(stop.clone()));
+    let done =
+        "SELECT count(*) FROM outbox_events_view WHERE topic = 'other' AND status = 'completed'";
+    let t0 = Instant::now();
+    while count_rows(&url, done).await < 60 * per_key {
+        assert!(
+            t0.elapsed() < Duration::from_secs(180),
+            "other did not drain"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = t0.elapsed();
+    let (replacements, refusals) = (sink.replacements(), proxy.refusals());
+    if beside == Beside::Acl(true) {
+        assert!(sink.is_narrowed("acl"), "the refused topic is narrowed");
+        assert!(!sink.is_narrowed("other"), "and only it");
+        // The ACL comes back.
+        proxy.accept_produce();
+    }
+    let topic_done = format!(
+        "SELECT count(*) FROM outbox_events_view WHERE topic = '{topic}' AND status = 'completed'"
+    );
+    eventually(
+        Duration::from_secs(120),
+        "the beside topic drained",
+        || async { count_rows(&url, &topic_done).await == total },
+    )
+    .await;
+    let spent = count_rows(
+        &url,
+        "SELECT count(*) FROM outbox_events_view WHERE attempts > 0 OR status = 'failed'",
+    )
+    .await;
+    assert_eq!(spent, 0, "no attempt spent");
+    stop.cancel();
+    task.await.unwrap();
+    for (topic, n) in [("other", 60 * per_key as usize), (topic, total as usize)] {
+        // Blocking: off the runtime, so that a drain running beside this one is not held.
+        let addr = broker.addr();
+        let records =
+            tokio::task::spawn_blocking(move || consume(&addr, topic, n, Duration::from_secs(60)))
+                .await
+                .unwrap();
+        let (per_key_ids, _dups) = first_deliveries(&records);
+        assert_eq!(
+            per_key_ids.values().map(Vec::len).sum::<usize>(),
+            n,
+            "every event of {topic} read back from the broker"
+        );
+        for (k, ids) in &per_key_ids {
+            assert!(ids.windows(2).all(|w| w[0] < w[1]), "key {k} in order");
+        }
+    }
+    s.app.stop().await.unwrap();
+    Drain {
+        took,
+        replacements,
+        refusals,
+    }
+}
+
+/// Two rounds of two drains at once (`alone`, `faulty`), each in its own task so that
+/// one's waits do not hold the other's clock; the drains, and the best pace ratio.
+async fn paired_drains(alone: Beside, faulty: Beside) -> (Vec<Drain>, Vec<Drain>, f64) {
+    let (mut a_runs, mut f_runs) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let start = Arc::new(tokio::sync::Barrier::new(2));
+        let a = tokio::spawn(drain_beside(alone, start.clone()));
+        let f = tokio::spawn(drain_beside(faulty, start));
+        a_runs.push(a.await.unwrap());
+        f_runs.push(f.await.unwrap());
+    }
+    let best = |v: &[Drain]| v.iter().map(|d| d.took).min().unwrap();
+    let ratio = best(&a_runs).as_secs_f64() / best(&f_runs).as_secs_f64();
+    (a_runs, f_runs, ratio)
+}
+
+/// Issue 43, item 3: an ACL revoked on one topic (`TOPIC_AUTHORIZATION_FAILED` for every
+/// partition, which librdkafka treats as permanent and, with the gapless guarantee, as
+/// fatal to the shared producer) narrows that topic: the shared producer is replaced
+/// once per narrowing window, not at every probe, and another topic keeps its pace.
+/// Alone and beside the refusals run one after the other, twice, interleaved; the best
+/// of each is compared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_acl_on_one_topic_narrows_it_and_resets_the_producer_once() {
+    let (alone, beside, ratio) = paired_drains(Beside::Acl(false), Beside::Acl(true)).await;
+    eprintln!(
+        "revoked ACL: other drained alone in {:?}, beside the revoked topic in {:?} \
+         ({} refusals, {:?} producer replacements): {:.0} % of the pace",
+        alone.iter().map(|d| d.took).collect::<Vec<_>>(),
+        beside.iter().map(|d| d.took).collect::<Vec<_>>(),
+        beside.iter().map(|d| d.refusals).sum::<u64>(),
+        beside.iter().map(|d| d.replacements).collect::<Vec<_>>(),
+        ratio * 100.0
+    );
+    for d in &beside {
+        assert!(d.refusals >= 3, "the fault fired: {} refusals", d.refusals);
+        // At most once per narrowing window (60 s) for the whole drain.
+        let windows =
+            1 + d.took.as_secs() / mailroom::sink::kafka::narrowing::NARROWED_FOR.as_secs();
+        assert!(
+            d.replacements <= windows,
+            "{} producer replacements in {:?}",
+            d.replacements,
+            d.took
+        );
+    }
+    assert!(
+        alone.iter().all(|d| d.replacements == 0),
+        "no replacement without the fault"
+    );
+    assert!(
+        ratio >= 0.9,
+        "other kept {:.0} % of its pace",
+        ratio * 100.0
+    );
+}
+
+/// Issue 43, item 3: a topic whose `max.message.bytes` (64 KiB) is below librdkafka's
+/// batch size (1 MB), with a deep key. mailroom checked single records against the
+/// limit but let librdkafka batch up to 1 MB: the broker refused the batch (fatal to the
+/// shared producer), the topic was narrowed, batched again 60 s later, refused again.
+/// Now the producer's `batch.size` is the smallest limit in use: no batch is refused,
+/// and another topic keeps its pace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_never_exceed_the_smallest_topic_limit() {
+    let (alone, beside, ratio) = paired_drains(Beside::Small(false), Beside::Small(true)).await;
+    eprintln!(
+        "64 KiB topic: other drained alone in {:?}, beside the deep key in {:?} \
+         ({:?} refusals, {:?} producer replacements): {:.0} % of the pace",
+        alone.iter().map(|d| d.took).collect::<Vec<_>>(),
+        beside.iter().map(|d| d.took).collect::<Vec<_>>(),
+        beside.iter().map(|d| d.refusals).collect::<Vec<_>>(),
+        beside.iter().map(|d| d.replacements).collect::<Vec<_>>(),
+        ratio * 100.0
+    );
+    for d in &beside {
+        assert_eq!(
+            d.refusals, 0,
+            "no batch over the topic's limit reached the broker"
+        );
+        // The one that sets `batch.size` to the limit, before anything is sent.
+        assert!(
+            d.replacements <= 1,
+            "{} producer replacements",
+            d.replacements
+        );
+    }
+    assert!(
+        ratio >= 0.9,
+        "other kept {:.0} % of its pace",
+        ratio * 100.0
+    );
 }

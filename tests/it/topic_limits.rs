@@ -31,7 +31,7 @@ fn admin(brokers: &str) -> AdminClient<DefaultClientContext> {
 
 /// Creates `topic` with `max.message.bytes` = `limit` (none: the broker's default), and
 /// checks that the broker reports the value back, as mailroom will read it.
-async fn create_topic(brokers: &str, topic: &str, limit: Option<usize>) {
+pub(crate) async fn create_topic(brokers: &str, topic: &str, limit: Option<usize>) {
     let a = admin(brokers);
     let limit_s = limit.map(|l| l.to_string());
     let mut t = NewTopic::new(topic, 1, TopicReplication::Fixed(1));

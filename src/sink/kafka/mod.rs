@@ -22,7 +22,7 @@
 //! record at a time (`narrowing`; docs/relay.md, "Broker refusals").
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
@@ -39,17 +39,20 @@ pub mod narrowing;
 pub mod partitions;
 pub mod topic_limits;
 
-pub use classify::{ErrorClass, classify};
+pub use classify::{Attempt, Decision, Narrow, Row, decide, markdown_table};
 pub use cloudevents::{DEFAULT_CONTENT_TYPE, cloud_event_headers};
 
 use super::{Delivery, Failure, LineDone, Sink};
 use crate::domain::StoredEvent;
-use classify::{class_of, failure};
+use classify::{decision_of, failure, producer_lost};
 
 /// After this many deliveries in a row that ended transient with nothing acknowledged,
 /// the producer is replaced even without a telling error code: tansu, and real brokers
 /// after losing state, can leave an idempotent producer stuck forever.
 const STUCK_DELIVERIES: u32 = 3;
+
+/// librdkafka's default `batch.size`.
+const LIBRDKAFKA_BATCH_SIZE: usize = 1_000_000;
 
 /// Bytes a record may carry beyond its payload and user headers: key, CloudEvents
 /// headers and Kafka's record framing.
@@ -57,9 +60,15 @@ pub const RECORD_OVERHEAD_BYTES: usize = 16 * 1024;
 
 /// The Kafka destination.
 pub struct KafkaSink {
-    config: ClientConfig,
+    /// The shared producer's configuration; its `batch.size` shrinks to the smallest
+    /// topic limit in use (`fit_batches`).
+    config: RwLock<ClientConfig>,
+    /// The shared producer's `batch.size`.
+    batch_size: AtomicUsize,
     producer: RwLock<Arc<FutureProducer>>,
     stuck: AtomicU32,
+    /// Shared producers replaced so far.
+    replacements: AtomicU64,
     source: String,
     /// mailroom's delivery deadline (`kafka_message_timeout_ms`); librdkafka's own is off.
     deadline: Duration,
@@ -140,11 +149,17 @@ impl KafkaSink {
         deadline: Duration,
     ) -> Result<Self, KafkaError> {
         let producer: FutureProducer = config.create()?;
+        let batch_size = config
+            .get("batch.size")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(LIBRDKAFKA_BATCH_SIZE);
         Ok(KafkaSink {
             narrowed: narrowing::Narrowed::new(&config),
-            config,
+            config: RwLock::new(config),
+            batch_size: AtomicUsize::new(batch_size),
             producer: RwLock::new(Arc::new(producer)),
             stuck: AtomicU32::new(0),
+            replacements: AtomicU64::new(0),
             source,
             deadline,
             partitions: partitions::Partitions::default(),
@@ -167,6 +182,17 @@ impl KafkaSink {
     /// Topics published one record at a time after a broker refusal (`narrowing`).
     pub fn narrowed_topics(&self) -> usize {
         self.narrowed.count()
+    }
+
+    /// Whether `topic` is narrowed now.
+    pub fn is_narrowed(&self, topic: &str) -> bool {
+        self.narrowed.is_narrowed(topic)
+    }
+
+    /// How many times the shared producer was replaced (each replacement purges what it
+    /// held of every topic).
+    pub fn replacements(&self) -> u64 {
+        self.replacements.load(Ordering::Relaxed)
     }
 
     /// Whether `e` goes to a partition the metadata shows without a leader.
@@ -207,6 +233,7 @@ impl KafkaSink {
         let producer = self.current();
         match producer.client().fatal_error() {
             Some((_, why)) => {
+                self.narrow_fatal(&why);
                 self.replace(&producer, &format!("fatal producer error: {why}"));
                 release(producer);
                 self.current()
@@ -230,10 +257,65 @@ impl KafkaSink {
         }
     }
 
+    /// Keeps the shared producer's batches within the smallest `max.message.bytes` of
+    /// the topics it publishes: librdkafka fills a batch up to `batch.size` (1 MB by
+    /// default) whatever the topic, and a broker refuses a batch over the topic's limit
+    /// whole, which is fatal to the producer and narrows the topic, again at each
+    /// narrowing window. When a cycle's topics include one with a lower limit than the
+    /// current `batch.size`, the producer is replaced by one with `batch.size` at that
+    /// limit (once per lower limit learned; a topic's first cycle learns its limit
+    /// before anything of it is sent). librdkafka counts the request's framing in
+    /// `batch.size`, so a batch stays below it; a single record over it still goes
+    /// alone (the topic-limit check refuses those before). Returns whether the producer
+    /// was replaced.
+    fn fit_batches(&self, lines: &[Vec<&StoredEvent>]) -> bool {
+        let Some(limits) = &self.topic_limits else {
+            return false;
+        };
+        let smallest = lines
+            .iter()
+            .filter_map(|l| l.first())
+            .filter_map(|e| limits.cached(&e.topic))
+            .min();
+        let Some(limit) = smallest else {
+            return false;
+        };
+        let limit = limit.max(MIN_BATCH_SIZE);
+        if self.batch_size.fetch_min(limit, Ordering::Relaxed) <= limit {
+            return false;
+        }
+        self.config
+            .write()
+            .expect("config lock")
+            .set("batch.size", limit.to_string());
+        // The current producer, whichever cycle made it: one made before the new
+        // `batch.size` must not stay.
+        self.replace(
+            &self.current(),
+            &format!("a topic's max.message.bytes ({limit}) is below the batch size"),
+        );
+        true
+    }
+
+    /// Narrows the topic a fatal error names. The delivery report that narrows it may
+    /// still be on its way when another cycle finds the producer fatal and replaces it:
+    /// without this, that cycle could send the topic's records to the new producer and
+    /// reset it again. librdkafka names the topic of a fatal produce error in a fixed
+    /// form ("ProduceRequest for <topic> [<partition>] ..."), and Kafka's topic names
+    /// hold neither spaces nor brackets.
+    fn narrow_fatal(&self, why: &str) {
+        if let Some(topic) = fatal_topic(why) {
+            self.narrowed.narrow(topic);
+        }
+    }
+
     /// After a cycle: a broken producer is replaced, and so is one whose deliveries
     /// failed transiently `STUCK_DELIVERIES` cycles in a row; a delivery resets that count.
     fn judge(&self, producer: &Arc<FutureProducer>, health: CycleHealth) {
         if let Some(why) = health.broken {
+            if let Some((_, fatal)) = producer.client().fatal_error() {
+                self.narrow_fatal(&fatal);
+            }
             self.replace(producer, &why);
         } else if health.delivered {
             self.stuck.store(0, Ordering::Relaxed);
@@ -258,11 +340,17 @@ impl KafkaSink {
         if !Arc::ptr_eq(&slot, broken) {
             return;
         }
-        match self.config.create::<FutureProducer>() {
+        let created = self
+            .config
+            .read()
+            .expect("config lock")
+            .create::<FutureProducer>();
+        match created {
             Ok(p) => {
                 tracing::warn!(reason = why, "replacing Kafka producer");
                 let old = std::mem::replace(&mut *slot, Arc::new(p));
                 drop(slot);
+                self.replacements.fetch_add(1, Ordering::Relaxed);
                 self.stuck.store(0, Ordering::Relaxed);
                 // Dropping a producer purges and flushes for up to 500 ms: not on a
                 // runtime thread.
@@ -333,11 +421,12 @@ impl KafkaSink {
                                 e.topic
                             ),
                         });
-                        return (
-                            futures,
-                            Some((d, ErrorClass::Transient, "no leader".into())),
-                            spans,
-                        );
+                        let stop = Stopped {
+                            delivery: d,
+                            transient: true,
+                            broken: None,
+                        };
+                        return (futures, Some(stop), spans);
                     }
                     record = record.partition(p);
                 }
@@ -349,11 +438,15 @@ impl KafkaSink {
             if let Some(too_large) = self.topic_limits.as_ref().and_then(|l| l.refusal(e)) {
                 span.record("otel.status_code", "ERROR");
                 let error = format!("kafka: not sent: {too_large}");
-                let d = Delivery::Failed(Failure::Counted {
-                    error: error.clone(),
-                    retry_at: None,
-                });
-                return (futures, Some((d, ErrorClass::Counted, error)), spans);
+                let stop = Stopped {
+                    delivery: Delivery::Failed(Failure::Counted {
+                        error,
+                        retry_at: None,
+                    }),
+                    transient: false,
+                    broken: None,
+                };
+                return (futures, Some(stop), spans);
             }
             match producer.send_result(record) {
                 Ok(f) => {
@@ -361,10 +454,18 @@ impl KafkaSink {
                     spans.push(span);
                 }
                 Err((err, _)) => {
+                    // Refused before it was sent: the record's own refusal (exact). A
+                    // local refusal neither narrows nor makes the producer fatal, but a
+                    // fatal producer refuses everything.
                     span.record("otel.status_code", "ERROR");
-                    let class = class_of(&err);
-                    let d = Delivery::Failed(failure(&err, class));
-                    return (futures, Some((d, class, err.to_string())), spans);
+                    let f = failure(&err, decision_of(&err), true);
+                    let broken = producer_lost(&err) || producer.client().fatal_error().is_some();
+                    let stop = Stopped {
+                        transient: f.is_transient(),
+                        delivery: Delivery::Failed(f),
+                        broken: broken.then(|| err.to_string()),
+                    };
+                    return (futures, Some(stop), spans);
                 }
             }
         }
@@ -374,29 +475,37 @@ impl KafkaSink {
 
 /// A line handed to librdkafka: its records' acknowledgements, the refusal that stopped
 /// it (if any), and the records' producer spans.
-type ProducedLine = (
-    Vec<DeliveryFuture>,
-    Option<(Delivery, ErrorClass, String)>,
-    Vec<tracing::Span>,
-);
+type ProducedLine = (Vec<DeliveryFuture>, Option<Stopped>, Vec<tracing::Span>);
+
+/// Why a line stopped before all its records were handed to librdkafka.
+struct Stopped {
+    /// The first record not handed over.
+    delivery: Delivery,
+    /// The environment's failure (no attempt spent).
+    transient: bool,
+    /// The producer can no longer deliver.
+    broken: Option<String>,
+}
 
 /// What one line's acknowledgements said, beyond its deliveries.
 #[derive(Default)]
 struct LineNotes {
     delivered: bool,
     transient: bool,
-    /// The broker refused a record of the line (its topic is narrowed).
+    /// The broker refused a record of the line, or its topic, in a way that leaves the
+    /// shared producer fatal (its topic is narrowed: `Narrow::Topic`).
     refused: bool,
     broken: Option<String>,
 }
 
-/// What a broker's refusal of a record means for the line. `exact`: the record was
-/// alone in its batch (a narrowed topic), so the refusal is its own and spends its
-/// attempt; otherwise the batch may have been refused for another record, and nothing
-/// is spent until narrowing finds the one at fault.
-fn refusal(err: &KafkaError, exact: bool) -> Delivery {
-    if exact {
-        return Delivery::Failed(failure(err, ErrorClass::Counted));
+/// What a broker's refusal of a record's batch means for the line. `exact`: the record
+/// was alone in its batch (a narrowed topic), so the refusal is its own and spends its
+/// attempt when the code says the record is at fault; otherwise the batch may have been
+/// refused for another record, and nothing is spent until narrowing finds the one at
+/// fault.
+fn refusal(err: &KafkaError, d: Decision, exact: bool) -> Delivery {
+    if exact || d.attempt == Attempt::Keep {
+        return Delivery::Failed(failure(err, d, exact));
     }
     Delivery::Failed(Failure::Transient {
         error: format!(
@@ -404,6 +513,14 @@ fn refusal(err: &KafkaError, exact: bool) -> Delivery {
              topic is published one record at a time until the record at fault is found"
         ),
     })
+}
+
+/// The topic a fatal produce error names ("ProduceRequest for <topic> [<partition>] ...",
+/// librdkafka's form for every fatal error of a Produce response).
+fn fatal_topic(why: &str) -> Option<&str> {
+    let rest = why.strip_prefix("ProduceRequest for ")?;
+    let (topic, _) = rest.split_once(" [")?;
+    (!topic.is_empty() && !topic.contains(' ')).then_some(topic)
 }
 
 /// Whether `err` purged a record because the broker refused another batch, which the
@@ -416,6 +533,29 @@ fn purged_for_a_refusal(err: &KafkaError, producer: &Weak<FutureProducer>) -> bo
     ) && producer
         .upgrade()
         .is_some_and(|p| matches!(p.client().fatal_error(), Some((C::GaplessGuarantee, _))))
+}
+
+/// The smallest `batch.size` set: below it, batches would hold few records for no gain
+/// (a topic limit that low refuses most records anyway).
+const MIN_BATCH_SIZE: usize = 4096;
+
+/// How often a line waiting for acknowledgements looks whether its producer became fatal.
+const FATAL_POLL: Duration = Duration::from_millis(50);
+
+/// Resolves, with librdkafka's reason, once `producer` is fatal; never if it is gone
+/// (its deliveries are then canceled).
+async fn fatal(producer: &Weak<FutureProducer>) -> String {
+    loop {
+        match producer.upgrade() {
+            Some(p) => {
+                if let Some((_, why)) = p.client().fatal_error() {
+                    return why;
+                }
+            }
+            None => std::future::pending::<()>().await,
+        }
+        tokio::time::sleep(FATAL_POLL).await;
+    }
 }
 
 /// What a cycle's lines on the main producer said about it.
@@ -462,7 +602,7 @@ fn release(producer: Arc<FutureProducer>) {
 /// the line went through.
 async fn await_line(
     futures: Vec<DeliveryFuture>,
-    refused: Option<(Delivery, ErrorClass, String)>,
+    refused: Option<Stopped>,
     len: usize,
     deadline: tokio::time::Instant,
     timeout: Duration,
@@ -481,7 +621,20 @@ async fn await_line(
             }
             continue;
         }
-        out[i] = match tokio::time::timeout_at(deadline, fut).await {
+        let waited = tokio::select! {
+            biased;
+            r = fut => Ok(r),
+            why = fatal(&producer) => {
+                // The producer is fatal: it sends nothing more, and what it still holds
+                // would only be reported at the deadline. The record goes again at once
+                // on the new producer (as a purged one does), not at the deadline.
+                notes.broken = Some(why);
+                failed = true;
+                continue;
+            }
+            () = tokio::time::sleep_until(deadline) => Err(()),
+        };
+        out[i] = match waited {
             Ok(Ok(Ok(_))) => {
                 notes.delivered = true;
                 Delivery::Delivered
@@ -493,17 +646,18 @@ async fn await_line(
                 Delivery::NotAttempted
             }
             Ok(Ok(Err((err, _)))) => {
-                let class = class_of(&err);
-                match class {
-                    ErrorClass::ProducerBroken => notes.broken = Some(err.to_string()),
-                    ErrorClass::Transient => notes.transient = true,
-                    // A delivery report's permanent error is the broker's refusal.
-                    ErrorClass::Counted => notes.refused = true,
+                let d = decision_of(&err);
+                if d.replace_producer {
+                    notes.broken = Some(err.to_string());
                 }
-                if class == ErrorClass::Counted {
-                    refusal(&err, exact)
+                if d.narrow == Narrow::Topic {
+                    // The broker refused the batch or the topic (`classify`).
+                    notes.refused = true;
+                    refusal(&err, d, exact)
                 } else {
-                    Delivery::Failed(failure(&err, class))
+                    let f = failure(&err, d, exact);
+                    notes.transient |= f.is_transient();
+                    Delivery::Failed(f)
                 }
             }
             Ok(Err(_canceled)) => {
@@ -512,7 +666,7 @@ async fn await_line(
                     error: "kafka: delivery canceled (producer replaced)".into(),
                 })
             }
-            Err(_elapsed) => {
+            Err(()) => {
                 notes.transient = true;
                 Delivery::Failed(Failure::Transient {
                     error: format!(
@@ -525,15 +679,14 @@ async fn await_line(
         };
         failed = out[i] != Delivery::Delivered;
     }
-    if let Some((d, class, why)) = refused
+    if let Some(stop) = refused
         && !failed
     {
-        match class {
-            ErrorClass::ProducerBroken => notes.broken = Some(why),
-            ErrorClass::Transient => notes.transient = true,
-            ErrorClass::Counted => {}
+        notes.transient |= stop.transient;
+        if stop.broken.is_some() {
+            notes.broken = stop.broken;
         }
-        out[sent] = d;
+        out[sent] = stop.delivery;
     }
     (out, notes)
 }
@@ -545,8 +698,12 @@ impl Sink for KafkaSink {
     }
 
     async fn deliver_each(&self, lines: &[Vec<&StoredEvent>], done: LineDone<'_>) {
-        let producer = self.healthy_producer();
+        let mut producer = self.healthy_producer();
         self.learn_topics(lines, &producer).await;
+        if self.fit_batches(lines) {
+            release(producer);
+            producer = self.current();
+        }
         let deadline = tokio::time::Instant::now() + self.deadline;
         let narrowed: Vec<bool> = lines
             .iter()
@@ -590,10 +747,18 @@ impl Sink for KafkaSink {
             if notes.refused {
                 self.narrowed.narrow(&e.topic);
             }
-            if narrowed[i] && careful.is_some() {
-                // The narrowed topics' producer answers for itself only.
-                if let Some(why) = notes.broken {
+            if let (true, Some(careful)) = (narrowed[i], &careful) {
+                // The narrowed topics' producer answers for itself only. It is not
+                // idempotent: a broker's refusal leaves it working, and it is replaced
+                // only when it is fatal.
+                if let Some((_, why)) = careful.client().fatal_error() {
                     self.narrowed.replace(&why);
+                }
+                if notes.transient || notes.refused {
+                    // A refused topic (an ACL revoked) is marked in error in this
+                    // producer, which then refuses its records locally until its
+                    // metadata is read again: read it, so that a restored ACL is seen.
+                    self.partitions.refresh(&e.topic, careful);
                 }
             } else {
                 health.note(self, e, &producer, notes);
@@ -648,6 +813,18 @@ mod tests {
         assert_eq!(c.get("enable.gapless.guarantee"), Some("true"));
         // The alias must not survive either: the last one set wins in librdkafka.
         assert_ne!(c.get("delivery.timeout.ms"), Some("5000"));
+    }
+
+    /// librdkafka's fatal produce errors name their topic; a topic is read from them,
+    /// and nothing from any other message.
+    #[test]
+    fn a_fatal_error_names_its_topic() {
+        let why = "ProduceRequest for acl.orders [2] with 3 message(s) failed: Broker: \
+                   Topic authorization failed (broker 1 PID{Id:1,Epoch:0}, base seq 0): \
+                   unable to satisfy gap-less guarantee";
+        assert_eq!(fatal_topic(why), Some("acl.orders"));
+        assert_eq!(fatal_topic("Local: Fatal error"), None);
+        assert_eq!(fatal_topic("ProduceRequest for  [2]"), None);
     }
 
     #[test]

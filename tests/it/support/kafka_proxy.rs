@@ -58,6 +58,8 @@ struct Faults {
     refused: Mutex<HashMap<(String, i32), i16>>,
     /// Byte markers: a partition batch holding one is refused with its code.
     markers: Mutex<Vec<(Vec<u8>, i16)>>,
+    /// Topic -> its `max.message.bytes`: a partition batch over it is refused.
+    batch_limits: Mutex<HashMap<String, usize>>,
     /// Partition batches answered with an error instead of being appended.
     refusals: AtomicU64,
     /// (producer id, topic, partition) -> (epoch, base sequence) of its refused batch.
@@ -189,6 +191,17 @@ impl KafkaProxy {
             .push((marker.to_vec(), error_code));
     }
 
+    /// From now on, a `Produce` partition batch of `topic` over `max_bytes` (the record
+    /// batch as the broker counts it against `max.message.bytes`) is answered
+    /// `MESSAGE_TOO_LARGE` and never reaches the broker, as stock Kafka does.
+    pub fn limit_batches(&self, topic: &str, max_bytes: usize) {
+        self.faults
+            .batch_limits
+            .lock()
+            .unwrap()
+            .insert(topic.to_string(), max_bytes);
+    }
+
     /// Batches answered `OUT_OF_ORDER_SEQUENCE_NUMBER` behind a refused one so far.
     pub fn out_of_order(&self) -> u64 {
         self.faults.out_of_order.load(Ordering::Relaxed)
@@ -304,7 +317,24 @@ fn framed(payload: &[u8]) -> BytesMut {
 fn refuse(mut frame: Bytes, version: i16, faults: &Faults) -> Option<(Option<Bytes>, Refused)> {
     let rules = faults.refused.lock().unwrap().clone();
     let markers = faults.markers.lock().unwrap().clone();
-    if rules.is_empty() && markers.is_empty() && faults.gaps.lock().unwrap().is_empty() {
+    let limits = faults.batch_limits.lock().unwrap().clone();
+    // Decoding and re-encoding every Produce request costs the test process as much CPU
+    // as the relay under test: only a request that names a refused topic (or one with a
+    // gap), or holds a marker, is decoded. Topic names are plain bytes in the request,
+    // and records are uncompressed.
+    let holds = |needle: &[u8]| frame.windows(needle.len()).any(|w| w == needle);
+    let gap_topics: HashSet<String> = faults
+        .gaps
+        .lock()
+        .unwrap()
+        .keys()
+        .map(|(_, t, _)| t.clone())
+        .collect();
+    let relevant = rules.keys().any(|(t, _)| holds(t.as_bytes()))
+        || limits.keys().any(|t| holds(t.as_bytes()))
+        || gap_topics.iter().any(|t| holds(t.as_bytes()))
+        || markers.iter().any(|(m, _)| holds(m));
+    if !relevant {
         return None;
     }
     let header_version = ApiKey::Produce.request_header_version(version);
@@ -338,6 +368,12 @@ fn refuse(mut frame: Bytes, version: i16, faults: &Faults) -> Option<(Option<Byt
                     .iter()
                     .find(|(m, _)| records.windows(m.len()).any(|w| w == m.as_slice()))
                     .map(|(_, c)| *c)
+                    .or_else(|| {
+                        limits
+                            .get(&name)
+                            .filter(|max| records.len() > **max)
+                            .map(|_| MESSAGE_TOO_LARGE)
+                    })
             });
             match code {
                 Some(code) => {
