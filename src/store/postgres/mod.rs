@@ -284,20 +284,6 @@ impl PgStore {
         schema::tolerant(sqlx::migrate!("migrations/postgres"))
     }
 
-    /// Migrates this store's database (`migrate_database`).
-    pub async fn migrate_with(
-        &self,
-        wait: migrate::MigrationWait,
-    ) -> StoreResult<migrate::MigrationReport> {
-        migrate_on(
-            (*self.pool.connect_options()).clone(),
-            self.names.schema(),
-            self.pool.options().get_acquire_timeout(),
-            wait,
-        )
-        .await
-    }
-
     /// The pool of enqueues and health checks.
     pub fn pool(&self) -> &PgPool {
         &self.pool
@@ -534,9 +520,15 @@ impl Store for PgStore {
     }
 
     async fn migrate(&self) -> StoreResult<()> {
-        self.migrate_with(migrate::MigrationWait::default())
-            .await
-            .map(drop)
+        // The store's database, with the default lock wait (`migrate_database`).
+        migrate_on(
+            (*self.pool.connect_options()).clone(),
+            self.names.schema(),
+            self.pool.options().get_acquire_timeout(),
+            migrate::MigrationWait::default(),
+        )
+        .await
+        .map(drop)
     }
 
     fn known_schema(&self) -> i64 {
