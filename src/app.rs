@@ -378,7 +378,7 @@ impl App {
             tls: config.tls.as_ref().map(|t| t.tonic()).transpose()?,
             rpc_log: RpcLogLayer::new(metrics.clone()),
             auth: AuthLayer::new(auth),
-            overload: OverloadLayer::new(config.overload),
+            overload: OverloadLayer::new(config.overload, services.shares.clone()),
             admission: services.admission.clone(),
             connections: config.connections,
         };
@@ -624,6 +624,8 @@ struct Services {
     inbox: pb::inbox_service_server::InboxServiceServer<crate::api::inbox::InboxApi>,
     /// What each method's request may cost, counted as it arrives (the innermost layer).
     admission: ByteAdmissionLayer,
+    /// Each principal's share of the RPC slots and of the bytes in flight.
+    shares: Option<Arc<crate::api::layers::Shares>>,
 }
 
 /// What the later start-up phases read: the settings and the parts already running.
@@ -692,6 +694,7 @@ fn log_serving(
 impl Services {
     fn new(p: &Parts<'_>, health: HealthServer<HealthService>, intake: Intake) -> Services {
         let config = p.config;
+        let shares = crate::api::layers::Shares::new(config.overload.principal_share_percent);
         let admin = Admin::new(p.store.clone(), config.relay.lease).with_schema(p.schema.clone());
         let inbox = crate::inbox::Inbox::new(
             p.store.clone(),
@@ -725,9 +728,11 @@ impl Services {
             ),
             admission: ByteAdmissionLayer::new(
                 config.overload.max_request_bytes,
+                shares.clone(),
                 config.overload.body_timeout,
                 rules,
             ),
+            shares,
         }
     }
 }

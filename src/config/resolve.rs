@@ -139,6 +139,15 @@ fn overload(s: &Settings, max_batch_bytes: usize) -> Result<OverloadConfig, Conf
             s.request_body_timeout_ms.unwrap_or(10_000),
         ))
         .filter(|d| !d.is_zero()),
+        principal_share_percent: match s.principal_share_percent.unwrap_or(50) {
+            p @ 1..=100 => p,
+            _ => {
+                return Err(bad(
+                    "principal_share_percent (MAILROOM_PRINCIPAL_SHARE_PERCENT)",
+                    "must be 1..=100",
+                ));
+            }
+        },
     })
 }
 

@@ -284,6 +284,11 @@ pub struct Settings {
     /// leave the budget; 0 = none [default: 10000].
     #[arg(long, env = "MAILROOM_REQUEST_BODY_TIMEOUT_MS", global = true)]
     pub request_body_timeout_ms: Option<u64>,
+    /// The most one caller (a token, or a client certificate) may hold of the RPC slots
+    /// and of the request bytes in flight, in percent; one request alone may pass it;
+    /// callers without an identity are not told apart; 100 = no bound [default: 50].
+    #[arg(long, env = "MAILROOM_PRINCIPAL_SHARE_PERCENT", global = true)]
+    pub principal_share_percent: Option<u32>,
     /// How long a request waits for a database connection before UNAVAILABLE, in ms
     /// (PostgreSQL) [default: 3000].
     #[arg(long, env = "MAILROOM_DATABASE_ACQUIRE_TIMEOUT_MS", global = true)]
@@ -471,6 +476,7 @@ impl Settings {
             handshake_timeout_ms,
             max_concurrent_streams,
             request_body_timeout_ms,
+            principal_share_percent,
             database_acquire_timeout_ms,
             database_statement_timeout_ms,
             database_enqueue_timeout_ms,

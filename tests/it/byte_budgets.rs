@@ -329,7 +329,9 @@ async fn empty_events_are_counted_before_they_are_built() {
 /// Issue 43, item 1: eight concurrent valid gzip batches of 60 events x 1,000,000 zero
 /// bytes (60 MB each once decompressed, ~60 KiB on the wire). The budget of bytes in
 /// flight counts them decompressed and decoded (twice 60 MB each), so one is admitted
-/// at a time and the others are refused `RESOURCE_EXHAUSTED` with a retry delay, while
+/// at a time (the one waiting for the budget; main let them all take it piece by piece,
+/// and then all eight could be refused) and the others are refused `RESOURCE_EXHAUSTED`
+/// with a retry delay, while
 /// ordinary Enqueues (kept a share of the budget) are answered throughout. Peak RSS stays
 /// under 300 MiB (main counted the compressed bytes and admitted all eight: 599 MiB).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -454,4 +456,152 @@ async fn stalled_declarations_do_not_refuse_other_callers() {
         assert!(err.message().contains("MAILROOM_REQUEST_BODY_TIMEOUT_MS"));
         assert!(took < Duration::from_secs(5), "answered after {took:?}");
     }
+}
+
+/// Issue 43, item 1: one caller's share. Two tokens; with 8 RPC slots and a budget of
+/// 16 MiB, tenant A first opens 8 requests that declare a message and stall, then two
+/// uploads of a 6 MB batch that stop halfway (about 6 MiB of the budget each, counted
+/// decoded). Tenant B's Enqueue and its 3 MB batch are answered at once throughout: A
+/// holds at most half of the slots and, beyond one request alone, half of the bytes;
+/// A's requests past its share are refused `RESOURCE_EXHAUSTED` naming
+/// `MAILROOM_PRINCIPAL_SHARE_PERCENT`. (Main refused B "too many requests in flight",
+/// then "server busy" until A's stalled requests ran out.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_caller_cannot_take_every_slot_or_the_byte_budget() {
+    use crate::support::raw::*;
+    use prost::Message as _;
+    const A: &str = "tenant-a-secret-0123456789";
+    const B: &str = "tenant-b-secret-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.toml");
+    std::fs::write(
+        &tokens,
+        format!(
+            "[[token]]\nname = \"tenant-a\"\ntoken = \"{A}\"\nscopes = [\"enqueue\"]\n\n\
+             [[token]]\nname = \"tenant-b\"\ntoken = \"{B}\"\nscopes = [\"enqueue\"]\n"
+        ),
+    )
+    .unwrap();
+    let budget = (16 * MIB).to_string();
+    let envs = [
+        ("MAILROOM_TOKENS_FILE", tokens.to_str().unwrap()),
+        ("MAILROOM_MAX_CONCURRENT_RPCS", "8"),
+        ("MAILROOM_MAX_BATCH_BYTES", "8388608"),
+        ("MAILROOM_MAX_REQUEST_BYTES_IN_FLIGHT", budget.as_str()),
+        ("MAILROOM_REQUEST_BODY_TIMEOUT_MS", "4000"),
+    ];
+    let (mut child, client, channel) = start_binary(dir.path(), &envs).await;
+    let batch = |n: usize, key: &str| pb::EnqueueBatchRequest {
+        events: (0..n)
+            .map(|i| big_event(&format!("{key}{i}"), 500_000))
+            .collect(),
+    };
+    // B's calls, each timed.
+    let b_calls = |client: OutboxServiceClient<tonic::transport::Channel>| async move {
+        let mut client = client;
+        let t = Instant::now();
+        let one = client
+            .enqueue(with_token(
+                pb::EnqueueRequest {
+                    event: Some(big_event("b-one", 100)),
+                },
+                Some(B),
+            ))
+            .await;
+        let batch = client
+            .enqueue_batch(with_token(batch(6, "b-batch"), Some(B)))
+            .await;
+        (one, batch, t.elapsed())
+    };
+    let stall = |channel: tonic::transport::Channel, first: bytes::Bytes| {
+        tokio::spawn(async move {
+            let t = Instant::now();
+            let r = raw_call_as(channel, ENQUEUE_BATCH, stalled_body(first), false, Some(A)).await;
+            (r, t.elapsed())
+        })
+    };
+
+    // 1. RPC slots: A stalls 8 requests (a prefix declaring 100 bytes, nothing more).
+    let mut prefix = vec![0u8];
+    prefix.extend(100u32.to_be_bytes());
+    let prefix = bytes::Bytes::from(prefix);
+    let slots: Vec<_> = (0..8)
+        .map(|_| stall(channel.clone(), prefix.clone()))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (one, b_batch, took) = b_calls(client.clone()).await;
+    println!(
+        "slots: B answered in {took:?}: {:?} / {:?}",
+        one.as_ref().map(|_| ()),
+        b_batch.as_ref().map(|_| ())
+    );
+    let (mut shed, mut stalled) = (0, 0);
+    for s in slots {
+        let (r, t) = s.await.unwrap();
+        let err = r.expect_err("A's stalled request is refused");
+        if err.code() == tonic::Code::ResourceExhausted {
+            refused_naming(
+                &err,
+                "A past its share of the slots",
+                "MAILROOM_PRINCIPAL_SHARE_PERCENT",
+            );
+            assert!(
+                t < Duration::from_secs(2),
+                "refused at once, not after {t:?}"
+            );
+            shed += 1;
+        } else {
+            assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+            stalled += 1;
+        }
+    }
+    println!(
+        "slots: A's 8 stalled requests: {shed} refused at once, {stalled} cut at the body deadline"
+    );
+    assert!(
+        one.is_ok(),
+        "B's Enqueue beside A's stalled requests: {one:?}"
+    );
+    assert!(
+        b_batch.is_ok(),
+        "B's batch beside A's stalled requests: {b_batch:?}"
+    );
+    assert_eq!(shed, 4, "A holds half of the 8 slots");
+
+    // 2. Bytes: A's two uploads stop halfway through a 6 MB batch (about 6 MiB of the
+    //    budget each once decoded, twice 3 MB).
+    let message = batch(12, "a").encode_to_vec();
+    let half = frame(false, &message).slice(..5 + message.len() / 2);
+    let first = stall(channel.clone(), half.clone());
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let second = stall(channel.clone(), half);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let (one, b_batch, took) = b_calls(client.clone()).await;
+    println!(
+        "bytes: B answered in {took:?}: {:?} / {:?}",
+        one.as_ref().map(|_| ()),
+        b_batch.as_ref().map(|_| ())
+    );
+    let (second, second_took) = second.await.unwrap();
+    let (first, _) = first.await.unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let second = second.expect_err("A's second upload");
+    refused_naming(
+        &second,
+        "A's second upload",
+        "MAILROOM_PRINCIPAL_SHARE_PERCENT",
+    );
+    assert!(
+        second_took < Duration::from_secs(2),
+        "refused at once, not after {second_took:?}"
+    );
+    let first = first.expect_err("A's first upload stalls");
+    assert_eq!(first.code(), tonic::Code::Unavailable, "{first:?}");
+    assert!(one.is_ok(), "B's Enqueue beside A's uploads: {one:?}");
+    assert!(b_batch.is_ok(), "B's batch beside A's uploads: {b_batch:?}");
+    assert!(
+        took < Duration::from_secs(2),
+        "B answered in {took:?}, not after A's stalls"
+    );
 }

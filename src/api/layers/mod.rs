@@ -1,13 +1,15 @@
 //! The tower layers every RPC passes through, outermost first: `rpc_log` (span, log
 //! line, metrics), `authenticate` (token and scope), `overload` (concurrency limit,
 //! deadline), `admission` (what each request becomes, counted as it arrives, with `walk`
-//! counting the elements of its repeated fields). Each is a `Middleware`, what it does around one request; `MiddlewareLayer`
+//! counting the elements of its repeated fields); `shares` bounds what one principal
+//! holds of the last two. Each is a `Middleware`, what it does around one request; `MiddlewareLayer`
 //! makes any of them a tower layer, so the Layer/Service plumbing is written once.
 
 mod admission;
 mod authenticate;
 mod overload;
 mod rpc_log;
+mod shares;
 pub mod walk;
 
 use std::future::Future;
@@ -21,6 +23,7 @@ pub use admission::{ByteAdmission, ByteAdmissionLayer, DEFAULT_LIMIT, Rule, Rule
 pub use authenticate::{AuthLayer, Authenticate};
 pub use overload::{Overload, OverloadConfig, OverloadLayer};
 pub use rpc_log::{RpcLog, RpcLogLayer};
+pub use shares::Shares;
 
 /// The answer a middleware gives for one request, later.
 pub type Outcome<RB, E> = Pin<Box<dyn Future<Output = Result<http::Response<RB>, E>> + Send>>;

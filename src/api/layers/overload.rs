@@ -9,7 +9,11 @@
 //!   commit was already under way may still commit: the client retries with its
 //!   idempotency key and gets the stored id back.
 //!
-//! Health checks bypass both, so that probes keep working while the server sheds load.
+//! - A principal holding its share of the slots (`shares`): its next RPC is answered
+//!   `RESOURCE_EXHAUSTED` at once, while other callers keep theirs.
+//!
+//! Health checks bypass all of these, so that probes keep working while the server sheds
+//! load.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +21,7 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 use tonic::codegen::http;
 
+use super::shares::{Shares, principal_of};
 use super::{Inner, Middleware, MiddlewareLayer, Outcome};
 
 /// Limits that keep the server answering under load.
@@ -30,6 +35,9 @@ pub struct OverloadConfig {
     pub max_request_bytes: usize,
     /// Time for a request's message to arrive whole (`admission`).
     pub body_timeout: Option<Duration>,
+    /// The most one principal may hold of the RPC slots and of the bytes in flight, in
+    /// percent; 100: no bound beyond the server's.
+    pub principal_share_percent: u32,
 }
 
 impl Default for OverloadConfig {
@@ -39,6 +47,7 @@ impl Default for OverloadConfig {
             rpc_timeout: Some(Duration::from_secs(30)),
             max_request_bytes: 128 * 1024 * 1024,
             body_timeout: Some(Duration::from_secs(10)),
+            principal_share_percent: 50,
         }
     }
 }
@@ -47,6 +56,8 @@ impl Default for OverloadConfig {
 #[derive(Clone)]
 pub struct Overload {
     permits: Option<Arc<Semaphore>>,
+    slots: usize,
+    shares: Option<Arc<Shares>>,
     timeout: Option<Duration>,
 }
 
@@ -54,11 +65,13 @@ pub struct Overload {
 pub type OverloadLayer = MiddlewareLayer<Overload>;
 
 impl OverloadLayer {
-    /// The layer for `c`.
-    pub fn new(c: OverloadConfig) -> Self {
+    /// The layer for `c`, each principal holding at most its share of the slots.
+    pub fn new(c: OverloadConfig, shares: Option<Arc<Shares>>) -> Self {
         MiddlewareLayer(Overload {
             permits: (c.max_concurrent_rpcs > 0)
                 .then(|| Arc::new(Semaphore::new(c.max_concurrent_rpcs))),
+            slots: c.max_concurrent_rpcs,
+            shares: shares.filter(|_| c.max_concurrent_rpcs > 0),
             timeout: c.rpc_timeout,
         })
     }
@@ -95,6 +108,29 @@ impl Middleware for Overload {
                 }
             },
         };
+        let share = match (&self.shares, principal_of(req.extensions())) {
+            (Some(shares), Some(who)) => match shares.take_rpc(who, self.slots) {
+                Some(share) => Some(share),
+                None => {
+                    let percent = shares.percent();
+                    return Box::pin(async move {
+                        Ok(crate::api::status::status(
+                            tonic::Code::ResourceExhausted,
+                            format!(
+                                "server busy for this caller: it holds its share of the RPC \
+                                 slots ({percent} % of MAILROOM_MAX_CONCURRENT_RPCS, \
+                                 MAILROOM_PRINCIPAL_SHARE_PERCENT); retry with backoff"
+                            ),
+                            crate::api::status::reason::SERVER_BUSY,
+                            Default::default(),
+                            Some(crate::api::status::RETRY_OVERLOADED),
+                        )
+                        .into_http())
+                    });
+                }
+            },
+            _ => None,
+        };
         let fut = inner.call(req);
         let timeout = self.timeout;
         Box::pin(async move {
@@ -112,7 +148,7 @@ impl Middleware for Overload {
                     .into_http()),
                 },
             };
-            drop(permit);
+            drop((permit, share));
             res
         })
     }

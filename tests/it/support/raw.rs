@@ -43,6 +43,17 @@ pub async fn raw_call(
     body: Body,
     gzip: bool,
 ) -> Result<(), tonic::Status> {
+    raw_call_as(channel, path, body, gzip, None).await
+}
+
+/// `raw_call` with `bearer` as the caller's token.
+pub async fn raw_call_as(
+    channel: Channel,
+    path: &str,
+    body: Body,
+    gzip: bool,
+    bearer: Option<&str>,
+) -> Result<(), tonic::Status> {
     let mut req = http::Request::builder()
         .method("POST")
         .uri(format!("http://mailroom{path}"))
@@ -50,6 +61,9 @@ pub async fn raw_call(
         .header("te", "trailers");
     if gzip {
         req = req.header("grpc-encoding", "gzip");
+    }
+    if let Some(t) = bearer {
+        req = req.header("authorization", format!("Bearer {t}"));
     }
     let req = req.body(body).unwrap();
     let mut channel = channel;
