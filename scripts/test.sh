@@ -126,7 +126,11 @@ log "tests"
 # --all-targets: unit and integration tests (the crate has no doc tests).
 log_file="$(mktemp)"
 set +e
-cargo test --locked --no-fail-fast --all-targets -- --test-threads "${MAILROOM_TEST_THREADS:-2}" 2>&1 | tee "$log_file"
+# The watchdog stops the run when one test passes 10 minutes or the whole run an hour,
+# naming what still runs (libtest has no time limit of its own).
+MAILROOM_TEST_LIMIT_SECS="${MAILROOM_TEST_LIMIT_SECS:-600}" \
+  python3 scripts/test-watchdog.py \
+  cargo test --locked --no-fail-fast --all-targets -- --test-threads "${MAILROOM_TEST_THREADS:-2}" 2>&1 | tee "$log_file"
 status=${PIPESTATUS[0]}
 set -e
 # One closing line for the whole suite.

@@ -348,3 +348,61 @@ fn rust_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// Issue 46, item 4: `scripts/test.sh` runs the suite under `scripts/test-watchdog.py`,
+/// which stops a run whose test hangs and names it (libtest has no time limit). A fake
+/// run whose test was noted running 60 s ago, with a limit of 62 s, is stopped within
+/// seconds with status 124 naming it; a run that ends keeps its own status.
+#[test]
+fn a_hung_test_stops_the_run_and_is_named() {
+    use std::process::Command;
+    let started = std::time::Instant::now();
+    let out = Command::new("python3")
+        .args([
+            "scripts/test-watchdog.py",
+            "sh",
+            "-c",
+            "echo 'test quick ... ok'; \
+             echo 'test stuck::forever has been running for over 60 seconds'; \
+             sleep 60; echo never",
+        ])
+        .env("MAILROOM_TEST_LIMIT_SECS", "62")
+        .current_dir(repo_path("."))
+        .output()
+        .expect("python3");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(124), "{text}");
+    assert!(
+        text.contains("watchdog: test stuck::forever hung"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("test quick hung") && !text.contains("never"),
+        "{text}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    // A whole-run limit, and a run that ends in time with its own status.
+    let out = Command::new("python3")
+        .args(["scripts/test-watchdog.py", "sh", "-c", "sleep 30"])
+        .env("MAILROOM_SUITE_LIMIT_SECS", "2")
+        .current_dir(repo_path("."))
+        .output()
+        .expect("python3");
+    assert_eq!(out.status.code(), Some(124));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("MAILROOM_SUITE_LIMIT_SECS"));
+    let out = Command::new("python3")
+        .args([
+            "scripts/test-watchdog.py",
+            "sh",
+            "-c",
+            "echo 'test a ... FAILED'; exit 101",
+        ])
+        .current_dir(repo_path("."))
+        .output()
+        .expect("python3");
+    assert_eq!(out.status.code(), Some(101));
+}
