@@ -130,10 +130,13 @@ async fn statuses(s: &Service, ids: &[i64]) -> Vec<(Status, u32)> {
 /// head is refused by the broker again and again during the drain (a short retry
 /// backoff, so that the refusals keep coming while `other` drains). Returns the drain
 /// time and the refusals during it. The relay starts when every party of `start` has
-/// its backlog in place.
+/// its backlog in place; the records are read back from the broker (and checked) only
+/// once every party of `stopped` has stopped its stopwatch, so that one drain's read-back
+/// never runs inside the other's.
 async fn drain_beside_refusals(
     refusing: bool,
     start: Arc<tokio::sync::Barrier>,
+    stopped: Arc<tokio::sync::Barrier>,
 ) -> (Duration, u64) {
     let proxy = KafkaProxy::listen().await;
     let broker = Broker::start_advertising(free_port(), &proxy.addr());
@@ -205,12 +208,18 @@ async fn drain_beside_refusals(
     );
     stop.cancel();
     task.await.unwrap();
-    let records = consume(
-        &broker.addr(),
-        "other",
-        60 * per_key as usize,
-        Duration::from_secs(60),
-    );
+    stopped.wait().await;
+    let addr = broker.addr();
+    let records = tokio::task::spawn_blocking(move || {
+        consume(
+            &addr,
+            "other",
+            60 * per_key as usize,
+            Duration::from_secs(60),
+        )
+    })
+    .await
+    .unwrap();
     let (per_key_ids, _dups) = first_deliveries(&records);
     assert_eq!(
         per_key_ids.values().map(Vec::len).sum::<usize>(),
@@ -234,11 +243,12 @@ async fn other_topics_keep_their_pace_while_one_topic_is_refused() {
     let (mut alone, mut beside, mut refused, mut ratios) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..2 {
+        // Each drain in a task of its own.
         let start = Arc::new(tokio::sync::Barrier::new(2));
-        let ((a, _), (b, n)) = tokio::join!(
-            drain_beside_refusals(false, start.clone()),
-            drain_beside_refusals(true, start)
-        );
+        let stopped = Arc::new(tokio::sync::Barrier::new(2));
+        let quiet = tokio::spawn(drain_beside_refusals(false, start.clone(), stopped.clone()));
+        let noisy = tokio::spawn(drain_beside_refusals(true, start, stopped));
+        let ((a, _), (b, n)) = (quiet.await.unwrap(), noisy.await.unwrap());
         alone.push(a);
         beside.push(b);
         refused.push(n);
@@ -254,15 +264,12 @@ async fn other_topics_keep_their_pace_while_one_topic_is_refused() {
         refused.iter().all(|n| *n >= 20),
         "the broker refused at least 20 times during each drain: {refused:?}"
     );
-    // Run one after the other on a quiet machine, the drain beside the refusals kept
-    // 92-106 % of the pace. Run at the same time on 2 saturated cores it keeps 71-83 %
-    // (71 % seen in a full suite run, with other tests loading the cores), probably
-    // because the refusing relay settles its fast-failing lines in settles of their own,
-    // whose transactions take CPU from the other drain (not profiled). What this guards
-    // against is a refused line holding the others back (for the 15 s message timeout
-    // or a backoff), which costs far more than half the pace: the bar is set there.
+    // The requirement (issue 43, item 3): 90 % of the pace. Each drain runs in its own
+    // task and reads its records back only after both stopwatches stopped; before that
+    // (issue 46, item 4) one drain's blocking read-back of 90,000 records ran inside the
+    // other's stopwatch, and the test asserted 60 % (71-83 % measured); now 99 %.
     assert!(
-        ratio >= 0.6,
+        ratio >= 0.9,
         "other kept {:.0} % of its pace",
         ratio * 100.0
     );

@@ -164,8 +164,14 @@ async fn count(pool: &sqlx::PgPool, sql: &str) -> i64 {
 /// 1,000 unkeyed events) and `other` (60 keys), 250 events per key, by one relay with default settings over the
 /// real sink, through the protocol proxy. With `hide`, partition DEAD of `dp` has no
 /// leader until the healthy events are drained and (with `outage_checks`) its lines have
-/// come back transient and been probed. Returns the time the healthy events took.
-async fn drain(hide: bool, outage_checks: bool, start: Arc<tokio::sync::Barrier>) -> Duration {
+/// come back transient and been probed. Returns the time the healthy events took. What
+/// follows the stopwatch waits until every party of `stopped` has stopped its own.
+async fn drain(
+    hide: bool,
+    outage_checks: bool,
+    start: Arc<tokio::sync::Barrier>,
+    stopped: Arc<tokio::sync::Barrier>,
+) -> Duration {
     let proxy = KafkaProxy::listen().await;
     let broker = Broker::start_advertising(free_port(), &proxy.addr());
     proxy.set_upstream(&broker.addr());
@@ -228,6 +234,7 @@ async fn drain(hide: bool, outage_checks: bool, start: Arc<tokio::sync::Barrier>
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let took = t0.elapsed();
+    stopped.wait().await;
 
     if hide {
         assert!(proxy.hidden_answers() > 0, "the proxy hid the leader");
@@ -319,7 +326,12 @@ async fn drain(hide: bool, outage_checks: bool, start: Arc<tokio::sync::Barrier>
     assert_eq!(stats.failed.load(Ordering::Relaxed), 0);
     if outage_checks {
         let total = 200 * per_key + unkeyed as usize;
-        let records = consume(&proxy.addr(), "dp", total, Duration::from_secs(60));
+        let addr = proxy.addr();
+        let records = tokio::task::spawn_blocking(move || {
+            consume(&addr, "dp", total, Duration::from_secs(60))
+        })
+        .await
+        .unwrap();
         let (per_key_ids, _dups) = first_deliveries(&records);
         assert_eq!(
             per_key_ids.values().map(Vec::len).sum::<usize>(),
@@ -336,7 +348,7 @@ async fn drain(hide: bool, outage_checks: bool, start: Arc<tokio::sync::Barrier>
 }
 
 /// Item 6: one partition without a leader (the proxy's `Metadata` says so) holds back
-/// only its own keys: its topic's other partitions and another topic drain at >= 80 %
+/// only its own keys: its topic's other partitions and another topic drain at >= 90 %
 /// of their undisturbed pace, no attempt is spent, and when the leader returns the
 /// partition's backlog goes out in order, nothing lost. The undisturbed drain and the
 /// one beside the leaderless partition run at the same time; the best of 3 rounds,
@@ -347,11 +359,13 @@ async fn a_leaderless_partition_does_not_slow_the_rest() {
     for round in 0..3 {
         // Both drains at once, each with its own service, proxy and broker, so that the
         // shared machine's noise falls on both alike.
+        // Each in a task of its own; nothing after either stopwatch runs before both
+        // have stopped.
         let start = Arc::new(tokio::sync::Barrier::new(2));
-        let (a, b) = tokio::join!(
-            drain(false, false, start.clone()),
-            drain(true, round == 0, start)
-        );
+        let stopped = Arc::new(tokio::sync::Barrier::new(2));
+        let quiet = tokio::spawn(drain(false, false, start.clone(), stopped.clone()));
+        let dead = tokio::spawn(drain(true, round == 0, start, stopped));
+        let (a, b) = (quiet.await.unwrap(), dead.await.unwrap());
         alone.push(a);
         beside.push(b);
         ratios.push(a.as_secs_f64() / b.as_secs_f64());
@@ -362,11 +376,10 @@ async fn a_leaderless_partition_does_not_slow_the_rest() {
          leaderless partition in {beside:?}: {:.0} % of the pace",
         ratio * 100.0
     );
-    // The issue's bar is 90 %: 99-117 % measured alone on this 2-core machine. In the
-    // suite another test shares the cores (87 % seen there once), so the test holds the
-    // dead-topic test's 80 %.
+    // The issue's bar: 90 % (99-117 % measured on this 2-core machine). Until issue 46
+    // the two drains shared one task and the test asserted 80 %.
     assert!(
-        ratio >= 0.8,
+        ratio >= 0.9,
         "the healthy partitions kept {:.0} % of their pace",
         ratio * 100.0
     );

@@ -874,7 +874,10 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
     assert!(errors.is_empty(), "failed calls: {errors:?}");
     // The store runs a deadlock victim again, so calls alone cannot show one: the
     // database's own count must stay at zero (issue 46, item 4).
-    assert_eq!(deadlocks, 0, "deadlocks in the database: the lock order is broken");
+    assert_eq!(
+        deadlocks, 0,
+        "deadlocks in the database: the lock order is broken"
+    );
 }
 
 /// The lock order, deterministically: a transaction holds key `B`'s row (first in byte
