@@ -522,6 +522,14 @@ async fn start_outbox(
         stats.push(relay.stats());
         bg.spawn(relay.run(bg.token.clone()));
     }
+    if config.relays > 0 {
+        bg.spawn(crate::relay::pauses::watch(
+            store.clone(),
+            sink.clone(),
+            config.relay.poll_interval,
+            bg.token.clone(),
+        ));
+    }
     if config.is_postgres() && config.listen_notify {
         let pool = crate::store::postgres::pool(
             &config.database_url.0,

@@ -12,6 +12,7 @@
 
 pub mod backoff;
 pub mod domains;
+pub mod pauses;
 pub mod plan;
 mod stats;
 

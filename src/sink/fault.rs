@@ -103,4 +103,12 @@ impl<S: Sink> Sink for FaultySink<S> {
     fn topic_limits(&self) -> Option<super::kafka::topic_limits::TopicLimits> {
         self.inner.topic_limits()
     }
+
+    fn follows_pauses(&self) -> bool {
+        self.inner.follows_pauses()
+    }
+
+    fn paused(&self, topics: &std::collections::HashSet<String>) {
+        self.inner.paused(topics)
+    }
 }

@@ -162,6 +162,19 @@ pub trait Sink: Send + Sync + 'static {
     fn topic_limits(&self) -> Option<kafka::topic_limits::TopicLimits> {
         None
     }
+
+    /// Whether the sink wants the outbox's paused topics (`paused`): it may still hold
+    /// records of a topic after the relay has stopped claiming it.
+    fn follows_pauses(&self) -> bool {
+        false
+    }
+
+    /// The outbox topics paused now, as the store holds them (read every poll interval
+    /// by `relay::pauses::watch`, whichever process paused them). A sink still holding
+    /// records of a topic newly paused drops them: they were reported not delivered, so
+    /// they stay pending, in order, and go out after the resume. Blocking: call it off
+    /// the runtime's threads.
+    fn paused(&self, _topics: &std::collections::HashSet<String>) {}
 }
 
 /// `Sink::deliver` for a sink that implements `deliver_each`: gathers each line's report.
@@ -191,5 +204,11 @@ impl Sink for std::sync::Arc<dyn Sink> {
     }
     fn topic_limits(&self) -> Option<kafka::topic_limits::TopicLimits> {
         self.as_ref().topic_limits()
+    }
+    fn follows_pauses(&self) -> bool {
+        self.as_ref().follows_pauses()
+    }
+    fn paused(&self, topics: &std::collections::HashSet<String>) {
+        self.as_ref().paused(topics)
     }
 }

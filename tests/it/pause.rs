@@ -322,3 +322,213 @@ async fn the_broker_gets_nothing_of_a_paused_topic_until_it_is_resumed() {
     assert!(text.contains("was not paused"), "{text}");
     s.app.stop().await.unwrap();
 }
+
+/// Kafka's `NOT_ENOUGH_REPLICAS`: librdkafka retries it for as long as it holds the
+/// record (here: forever, `message.timeout.ms=0`), and nothing is appended.
+const NOT_ENOUGH_REPLICAS: i16 = 19;
+
+/// Issue 43, item 3: a pause purges what the Kafka producer still holds of its topic.
+/// Through the running service (its relays, the real sink, a 2 s delivery deadline) and
+/// the protocol proxy over tansu: every partition of `purge.held` answers
+/// `NOT_ENOUGH_REPLICAS`, so its records stay in the producer past the deadline
+/// (reported transient, retried by librdkafka). The topic is paused, then the
+/// partitions answer again: the broker (asked directly) holds none of its records until
+/// the resume, while `purge.open` keeps being published. After `ResumeTopic` every
+/// event reaches the broker, in key order, with no attempt spent. (Before the purge, the
+/// producer wrote the held records as soon as the partitions answered, paused or not.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_purges_what_the_producer_still_holds_of_its_topic() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use crate::partitions::{PARTITIONS, create_topics};
+    use crate::support::kafka_proxy::{KafkaProxy, latest_offsets};
+    use mailroom::sink::kafka::{KafkaSink, producer_config};
+
+    let proxy = KafkaProxy::listen().await;
+    let broker = Broker::start_advertising(free_port(), &proxy.addr());
+    proxy.set_upstream(&broker.addr());
+    create_topics(&proxy.addr(), &["purge.held", "purge.open"]).await;
+    for p in 0..PARTITIONS {
+        proxy.refuse_produce("purge.held", p, NOT_ENOUGH_REPLICAS);
+    }
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    let deadline = Duration::from_secs(2);
+    kafka_sink_config(&mut c, &proxy.addr(), deadline);
+    c.admin_token = Some(mailroom::secret::Secret("tok".into()));
+    let sink = Arc::new(
+        KafkaSink::new(
+            producer_config(&proxy.addr(), deadline, &Default::default()),
+            "mailroom-test".into(),
+            deadline,
+        )
+        .unwrap(),
+    );
+    let mut s = Service::start_with_sink(c, sink.clone()).await;
+    let mut a = AdminServiceClient::new(channel(s.app.addr).await);
+
+    // Another topic keeps flowing throughout: an event every 100 ms.
+    let trickling = Arc::new(AtomicBool::new(true));
+    let trickle = {
+        let (mut client, on) = (s.client.clone(), trickling.clone());
+        tokio::spawn(async move {
+            let mut ids = Vec::new();
+            let mut i = 0;
+            while on.load(Ordering::Relaxed) {
+                let key = format!("o{}", i % 5);
+                ids.push(
+                    enqueue(
+                        &mut client,
+                        event("purge.open", &key, format!("{i}").as_bytes()),
+                    )
+                    .await,
+                );
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            ids
+        })
+    };
+
+    let keys = ["h0", "h1", "h2", "h3"];
+    let events = (0..20)
+        .map(|i| event("purge.held", keys[i % 4], format!("{i}").as_bytes()))
+        .collect();
+    let held: Vec<i64> = s
+        .client
+        .enqueue_batch(pb::EnqueueBatchRequest { events })
+        .await
+        .unwrap()
+        .into_inner()
+        .results
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    // Past the deadline: reported transient (the relay counts them), still in the
+    // producer, retried there.
+    eventually(
+        Duration::from_secs(60),
+        "the held topic's records past the deadline",
+        || async {
+            let transient: u64 = s
+                .app
+                .relay_stats
+                .iter()
+                .map(|r| r.transient.load(Ordering::Relaxed))
+                .sum();
+            transient > 0 && proxy.refusals() > 0 && sink.queued() >= held.len() as i32
+        },
+    )
+    .await;
+    for id in &held {
+        let e = s.stored(BoxKind::Outbox, *id).await;
+        assert_eq!((e.status, e.attempts), (Status::Pending, 0), "event {id}");
+    }
+
+    let out = pause(&mut a, "purge.held", "purge test").await.unwrap();
+    assert!(out.changed);
+    eventually(
+        Duration::from_secs(10),
+        "the sink read the pause",
+        || async { sink.knows_paused("purge.held") && sink.pause_purges() > 0 },
+    )
+    .await;
+    // The partitions answer again.
+    proxy.accept_produce();
+    let refusals = proxy.refusals();
+    let answered = Instant::now();
+    let open_done = "SELECT count(*) FROM public.outbox_events_view WHERE topic = 'purge.open' AND status = 'completed'";
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let open_before = count(open_done).await;
+    // The other topic goes on (20 more events published) and librdkafka has had time
+    // for several retries (its backoff is 1 s at most) of anything it still held.
+    eventually(Duration::from_secs(60), "the other topic flows", || async {
+        count(open_done).await >= open_before + 20 && answered.elapsed() >= Duration::from_secs(3)
+    })
+    .await;
+    let written = latest_offsets(&broker.addr(), "purge.held", PARTITIONS).await;
+    let open_written = latest_offsets(&broker.addr(), "purge.open", PARTITIONS).await;
+    eprintln!(
+        "pause purge: {} pause purge(s), {refusals} refused batches, held topic's records \
+         on the broker while paused: {written:?}, other topic's: {open_written:?}",
+        sink.pause_purges()
+    );
+    assert!(refusals > 0, "the proxy held the partitions");
+    assert!(
+        open_written.iter().sum::<i64>() > 0,
+        "the other topic flowed"
+    );
+    assert_eq!(
+        written.iter().sum::<i64>(),
+        0,
+        "records of the paused topic written while it was paused: {written:?}"
+    );
+    assert_eq!(sink.pause_purges(), 1, "one purge for the one pause");
+    for id in &held {
+        let e = s.stored(BoxKind::Outbox, *id).await;
+        assert_eq!((e.status, e.attempts), (Status::Pending, 0), "event {id}");
+    }
+
+    resume(&mut a, "purge.held").await;
+    eventually(
+        Duration::from_secs(60),
+        "the held topic published",
+        || async {
+            let mut done = true;
+            for id in &held {
+                done &= s.stored(BoxKind::Outbox, *id).await.status == Status::Completed;
+            }
+            done
+        },
+    )
+    .await;
+    trickling.store(false, Ordering::Relaxed);
+    let open = trickle.await.unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "the other topic published",
+        || async { count(open_done).await == open.len() as i64 },
+    )
+    .await;
+    let spent = count(
+        "SELECT count(*) FROM public.outbox_events_view WHERE attempts > 0 OR status <> 'completed'",
+    )
+    .await;
+    assert_eq!(spent, 0, "no attempt spent, everything published");
+    let recs = consume(
+        &broker.addr(),
+        "purge.held",
+        held.len(),
+        Duration::from_secs(30),
+    );
+    let (per_key, dups) = first_deliveries(&recs);
+    eprintln!(
+        "after the resume: {} records of the held topic, {dups} duplicates",
+        recs.len()
+    );
+    for (k, key) in keys.iter().enumerate() {
+        let want: Vec<i64> = held.iter().copied().skip(k).step_by(4).collect();
+        assert_eq!(per_key[*key], want, "key {key}: each event, in order");
+    }
+    assert_eq!(
+        consume(
+            &broker.addr(),
+            "purge.open",
+            open.len(),
+            Duration::from_secs(30)
+        )
+        .len(),
+        open.len()
+    );
+    s.app.stop().await.unwrap();
+}

@@ -37,6 +37,7 @@ mod classify;
 mod cloudevents;
 pub mod narrowing;
 pub mod partitions;
+mod pauses;
 pub mod topic_limits;
 
 pub use classify::{Attempt, Decision, Narrow, Row, decide, markdown_table};
@@ -80,6 +81,10 @@ pub struct KafkaSink {
     /// Topics whose records the broker refused lately, published one record at a time
     /// by a producer of their own (`narrowing`).
     narrowed: narrowing::Narrowed,
+    /// The paused topics and what each producer still holds of each topic (`pauses`).
+    pauses: pauses::Pauses,
+    /// Pauses that purged a producer.
+    pause_purges: AtomicU64,
 }
 
 /// Builds the producer configuration: safe defaults first, then the operator's
@@ -164,6 +169,8 @@ impl KafkaSink {
             deadline,
             partitions: partitions::Partitions::default(),
             topic_limits: None,
+            pauses: pauses::Pauses::default(),
+            pause_purges: AtomicU64::new(0),
         })
     }
 
@@ -193,6 +200,16 @@ impl KafkaSink {
     /// held of every topic).
     pub fn replacements(&self) -> u64 {
         self.replacements.load(Ordering::Relaxed)
+    }
+
+    /// How many pauses purged a producer that still held records of the paused topic.
+    pub fn pause_purges(&self) -> u64 {
+        self.pause_purges.load(Ordering::Relaxed)
+    }
+
+    /// Whether `topic` is paused, as the sink last read it (`Sink::paused`).
+    pub fn knows_paused(&self, topic: &str) -> bool {
+        self.pauses.is_paused(topic)
     }
 
     /// Whether `e` goes to a partition the metadata shows without a leader.
@@ -608,32 +625,40 @@ async fn await_line(
     timeout: Duration,
     exact: bool,
     producer: Weak<FutureProducer>,
-) -> (Vec<Delivery>, LineNotes) {
+) -> (Vec<Delivery>, LineNotes, Vec<DeliveryFuture>) {
     let mut out = vec![Delivery::NotAttempted; len];
     let mut notes = LineNotes::default();
     let mut failed = false;
     let sent = futures.len();
-    for (i, fut) in futures.into_iter().enumerate() {
+    // Records librdkafka has not reported yet: it still holds them.
+    let mut unreported = Vec::new();
+    for (i, mut fut) in futures.into_iter().enumerate() {
         if failed {
             // Only an acknowledgement that has already arrived can be a gap.
-            if let Some(Ok(Ok(_))) = fut.now_or_never() {
-                out[i] = Delivery::Delivered;
+            match (&mut fut).now_or_never() {
+                Some(Ok(Ok(_))) => out[i] = Delivery::Delivered,
+                Some(_) => {}
+                None => unreported.push(fut),
             }
             continue;
         }
         let waited = tokio::select! {
             biased;
-            r = fut => Ok(r),
+            r = &mut fut => Ok(r),
             why = fatal(&producer) => {
                 // The producer is fatal: it sends nothing more, and what it still holds
                 // would only be reported at the deadline. The record goes again at once
                 // on the new producer (as a purged one does), not at the deadline.
                 notes.broken = Some(why);
                 failed = true;
+                unreported.push(fut);
                 continue;
             }
             () = tokio::time::sleep_until(deadline) => Err(()),
         };
+        if waited.is_err() {
+            unreported.push(fut);
+        }
         out[i] = match waited {
             Ok(Ok(Ok(_))) => {
                 notes.delivered = true;
@@ -688,7 +713,29 @@ async fn await_line(
         }
         out[sent] = stop.delivery;
     }
-    (out, notes)
+    (out, notes, unreported)
+}
+
+/// Keeps a line counted as held by its producer (`pauses`) until librdkafka has
+/// reported each of `unreported` (delivered, failed or purged), or the producer is gone.
+fn track(unreported: Vec<DeliveryFuture>, held: pauses::HeldLine, producer: Weak<FutureProducer>) {
+    if unreported.is_empty() {
+        return;
+    }
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = futures::future::join_all(unreported) => {}
+            () = gone(&producer) => {}
+        }
+        drop(held);
+    });
+}
+
+/// Resolves once `producer` is dropped.
+async fn gone(producer: &Weak<FutureProducer>) {
+    while producer.strong_count() > 0 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 #[async_trait::async_trait]
@@ -715,28 +762,59 @@ impl Sink for KafkaSink {
         let careful = self.narrowed_producer(&narrowed);
         // Every line is handed to librdkafka first, so the whole cycle is pipelined.
         let mut running = FuturesUnordered::new();
-        for (i, line) in lines.iter().enumerate() {
-            let (through, head_only) = match (&careful, narrowed[i]) {
-                // A narrowed topic: the line's head alone, in a batch of its own.
-                (Some(careful), true) => (careful.clone(), true),
-                _ => (producer.clone(), false),
-            };
-            let sent = if head_only { &line[..1] } else { &line[..] };
-            let (futures, refused, spans) = self.produce_line(&through, sent);
-            let through = Arc::downgrade(&through);
-            let (len, timeout) = (line.len(), self.deadline);
-            running.push(async move {
-                let (d, notes) =
-                    await_line(futures, refused, len, deadline, timeout, head_only, through).await;
-                // A producer span ends at its record's acknowledgement (or failure).
-                for (span, d) in spans.iter().zip(&d) {
-                    if !matches!(d, Delivery::Delivered) {
-                        span.record("otel.status_code", "ERROR");
-                    }
+        // Lines of a topic paused since they were claimed: not handed over. A pause
+        // read meanwhile waits for the hand-over (`pauses`).
+        let paused = {
+            let mut paused = Vec::new();
+            let mut gate = self.pauses.gate();
+            for (i, line) in lines.iter().enumerate() {
+                let topic = line.first().map(|e| e.topic.as_str());
+                if topic.is_some_and(|t| gate.paused(t)) {
+                    paused.push(i);
+                    continue;
                 }
-                drop(spans);
-                (i, d, notes)
-            });
+                let (through, head_only) = match (&careful, narrowed[i]) {
+                    // A narrowed topic: the line's head alone, in a batch of its own.
+                    (Some(careful), true) => (careful.clone(), true),
+                    _ => (producer.clone(), false),
+                };
+                let sent = if head_only { &line[..1] } else { &line[..] };
+                let (futures, refused, spans) = self.produce_line(&through, sent);
+                let held = match topic {
+                    Some(t) if !futures.is_empty() => Some(gate.hold(&through, t)),
+                    _ => None,
+                };
+                let through = Arc::downgrade(&through);
+                let (len, timeout) = (line.len(), self.deadline);
+                running.push(async move {
+                    let (d, notes, unreported) = await_line(
+                        futures,
+                        refused,
+                        len,
+                        deadline,
+                        timeout,
+                        head_only,
+                        through.clone(),
+                    )
+                    .await;
+                    // The line's records stay held until librdkafka reports them all.
+                    if let Some(held) = held {
+                        track(unreported, held, through);
+                    }
+                    // A producer span ends at its record's acknowledgement (or failure).
+                    for (span, d) in spans.iter().zip(&d) {
+                        if !matches!(d, Delivery::Delivered) {
+                            span.record("otel.status_code", "ERROR");
+                        }
+                    }
+                    drop(spans);
+                    (i, d, notes)
+                });
+            }
+            paused
+        };
+        for i in paused {
+            done(i, vec![Delivery::NotAttempted; lines[i].len()]);
         }
         let mut health = CycleHealth::default();
         while let Some((i, d, notes)) = running.next().await {
@@ -771,6 +849,36 @@ impl Sink for KafkaSink {
 
     fn topic_limits(&self) -> Option<topic_limits::TopicLimits> {
         self.topic_limits.clone()
+    }
+
+    fn follows_pauses(&self) -> bool {
+        true
+    }
+
+    /// Purges every producer that still holds records of a topic newly paused
+    /// (`pauses`): the shared one is replaced first, so that new records go to a fresh
+    /// producer while the old one's queues are emptied at once (not when the last cycle
+    /// holding it lets it go).
+    fn paused(&self, topics: &std::collections::HashSet<String>) {
+        let (held, producers) = self.pauses.update(topics);
+        if producers.is_empty() {
+            return;
+        }
+        tracing::warn!(
+            topics = ?held,
+            producers = producers.len(),
+            "paused topics still had records in the Kafka producer: purging it (every \
+             record it held, of any topic, goes again later, no attempt spent)"
+        );
+        self.pause_purges.fetch_add(1, Ordering::Relaxed);
+        for p in producers {
+            if Arc::ptr_eq(&p, &self.current()) {
+                self.replace(&p, &format!("paused topics {held:?} had records in it"));
+            }
+            p.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+            // Dropping the last holder of a producer flushes it: a blocking thread here.
+            drop(p);
+        }
     }
 
     fn domain(&self, e: &StoredEvent) -> String {

@@ -522,3 +522,58 @@ fn rewrite_metadata(mut f: Bytes, version: i16, faults: &Faults) -> Option<Bytes
     body.encode(&mut out, version).ok()?;
     Some(out.freeze())
 }
+
+/// The latest offset (the high watermark) of each of `topic`'s first `partitions`
+/// partitions, asked of the broker at `broker` itself with a `ListOffsets` request (not
+/// through the proxy, nor through the metadata, which names the proxy).
+pub async fn latest_offsets(broker: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::{ListOffsetsRequest, ListOffsetsResponse, TopicName};
+    use kafka_protocol::protocol::StrBytes;
+    let version = 1;
+    let mut header = RequestHeader::default();
+    header.request_api_key = ApiKey::ListOffsets as i16;
+    header.request_api_version = version;
+    header.correlation_id = 1;
+    header.client_id = Some(StrBytes::from_static_str("mailroom-test"));
+    let mut t = ListOffsetsTopic::default();
+    t.name = TopicName(StrBytes::from_string(topic.to_string()));
+    t.partitions = (0..partitions)
+        .map(|p| {
+            let mut lp = ListOffsetsPartition::default();
+            lp.partition_index = p;
+            lp.timestamp = -1;
+            lp
+        })
+        .collect();
+    let mut body = ListOffsetsRequest::default();
+    body.replica_id = (-1).into();
+    body.topics = vec![t];
+    let mut out = BytesMut::new();
+    header
+        .encode(
+            &mut out,
+            ApiKey::ListOffsets.request_header_version(version),
+        )
+        .unwrap();
+    body.encode(&mut out, version).unwrap();
+    let mut conn = TcpStream::connect(broker).await.unwrap();
+    conn.write_all(&framed(&out)).await.unwrap();
+    let mut answer = frame(&mut conn).await.expect("a ListOffsets answer");
+    ResponseHeader::decode(
+        &mut answer,
+        ApiKey::ListOffsets.response_header_version(version),
+    )
+    .unwrap();
+    let r = ListOffsetsResponse::decode(&mut answer, version).unwrap();
+    let mut offsets = vec![0; usize::try_from(partitions).unwrap()];
+    for p in r.topics.iter().flat_map(|t| &t.partitions) {
+        assert_eq!(
+            p.error_code, 0,
+            "ListOffsets of {topic}[{}]",
+            p.partition_index
+        );
+        offsets[usize::try_from(p.partition_index).unwrap()] = p.offset;
+    }
+    offsets
+}
