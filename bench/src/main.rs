@@ -46,6 +46,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 mod baselines;
+mod history;
 mod infra;
 mod intake;
 mod measure;
@@ -72,6 +73,7 @@ const ALL: &[&str] = &[
     "e2e",
     "list-pending",
     "status-reads",
+    "history",
     "sql-api",
     "wal",
     "retention",
@@ -105,7 +107,7 @@ fn diag_writers() -> usize {
 )]
 struct Args {
     /// Scenarios, comma-separated: raw-pg, raw-kafka, raw-e2e, enqueue, batch, relay-keys,
-    /// relay-key, relay-deep, e2e, list-pending, status-reads, sql-api, wal, retention,
+    /// relay-key, relay-deep, e2e, list-pending, status-reads, history, sql-api, wal, retention,
     /// scale-drain, scale-intake; `relay` = the three relay scenarios, `scale` = both scale
     /// scenarios, `all` = everything.
     #[arg(long, value_delimiter = ',', default_value = "all")]
@@ -150,6 +152,8 @@ struct Sizes {
     list_calls: usize,
     /// The retention scenario's two volumes (the second 5× the first).
     retention: [usize; 2],
+    /// Events of the history scenario (over a tenth as many keys).
+    history_events: usize,
 }
 
 impl Sizes {
@@ -167,6 +171,7 @@ impl Sizes {
                 e2e: duration * 2,
                 list_calls: 3,
                 retention: [4_000, 20_000],
+                history_events: 200_000,
             }
         } else {
             Sizes {
@@ -180,6 +185,10 @@ impl Sizes {
                 e2e: duration * 2,
                 list_calls: 20,
                 retention: [40_000, 200_000],
+                history_events: std::env::var("MAILROOM_BENCH_HISTORY_EVENTS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(10_000_000),
             }
         }
     }
@@ -455,6 +464,7 @@ async fn main() -> anyhow::Result<()> {
             }
             "list-pending" => bench.list_pending().await.map(|r| vec![r]),
             "status-reads" => bench.status_reads().await,
+            "history" => bench.history().await,
             "sql-api" => bench.sql_api().await,
             "wal" => bench.wal().await,
             "retention" => bench.retention(sizes.retention).await,

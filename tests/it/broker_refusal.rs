@@ -208,7 +208,7 @@ async fn drain_beside_refusals(
     );
     stop.cancel();
     task.await.unwrap();
-    stopped.wait().await;
+    meet(&stopped).await;
     let addr = broker.addr();
     let records = tokio::task::spawn_blocking(move || {
         consume(
@@ -373,7 +373,11 @@ const SMALL_LIMIT: usize = 64 * 1024;
 /// (its keys are claimed, and probed, from the start). Afterwards the beside topic
 /// drains too, in order, without spending an attempt. The relay starts when every party
 /// of `start` has its backlog in place.
-async fn drain_beside(beside: Beside, start: Arc<tokio::sync::Barrier>) -> Drain {
+async fn drain_beside(
+    beside: Beside,
+    start: Arc<tokio::sync::Barrier>,
+    stopped: Arc<tokio::sync::Barrier>,
+) -> Drain {
     let proxy = KafkaProxy::listen().await;
     let broker = Broker::start_advertising(free_port(), &proxy.addr());
     proxy.set_upstream(&broker.addr());
@@ -469,6 +473,9 @@ async fn drain_beside(beside: Beside, start: Arc<tokio::sync::Barrier>) -> Drain
     }
     let took = t0.elapsed();
     let (replacements, refusals) = (sink.replacements(), proxy.refusals());
+    // What follows (the other topic's drain, the read-back) waits for the other drain's
+    // stopwatch too.
+    meet(&stopped).await;
     if beside == Beside::Acl(true) {
         assert!(sink.is_narrowed("acl"), "the refused topic is narrowed");
         assert!(!sink.is_narrowed("other"), "and only it");
@@ -523,8 +530,9 @@ async fn paired_drains(alone: Beside, faulty: Beside) -> (Vec<Drain>, Vec<Drain>
     let (mut a_runs, mut f_runs) = (Vec::new(), Vec::new());
     for _ in 0..2 {
         let start = Arc::new(tokio::sync::Barrier::new(2));
-        let a = tokio::spawn(drain_beside(alone, start.clone()));
-        let f = tokio::spawn(drain_beside(faulty, start));
+        let stopped = Arc::new(tokio::sync::Barrier::new(2));
+        let a = tokio::spawn(drain_beside(alone, start.clone(), stopped.clone()));
+        let f = tokio::spawn(drain_beside(faulty, start, stopped));
         a_runs.push(a.await.unwrap());
         f_runs.push(f.await.unwrap());
     }

@@ -234,7 +234,7 @@ async fn drain(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let took = t0.elapsed();
-    stopped.wait().await;
+    meet(&stopped).await;
 
     if hide {
         assert!(proxy.hidden_answers() > 0, "the proxy hid the leader");

@@ -661,3 +661,11 @@ pub async fn count_rows(url: &str, sql: &str) -> i64 {
             .unwrap()
     }
 }
+
+/// Waits at `barrier` for the other parties of a paired measurement, at most 5 minutes:
+/// a party that panicked never arrives, and the test fails instead of hanging.
+pub async fn meet(barrier: &tokio::sync::Barrier) {
+    tokio::time::timeout(Duration::from_secs(300), barrier.wait())
+        .await
+        .expect("the other party of the paired measurement never arrived (did it fail?)");
+}

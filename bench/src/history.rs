@@ -1,0 +1,173 @@
+//! A week of history (issue 46, item 1): the operator reads and the readiness check
+//! against a database that holds what a week of production leaves behind, with default
+//! settings and relays off. `history_events` events over a tenth as many keys (10 per
+//! key), generated in SQL the way the relays leave them: published by the per-key
+//! cursor (rows still `pending` at or below `published_through`, one `outbox_publishes`
+//! row per key, spread over the last 7 days), one failed event in 1,001, and a backlog
+//! of 100 keys with 20 events each above their cursors. Every read runs twice in the
+//! same run: as shipped, then with the backlog index dropped (the schema before
+//! migration 0022), so the ratio needs no second run.
+
+use super::*;
+
+/// Calls per read.
+const CALLS: usize = 200;
+/// Keys with a backlog, and the events each holds.
+const BACKLOG_KEYS: i64 = 100;
+const BACKLOG_EACH: i64 = 20;
+
+impl Bench {
+    pub(crate) async fn history(&self) -> anyhow::Result<Vec<Row>> {
+        let (db, url) = self.dbs.fresh().await?;
+        let events = self.sizes.history_events as i64;
+        let keys = (events / 10).max(1);
+        let topic = self.topic("history");
+        let prep = Instant::now();
+        let pool = sqlx::PgPool::connect(&url).await?;
+        sqlx::query(
+            "INSERT INTO outbox_events (topic, event_key, payload, headers, event_type,
+                 max_attempts, scheduled_at, status, attempts, last_error, created_at,
+                 updated_at, published_at)
+             SELECT $1, 'key-' || (i % $3), $4, '{}'::jsonb, $5, 6, t, 
+                    CASE WHEN i % 1001 = 1000 THEN 'failed' ELSE 'pending' END,
+                    CASE WHEN i % 1001 = 1000 THEN 6 ELSE 0 END,
+                    CASE WHEN i % 1001 = 1000 THEN 'broker refused the record' END,
+                    t, t, NULL
+             FROM generate_series(0, $2 - 1) AS i,
+                  LATERAL (SELECT now() - interval '7 days' * (1 - i::float8 / $2) AS t) w
+             ORDER BY i",
+        )
+        .bind(&topic)
+        .bind(events)
+        .bind(keys)
+        .bind(&self.payload)
+        .bind(EVENT_TYPE)
+        .execute(&pool)
+        .await?;
+        sqlx::query(
+            "INSERT INTO outbox_keys (topic, event_key, ready_at, pending, published_through)
+             SELECT topic, event_key, 'infinity', 0, max(id) FROM outbox_events GROUP BY 1, 2",
+        )
+        .execute(&pool)
+        .await?;
+        sqlx::query(
+            "INSERT INTO outbox_publishes (topic, event_key, through, at, events)
+             SELECT topic, event_key, max(id), max(created_at), count(*)
+             FROM outbox_events WHERE status = 'pending' GROUP BY topic, event_key",
+        )
+        .execute(&pool)
+        .await?;
+        // The backlog: events above the cursors of 100 keys (the triggers count them).
+        sqlx::query(
+            "INSERT INTO outbox_events (topic, event_key, payload, max_attempts, scheduled_at)
+             SELECT $1, 'key-' || (k * 997 % $2), $3, 6, now() + interval '1 hour'
+             FROM generate_series(1, $4) AS k, generate_series(1, $5) AS n ORDER BY n, k",
+        )
+        .bind(&topic)
+        .bind(keys)
+        .bind(&self.payload)
+        .bind(BACKLOG_KEYS)
+        .bind(BACKLOG_EACH)
+        .execute(&pool)
+        .await?;
+        sqlx::query("VACUUM ANALYZE").execute(&pool).await?;
+        let prep = prep.elapsed();
+        let with_backlog: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outbox_keys WHERE pending > 0")
+                .fetch_one(&pool)
+                .await?;
+        anyhow::ensure!(
+            with_backlog == BACKLOG_KEYS,
+            "{with_backlog} keys with a backlog, not {BACKLOG_KEYS}"
+        );
+
+        let app = App::start(
+            mailroom_config(&url, &self.brokers, 0)?,
+            CancellationToken::new(),
+        )
+        .await?;
+        let chan = channels(app.addr, 1).await?.remove(0);
+        let mut admin = pb::admin_service_client::AdminServiceClient::new(chan);
+        let outbox = pb::Box::Outbox as i32;
+        let stats = pb::GetStatsRequest {
+            r#box: outbox,
+            ..Default::default()
+        };
+        let pending = |order: pb::PendingOrder| pb::ListPendingRequest {
+            r#box: outbox,
+            page_size: 50,
+            order: order as i32,
+            ..Default::default()
+        };
+        // Each read is checked on its first answer: a wrong answer measures nothing.
+        let s = admin.get_stats(stats.clone()).await?.into_inner();
+        anyhow::ensure!(
+            s.pending == BACKLOG_KEYS * BACKLOG_EACH && s.oldest_pending_age.is_some(),
+            "GetStats said {} pending: not the prepared backlog",
+            s.pending
+        );
+        let page = admin
+            .list_pending(pending(pb::PendingOrder::MostPending))
+            .await?
+            .into_inner();
+        anyhow::ensure!(
+            page.keys.len() == 50,
+            "ListPending returned {} keys",
+            page.keys.len()
+        );
+
+        let mut rows = Vec::new();
+        for index in ["with the backlog index", "without it (before 0022)"] {
+            if index.starts_with("without") {
+                sqlx::query("DROP INDEX outbox_keys_backlog")
+                    .execute(&pool)
+                    .await?;
+                sqlx::query("ANALYZE outbox_keys").execute(&pool).await?;
+            }
+            for name in ["get-stats", "list-pending-most", "list-pending-oldest"] {
+                let mark = CpuMark::take(self.broker_pid);
+                let mut lat = Vec::with_capacity(CALLS);
+                let start = Instant::now();
+                for _ in 0..CALLS {
+                    let t = Instant::now();
+                    match name {
+                        "get-stats" => {
+                            admin.get_stats(stats.clone()).await?;
+                        }
+                        "list-pending-most" => {
+                            admin
+                                .list_pending(pending(pb::PendingOrder::MostPending))
+                                .await?;
+                        }
+                        _ => {
+                            admin
+                                .list_pending(pending(pb::PendingOrder::Oldest))
+                                .await?;
+                        }
+                    }
+                    lat.push(t.elapsed().as_micros() as u64);
+                }
+                rows.push(Row {
+                    name: format!("history {name}, {index}"),
+                    events: CALLS as u64,
+                    secs: start.elapsed().as_secs_f64(),
+                    latency: latency(lat),
+                    peak_rss_mb: mb(status_kb("VmHWM:")),
+                    cpu: mark.since(self.broker_pid),
+                    baseline: None,
+                    notes: vec![format!(
+                        "{events} events retained over {keys} keys, {BACKLOG_KEYS} keys with \
+                         {BACKLOG_EACH} pending each (prepared in SQL in {:.0} s); {CALLS} calls \
+                         over gRPC; GetStats is also the readiness lag check's read",
+                        prep.as_secs_f64()
+                    )],
+                    wal_bytes: None,
+                });
+            }
+        }
+        pool.close().await;
+        app.stop().await?;
+        self.dbs.drop_db(&db).await;
+        Ok(rows)
+    }
+}
