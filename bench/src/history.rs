@@ -12,6 +12,25 @@ use super::*;
 
 /// Calls per read.
 const CALLS: usize = 200;
+/// Calls of a key-pruning round's statement.
+const PRUNE_CALLS: usize = 20;
+
+/// The idle-key pruning statement of main before issue 46 (`prune_idle_keys`), run as it
+/// was for the comparison: it read every idle key and probed its line each call.
+const PRUNE_BEFORE: &str = "WITH gone AS (
+         DELETE FROM outbox_keys WHERE (topic, event_key) IN (
+             SELECT k.topic, k.event_key FROM outbox_keys k
+             WHERE k.ready_at = 'infinity' AND k.lease_token IS NULL AND k.pending = 0
+               AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.status = 'pending'
+                               AND e.topic = k.topic AND e.event_key = k.event_key)
+             LIMIT $1
+             FOR UPDATE SKIP LOCKED)
+         AND ready_at = 'infinity' AND lease_token IS NULL AND pending = 0
+         RETURNING topic, event_key),
+     logs AS (
+         DELETE FROM outbox_publishes l USING gone g
+         WHERE l.topic = g.topic AND l.event_key = g.event_key)
+     SELECT count(*) FROM gone";
 /// Keys with a backlog, and the events each holds.
 const BACKLOG_KEYS: i64 = 100;
 const BACKLOG_EACH: i64 = 20;
@@ -165,9 +184,61 @@ impl Bench {
                 });
             }
         }
+        rows.extend(self.history_pruning(&app, &pool, events, keys).await?);
         pool.close().await;
         app.stop().await?;
         self.dbs.drop_db(&db).await;
+        Ok(rows)
+    }
+
+    /// A retention round's key pruning over the history, where every idle key still has
+    /// retained rows (nothing to prune): mailroom's call as shipped, then main's statement
+    /// before issue 46 in the same database.
+    async fn history_pruning(
+        &self,
+        app: &App,
+        pool: &sqlx::PgPool,
+        events: i64,
+        keys: i64,
+    ) -> anyhow::Result<Vec<Row>> {
+        use mailroom::store::retention::RetentionStore as _;
+        let mut rows = Vec::new();
+        for variant in ["as shipped", "main's statement before issue 46"] {
+            let mark = CpuMark::take(self.broker_pid);
+            let mut lat = Vec::with_capacity(PRUNE_CALLS);
+            let start = Instant::now();
+            let mut pruned = 0;
+            for _ in 0..PRUNE_CALLS {
+                let t = Instant::now();
+                pruned += if variant == "as shipped" {
+                    app.store.prune_idle_keys(1000).await? as i64
+                } else {
+                    sqlx::query_scalar::<_, i64>(PRUNE_BEFORE)
+                        .bind(1000i64)
+                        .fetch_one(pool)
+                        .await?
+                };
+                lat.push(t.elapsed().as_micros() as u64);
+            }
+            anyhow::ensure!(
+                pruned == 0,
+                "{pruned} keys pruned: the history has none to prune"
+            );
+            rows.push(Row {
+                name: format!("history prune-idle-keys, {variant}"),
+                events: PRUNE_CALLS as u64,
+                secs: start.elapsed().as_secs_f64(),
+                latency: latency(lat),
+                peak_rss_mb: mb(status_kb("VmHWM:")),
+                cpu: mark.since(self.broker_pid),
+                baseline: None,
+                notes: vec![format!(
+                    "{events} events retained over {keys} keys, none prunable; {PRUNE_CALLS} \
+                     calls of a batch of 1,000 (a retention round's last call)"
+                )],
+                wal_bytes: None,
+            });
+        }
         Ok(rows)
     }
 }

@@ -443,3 +443,66 @@ async fn a_round_deletes_every_due_cursor_published_event() {
     );
     s.app.stop().await.unwrap();
 }
+
+/// Issue 46, item 1: pruning idle key rows reads a bounded slice of the key table per
+/// call (ten key rows per row it may delete), from where the previous call stopped,
+/// wrapping round, so a call's cost does not grow with the history; every prunable key
+/// is still pruned within one turn of the table, and keys whose line still holds rows
+/// are kept. 190 keys whose lines hold retained rows and 10 empty idle keys among them
+/// (every twentieth): with a limit of 1 a call reads 10 rows, so a call that reads only
+/// kept keys deletes nothing (main read the whole table for its one row: 1 per call).
+#[tokio::test]
+async fn pruning_reads_a_bounded_slice_and_goes_round_the_whole_table() {
+    let url = fresh_pg().await;
+    let store = mailroom::app::open_store(&quiet_config(&url))
+        .await
+        .unwrap();
+    // Retained lines: events published by the cursor (still `pending`, at or below it).
+    exec(
+        &url,
+        "INSERT INTO outbox_events (topic, event_key, payload, max_attempts, scheduled_at)
+         SELECT 'prune', 'k' || lpad(i::text, 3, '0'), '\\x01', 6, now()
+         FROM generate_series(0, 199) i WHERE i % 20 <> 19",
+    )
+    .await;
+    exec(
+        &url,
+        "INSERT INTO outbox_keys (topic, event_key, ready_at, pending, published_through)
+         SELECT 'prune', 'k' || lpad(i::text, 3, '0'), 'infinity', 0,
+                coalesce((SELECT max(id) FROM outbox_events), 0)
+         FROM generate_series(0, 199) i
+         ON CONFLICT (topic, event_key) DO UPDATE SET ready_at = 'infinity', pending = 0,
+             published_through = EXCLUDED.published_through",
+    )
+    .await;
+    let keys = "SELECT count(*) FROM outbox_keys";
+    assert_eq!(count_rows(&url, keys).await, 200);
+    // The first slice (k000..k009) holds no empty key.
+    assert_eq!(store.prune_idle_keys(1).await.unwrap(), 0);
+    let mut calls = 1;
+    let mut empty_calls = 1;
+    while count_rows(&url, keys).await > 190 {
+        let n = store.prune_idle_keys(1).await.unwrap();
+        assert!(n <= 1);
+        empty_calls += usize::from(n == 0);
+        calls += 1;
+        assert!(calls <= 40, "the turn never ended: {calls} calls");
+    }
+    println!("10 empty keys pruned in {calls} calls ({empty_calls} found none in their slice)");
+    // Every kept key still has its line.
+    assert_eq!(
+        count_rows(
+            &url,
+            "SELECT count(*) FROM outbox_keys k WHERE EXISTS (SELECT 1 FROM outbox_events e
+             WHERE e.topic = k.topic AND e.event_key = k.event_key)"
+        )
+        .await,
+        190
+    );
+    // Past the last key the next call starts again from the first.
+    assert_eq!(store.prune_idle_keys(1000).await.unwrap(), 0);
+    assert!(
+        empty_calls > 0,
+        "every call found a row: the whole table was read"
+    );
+}

@@ -52,6 +52,8 @@ pub struct PgStore {
     /// Where the next fold's scan starts (`PgStore::fold`): above the last id of a full
     /// fold, else 0.
     fold_from: std::sync::atomic::AtomicI64,
+    /// Where the next pruning of idle key rows starts, per box (`retention.rs`).
+    prune_from: std::sync::Mutex<retention::PruneFrom>,
     /// Keys this replica's claims found held by SQL-API writers (`held.rs`).
     held: Arc<held::HeldKeys>,
     /// `held.rs`'s statements, qualified.
@@ -232,6 +234,7 @@ impl PgStore {
             held_sql: held::Statements::new(&names),
             names,
             fold_from: std::sync::atomic::AtomicI64::new(0),
+            prune_from: std::sync::Mutex::default(),
             held: Arc::default(),
             known: schema::highest(&sqlx::migrate!("migrations/postgres")),
         }
