@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# What migration 0022's partial index (outbox_keys WHERE pending > 0) costs the enqueue's
-# key upsert (issue 46, item 1). An index whose predicate names `pending` makes every
-# update of `pending` a non-HOT update; this measures the enqueue's own key statement
+# What a partial index on the keys with a backlog (outbox_keys WHERE pending > 0) would
+# cost the enqueue's key upsert (issue 46, item 1: why mailroom finds the backlog through
+# the `ready_at` index instead, `Shape::backlog`). An index whose predicate names
+# `pending` makes every update of `pending` a non-HOT update; this measures the enqueue's
+# own key statement
 # (100 keys of 1,000 per transaction, every key already ready with a backlog, so the
 # statement changes only `pending`) with pgbench, with and without the index, in
 # alternating rounds on a scratch database. Prints each round's transactions per second.

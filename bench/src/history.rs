@@ -4,9 +4,10 @@
 //! key), generated in SQL the way the relays leave them: published by the per-key
 //! cursor (rows still `pending` at or below `published_through`, one `outbox_publishes`
 //! row per key, spread over the last 7 days), one failed event in 1,001, and a backlog
-//! of 100 keys with 20 events each above their cursors. Every read runs twice in the
-//! same run: as shipped, then with the backlog index dropped (the schema before
-//! migration 0022), so the ratio needs no second run.
+//! of 100 keys with 20 events each above their cursors. The reads run over gRPC as
+//! shipped; the statements that changed (the key reads of `GetStats` and the readiness
+//! check, and a key-pruning call) also run as main had them before issue 46, in the same
+//! database, so the ratio needs no second build.
 
 use super::*;
 
@@ -136,53 +137,99 @@ impl Bench {
         );
 
         let mut rows = Vec::new();
-        for index in ["with the backlog index", "without it (before 0022)"] {
-            if index.starts_with("without") {
-                sqlx::query("DROP INDEX outbox_keys_backlog")
-                    .execute(&pool)
-                    .await?;
-                sqlx::query("ANALYZE outbox_keys").execute(&pool).await?;
-            }
-            for name in ["get-stats", "list-pending-most", "list-pending-oldest"] {
-                let mark = CpuMark::take(self.broker_pid);
-                let mut lat = Vec::with_capacity(CALLS);
-                let start = Instant::now();
-                for _ in 0..CALLS {
-                    let t = Instant::now();
-                    match name {
-                        "get-stats" => {
-                            admin.get_stats(stats.clone()).await?;
-                        }
-                        "list-pending-most" => {
-                            admin
-                                .list_pending(pending(pb::PendingOrder::MostPending))
-                                .await?;
-                        }
-                        _ => {
-                            admin
-                                .list_pending(pending(pb::PendingOrder::Oldest))
-                                .await?;
-                        }
+        let note = format!(
+            "{events} events retained over {keys} keys, {BACKLOG_KEYS} keys with \
+             {BACKLOG_EACH} pending each (prepared in SQL in {:.0} s)",
+            prep.as_secs_f64()
+        );
+        for name in ["get-stats", "list-pending-most", "list-pending-oldest"] {
+            let mark = CpuMark::take(self.broker_pid);
+            let mut lat = Vec::with_capacity(CALLS);
+            let start = Instant::now();
+            for _ in 0..CALLS {
+                let t = Instant::now();
+                match name {
+                    "get-stats" => {
+                        admin.get_stats(stats.clone()).await?;
                     }
-                    lat.push(t.elapsed().as_micros() as u64);
+                    "list-pending-most" => {
+                        admin
+                            .list_pending(pending(pb::PendingOrder::MostPending))
+                            .await?;
+                    }
+                    _ => {
+                        admin
+                            .list_pending(pending(pb::PendingOrder::Oldest))
+                            .await?;
+                    }
                 }
-                rows.push(Row {
-                    name: format!("history {name}, {index}"),
-                    events: CALLS as u64,
-                    secs: start.elapsed().as_secs_f64(),
-                    latency: latency(lat),
-                    peak_rss_mb: mb(status_kb("VmHWM:")),
-                    cpu: mark.since(self.broker_pid),
-                    baseline: None,
-                    notes: vec![format!(
-                        "{events} events retained over {keys} keys, {BACKLOG_KEYS} keys with \
-                         {BACKLOG_EACH} pending each (prepared in SQL in {:.0} s); {CALLS} calls \
-                         over gRPC; GetStats is also the readiness lag check's read",
-                        prep.as_secs_f64()
-                    )],
-                    wal_bytes: None,
-                });
+                lat.push(t.elapsed().as_micros() as u64);
             }
+            rows.push(Row {
+                name: format!("history {name} (gRPC)"),
+                events: CALLS as u64,
+                secs: start.elapsed().as_secs_f64(),
+                latency: latency(lat),
+                peak_rss_mb: mb(status_kb("VmHWM:")),
+                cpu: mark.since(self.broker_pid),
+                baseline: None,
+                notes: vec![format!(
+                    "{note}; {CALLS} calls over gRPC; GetStats is also the readiness lag check's read"
+                )],
+                wal_bytes: None,
+            });
+        }
+        // The two statements of GetStats (and the readiness check) that read the key
+        // rows, as SQL: as shipped, and as main had them before issue 46.
+        for (variant, backlog) in [
+            ("as shipped", "k.ready_at < 'infinity' AND k.pending > 0"),
+            ("main's before issue 46", "k.pending > 0"),
+        ] {
+            let heads = format!(
+                "SELECT count(*) FILTER (WHERE (h.attempts > 0 OR h.last_error IS NOT NULL)
+                                          AND h.scheduled_at > now()), min(h.created_at)
+                 FROM outbox_keys k CROSS JOIN LATERAL (
+                    SELECT attempts, scheduled_at, created_at, last_error FROM outbox_events e
+                    WHERE e.status = 'pending' AND e.topic = k.topic
+                      AND e.event_key = k.event_key AND e.id > k.published_through
+                    ORDER BY e.id LIMIT 1) h
+                 WHERE {backlog}"
+            );
+            let counts = format!(
+                "SELECT k.topic, sum(k.pending)::int8 FROM outbox_keys k WHERE {backlog} GROUP BY k.topic"
+            );
+            let mark = CpuMark::take(self.broker_pid);
+            let mut lat = Vec::with_capacity(CALLS);
+            let start = Instant::now();
+            for _ in 0..CALLS {
+                let t = Instant::now();
+                let (_, oldest): (i64, Option<chrono::DateTime<chrono::Utc>>) =
+                    sqlx::query_as(sqlx::AssertSqlSafe(heads.as_str()))
+                        .fetch_one(&pool)
+                        .await?;
+                let per_topic: Vec<(String, i64)> =
+                    sqlx::query_as(sqlx::AssertSqlSafe(counts.as_str()))
+                        .fetch_all(&pool)
+                        .await?;
+                anyhow::ensure!(
+                    oldest.is_some()
+                        && per_topic.iter().map(|t| t.1).sum::<i64>()
+                            == BACKLOG_KEYS * BACKLOG_EACH,
+                    "{variant}: not the prepared backlog"
+                );
+                lat.push(t.elapsed().as_micros() as u64);
+            }
+            rows.push(Row {
+                name: format!("history stats key reads (SQL), {variant}"),
+                events: CALLS as u64,
+                secs: start.elapsed().as_secs_f64(),
+                latency: latency(lat),
+                peak_rss_mb: mb(status_kb("VmHWM:")),
+                cpu: mark.since(self.broker_pid),
+                baseline: None,
+                notes: vec![format!("{note}; {CALLS} pairs of statements")],
+                wal_bytes: None,
+            });
         }
         rows.extend(self.history_pruning(&app, &pool, events, keys).await?);
         pool.close().await;

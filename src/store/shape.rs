@@ -30,6 +30,8 @@ pub(crate) struct Shape {
     mark: char,
     /// The substring position function: `strpos` on PostgreSQL, `instr` on SQLite.
     find: &'static str,
+    /// `ready_at` of an idle key: `'infinity'` on PostgreSQL, `i64::MAX` on SQLite.
+    idle: &'static str,
     /// `::int8` on PostgreSQL (sums are `numeric` there), empty on SQLite.
     int8: &'static str,
     /// Whether id lists travel as arrays (PostgreSQL, `= ANY`) or JSON text (SQLite,
@@ -44,6 +46,7 @@ impl Shape {
             time: "::timestamptz",
             mark: '$',
             find: "strpos",
+            idle: "'infinity'",
             int8: "::int8",
             postgres: true,
             rows: match b {
@@ -70,6 +73,7 @@ impl Shape {
             time: "",
             mark: '?',
             find: "instr",
+            idle: "9223372036854775807",
             int8: "",
             postgres: false,
         }
@@ -152,6 +156,18 @@ impl Shape {
             self.sub_filter("subscription", param),
             self.group_sub(),
         )
+    }
+
+    /// The key rows with a backlog, as a condition over the key table aliased `alias`
+    /// (`"k."`, or `""`): the ones with pending events, found through the `ready_at`
+    /// index among the keys that are not idle (a key with pending events always has a
+    /// finite `ready_at`, or the relay would never claim it), so that the admin reads and
+    /// the readiness lag check follow the backlog, not the history of idle keys (issue
+    /// 46: `pending > 0` alone read every key row, 47-50 ms at 1,000,000 keys). An
+    /// index on `pending` would have served too, at the price of every enqueue's key
+    /// update: no longer a HOT update (measured: the key upsert at 0.66x).
+    pub fn backlog(&self, alias: &str) -> String {
+        format!("{alias}ready_at < {} AND {alias}pending > 0", self.idle)
     }
 
     /// The event filter as SQL conditions over parameters `first..first+6` (the
@@ -424,9 +440,10 @@ impl Shape {
         let filter = self.sub_filter("subscription", &self.p(1));
         let group_sub = self.group_sub();
         let completed = self.completed_counts();
+        let backlog = self.backlog("");
         format!(
             "SELECT {sub} AS subscription, topic, 'pending' AS status, sum(pending){i8} AS n
-                 FROM {keys} WHERE pending > 0 AND {filter} GROUP BY {group_sub}topic
+                 FROM {keys} WHERE {backlog} AND {filter} GROUP BY {group_sub}topic
                  UNION ALL
                  SELECT {sub}, topic, 'pending', count(*) FROM {events}
                  WHERE status = 'pending' AND event_key IS NULL AND {filter}

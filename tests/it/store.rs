@@ -878,6 +878,18 @@ async fn lock_order_does_not_depend_on_the_database_collation() {
         deadlocks, 0,
         "deadlocks in the database: the lock order is broken"
     );
+    // After every flow raced on these keys, a key with pending events still has a finite
+    // `ready_at` (the relay claims by it, and the admin reads and the readiness check find
+    // the backlog by it: `Shape::backlog`).
+    for keys in ["outbox_keys", "inbox_keys"] {
+        let lost: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {keys} WHERE pending > 0 AND ready_at = 'infinity'"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(lost, 0, "{keys}: keys with pending events but never ready");
+    }
 }
 
 /// The lock order, deterministically: a transaction holds key `B`'s row (first in byte

@@ -27,6 +27,7 @@ use crate::store::shape::Shape;
 fn pending_sql(sh: &Shape, order: PendingOrder) -> String {
     let (events, keys) = (sh.events, sh.keys);
     let order = Shape::pending_order(order);
+    let backlog = sh.backlog("k.");
     let (k_sub, same_sub, k_filter, sub, filter, group_sub) = sh.backlog_parts("$9");
     format!(
         "WITH h AS MATERIALIZED (
@@ -39,7 +40,7 @@ fn pending_sql(sh: &Shape, order: PendingOrder) -> String {
                 WHERE e.status = 'pending'{same_sub} AND e.topic = k.topic
                   AND e.event_key = k.event_key AND e.id > k.published_through
                 ORDER BY e.id LIMIT 1) e
-            WHERE k.pending > 0 AND {k_filter}
+            WHERE {backlog} AND {k_filter}
               AND ($1::text IS NULL OR k.topic = $1)
               AND ($2::text IS NULL OR starts_with(k.event_key, $2))
             UNION ALL
@@ -96,9 +97,10 @@ fn admin_sql(b: BoxKind, stmt: Stmt) -> String {
                 WHERE e.status = 'pending'{same_sub} AND e.topic = k.topic
                   AND e.event_key = k.event_key AND e.id > k.published_through
                 ORDER BY e.id LIMIT 1) h
-             WHERE k.pending > 0 AND {k_filter}",
+             WHERE {backlog} AND {k_filter}",
             same_sub = sh.same_sub("e", "k"),
             k_filter = sh.sub_filter("k.subscription", "$1"),
+            backlog = sh.backlog("k."),
             ),
             Stmt::WakeReleased => format!(
                 "UPDATE {keys} SET ready_at = CASE

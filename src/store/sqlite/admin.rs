@@ -25,6 +25,7 @@ pub(crate) struct LiteTx {
 fn pending_sql(sh: &Shape, order: PendingOrder) -> String {
     let (events, keys) = (sh.events, sh.keys);
     let order = Shape::pending_order(order);
+    let backlog = sh.backlog("k.");
     let (k_sub, same_sub, k_filter, sub, filter, group_sub) = sh.backlog_parts("?9");
     format!(
             "WITH heads AS (
@@ -33,7 +34,7 @@ fn pending_sql(sh: &Shape, order: PendingOrder) -> String {
                           AND e.topic = k.topic AND e.event_key = k.event_key
                         ORDER BY e.id LIMIT 1) AS head_id
                 FROM {keys} k
-                WHERE k.pending > 0 AND {k_filter} AND (?1 IS NULL OR k.topic = ?1)
+                WHERE {backlog} AND {k_filter} AND (?1 IS NULL OR k.topic = ?1)
                   AND (?2 IS NULL OR substr(k.event_key, 1, length(?2)) = ?2)
                 UNION ALL
                 SELECT {sub}, topic, '', count(*), min(id) FROM {events}
@@ -109,10 +110,11 @@ impl AdminSql for SqliteStore {
              FROM (SELECT (SELECT id FROM {events} e WHERE e.status = 'pending'{same_sub}
                              AND e.topic = k.topic AND e.event_key = k.event_key
                            ORDER BY e.id LIMIT 1) AS head_id
-                   FROM {keys} k WHERE k.pending > 0 AND {k_filter}) h
+                   FROM {keys} k WHERE {backlog} AND {k_filter}) h
              JOIN {events} e ON e.id = h.head_id",
             same_sub = sh.same_sub("e", "k"),
             k_filter = sh.sub_filter("k.subscription", "?1"),
+            backlog = sh.backlog("k."),
             ),
             Stmt::WakeReleased => format!(
                 "UPDATE {keys} SET ready_at = CASE
