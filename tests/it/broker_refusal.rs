@@ -240,6 +240,7 @@ async fn drain_beside_refusals(
 /// of two rounds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_topics_keep_their_pace_while_one_topic_is_refused() {
+    let _alone = measuring().await;
     let (mut alone, mut beside, mut refused, mut ratios) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..2 {
@@ -549,6 +550,7 @@ async fn paired_drains(alone: Beside, faulty: Beside) -> (Vec<Drain>, Vec<Drain>
 /// of each is compared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_acl_on_one_topic_narrows_it_and_resets_the_producer_once() {
+    let _alone = measuring().await;
     let (alone, beside, ratio) = paired_drains(Beside::Acl(false), Beside::Acl(true)).await;
     eprintln!(
         "revoked ACL: other drained alone in {:?}, beside the revoked topic in {:?} \
@@ -590,6 +592,7 @@ async fn a_revoked_acl_on_one_topic_narrows_it_and_resets_the_producer_once() {
 /// and another topic keeps its pace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_never_exceed_the_smallest_topic_limit() {
+    let _alone = measuring().await;
     let (alone, beside, ratio) = paired_drains(Beside::Small(false), Beside::Small(true)).await;
     eprintln!(
         "64 KiB topic: other drained alone in {:?}, beside the deep key in {:?} \

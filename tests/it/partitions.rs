@@ -355,6 +355,7 @@ async fn drain(
 /// because the machine is shared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leaderless_partition_does_not_slow_the_rest() {
+    let _alone = measuring().await;
     let (mut alone, mut beside, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..3 {
         // Both drains at once, each with its own service, proxy and broker, so that the
@@ -505,6 +506,7 @@ const NOT_ENOUGH_REPLICAS: i16 = 19;
 /// 200 ms for 15 s, once the partitions are being probed) keeps its latency.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probes_of_silent_partitions_do_not_hold_the_relay() {
+    let _alone = measuring().await;
     let proxy = KafkaProxy::listen().await;
     let broker = Broker::start_advertising(free_port(), &proxy.addr());
     proxy.set_upstream(&broker.addr());

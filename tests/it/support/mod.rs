@@ -669,3 +669,11 @@ pub async fn meet(barrier: &tokio::sync::Barrier) {
         .await
         .expect("the other party of the paired measurement never arrived (did it fail?)");
 }
+
+/// Held by each test that compares a pace or a latency against a bar (paired drains,
+/// probe latency): such tests run one at a time, so that two of them never load the
+/// machine's two cores against each other; lighter tests still run beside them.
+pub async fn measuring() -> tokio::sync::MutexGuard<'static, ()> {
+    static MEASURING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    MEASURING.lock().await
+}
