@@ -178,19 +178,15 @@ impl Bench {
                 }
                 lat.push(t.elapsed().as_micros() as u64);
             }
-            rows.push(Row {
-                name: format!("history {name} (gRPC)"),
-                events: CALLS as u64,
-                secs: start.elapsed().as_secs_f64(),
-                latency: latency(lat),
-                peak_rss_mb: mb(status_kb("VmHWM:")),
-                cpu: mark.since(self.broker_pid),
-                baseline: None,
-                notes: vec![format!(
+            rows.push(self.calls_row(
+                format!("history {name} (gRPC)"),
+                lat,
+                start,
+                &mark,
+                format!(
                     "{note}; {CALLS} calls over gRPC; GetStats is also the readiness lag check's read"
-                )],
-                wal_bytes: None,
-            });
+                ),
+            ));
         }
         // The two statements of GetStats (and the readiness check) that read the key
         // rows, as SQL: as shipped, and as main had them before issue 46.
@@ -232,17 +228,13 @@ impl Bench {
                 );
                 lat.push(t.elapsed().as_micros() as u64);
             }
-            rows.push(Row {
-                name: format!("history stats key reads (SQL), {variant}"),
-                events: CALLS as u64,
-                secs: start.elapsed().as_secs_f64(),
-                latency: latency(lat),
-                peak_rss_mb: mb(status_kb("VmHWM:")),
-                cpu: mark.since(self.broker_pid),
-                baseline: None,
-                notes: vec![format!("{note}; {CALLS} pairs of statements")],
-                wal_bytes: None,
-            });
+            rows.push(self.calls_row(
+                format!("history stats key reads (SQL), {variant}"),
+                lat,
+                start,
+                &mark,
+                format!("{note}; {CALLS} pairs of statements"),
+            ));
         }
         rows.extend(self.history_pruning(&app, &pool, events, keys).await?);
         pool.close().await;
@@ -283,21 +275,40 @@ impl Bench {
                 pruned == 0,
                 "{pruned} keys pruned: the history has none to prune"
             );
-            rows.push(Row {
-                name: format!("history prune-idle-keys, {variant}"),
-                events: PRUNE_CALLS as u64,
-                secs: start.elapsed().as_secs_f64(),
-                latency: latency(lat),
-                peak_rss_mb: mb(status_kb("VmHWM:")),
-                cpu: mark.since(self.broker_pid),
-                baseline: None,
-                notes: vec![format!(
+            rows.push(self.calls_row(
+                format!("history prune-idle-keys, {variant}"),
+                lat,
+                start,
+                &mark,
+                format!(
                     "{events} events retained over {keys} keys, none prunable; {PRUNE_CALLS} \
                      calls of a batch of 1,000 (a retention round's last call)"
-                )],
-                wal_bytes: None,
-            });
+                ),
+            ));
         }
         Ok(rows)
+    }
+
+    /// The row of a read timed call by call: `lat` holds each call's microseconds since
+    /// `start`, the CPU is counted from `mark`.
+    fn calls_row(
+        &self,
+        name: String,
+        lat: Vec<u64>,
+        start: Instant,
+        mark: &CpuMark,
+        note: String,
+    ) -> Row {
+        Row {
+            name,
+            events: lat.len() as u64,
+            secs: start.elapsed().as_secs_f64(),
+            latency: latency(lat),
+            peak_rss_mb: mb(status_kb("VmHWM:")),
+            cpu: mark.since(self.broker_pid),
+            baseline: None,
+            notes: vec![note],
+            wal_bytes: None,
+        }
     }
 }

@@ -511,9 +511,9 @@ struct Meter {
 
 impl Meter {
     /// `n` more compressed bytes, which tonic buffers until the message is whole.
-    fn wire(&mut self, n: usize) -> Result<(), Refusal> {
+    fn wire(&mut self, n: usize) {
         self.wire += n as u64;
-        self.charge()
+        self.charge();
     }
 
     /// The next bytes of the (decompressed) message.
@@ -527,7 +527,8 @@ impl Meter {
         if self.decoded + self.walker.overhead() > limit.saturating_mul(2) {
             return Err(self.too_large(true));
         }
-        self.charge()
+        self.charge();
+        Ok(())
     }
 
     fn too_large(&self, decoded: bool) -> Refusal {
@@ -540,8 +541,8 @@ impl Meter {
 
     /// What the request holds at once: what tonic buffers (the message, and first its
     /// compressed form), and what prost builds from it (each byte again, and the
-    /// elements' own size).
-    fn charge(&self) -> Result<(), Refusal> {
+    /// elements' own size). Covered later, before the bytes go on (`GateBody::cover`).
+    fn charge(&self) {
         let buffered = if self.compressed {
             self.wire + self.decoded
         } else {
@@ -549,7 +550,6 @@ impl Meter {
         };
         let built = self.decoded + self.walker.overhead();
         self.charge.want(buffered.saturating_add(built));
-        Ok(())
     }
 }
 
@@ -617,17 +617,20 @@ impl Reading {
     fn feed(&mut self, b: &[u8]) -> Result<(), Refusal> {
         let written = match self {
             Reading::Plain(m) => return m.decoded(b),
-            Reading::Opaque(m) => return m.wire(b.len()),
+            Reading::Opaque(m) => {
+                m.wire(b.len());
+                return Ok(());
+            }
             Reading::Gzip(d) => {
-                d.get_mut().meter.wire(b.len())?;
+                d.get_mut().meter.wire(b.len());
                 d.write_all(b)
             }
             Reading::Deflate(d) => {
-                d.get_mut().meter.wire(b.len())?;
+                d.get_mut().meter.wire(b.len());
                 d.write_all(b)
             }
             Reading::Zstd(d) => {
-                d.get_mut().meter.wire(b.len())?;
+                d.get_mut().meter.wire(b.len());
                 d.write_all(b)
             }
         };
