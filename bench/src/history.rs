@@ -35,6 +35,13 @@ const PRUNE_BEFORE: &str = "WITH gone AS (
 /// Keys with a backlog, and the events each holds.
 const BACKLOG_KEYS: i64 = 100;
 const BACKLOG_EACH: i64 = 20;
+/// Keys whose cursor stopped a week ago: all their retained events are pending.
+const STUCK_KEYS: i64 = 100;
+
+/// How `ListEvents` found pending events before issue 46: walking ids down through the
+/// view (one page past the backlog).
+const PENDING_BEFORE: &str = "SELECT id FROM outbox_events_view
+     WHERE status = 'pending' AND id < $1 ORDER BY id DESC LIMIT 51";
 
 impl Bench {
     pub(crate) async fn history(&self) -> anyhow::Result<Vec<Row>> {
@@ -103,15 +110,46 @@ impl Bench {
         )
         .execute(&pool)
         .await?;
+        // Stuck keys: cursors lowered below all their events (a key that stopped a week
+        // ago), so their pending events lie spread over the whole history.
+        sqlx::query(
+            "WITH s AS (SELECT topic, event_key FROM outbox_keys WHERE pending = 0
+                        ORDER BY hashtext(event_key) LIMIT $1),
+                  gone AS (DELETE FROM outbox_publishes p USING s
+                           WHERE p.topic = s.topic AND p.event_key = s.event_key)
+             UPDATE outbox_keys k SET published_through = l.first - 1, pending = l.n,
+                    ready_at = now() + interval '1 hour'
+             FROM s, LATERAL (SELECT min(id) AS first,
+                                     count(*) FILTER (WHERE status = 'pending') AS n
+                              FROM outbox_events e
+                              WHERE e.topic = s.topic AND e.event_key = s.event_key) l
+             WHERE k.topic = s.topic AND k.event_key = s.event_key",
+        )
+        .bind(STUCK_KEYS)
+        .execute(&pool)
+        .await?;
         sqlx::query("VACUUM ANALYZE").execute(&pool).await?;
         let prep = prep.elapsed();
+        let pending: i64 =
+            sqlx::query_scalar("SELECT sum(pending)::int8 FROM outbox_keys WHERE pending > 0")
+                .fetch_one(&pool)
+                .await?;
+        let backlog_top: i64 = sqlx::query_scalar(
+            "SELECT min(e.id) FROM outbox_events e JOIN outbox_keys k
+               ON k.topic = e.topic AND k.event_key = e.event_key
+             WHERE e.scheduled_at > now() + interval '30 minutes' AND e.id > k.published_through
+               AND e.created_at > now() - interval '1 hour'",
+        )
+        .fetch_one(&pool)
+        .await?;
         let with_backlog: i64 =
             sqlx::query_scalar("SELECT count(*) FROM outbox_keys WHERE pending > 0")
                 .fetch_one(&pool)
                 .await?;
         anyhow::ensure!(
-            with_backlog == BACKLOG_KEYS,
-            "{with_backlog} keys with a backlog, not {BACKLOG_KEYS}"
+            with_backlog == BACKLOG_KEYS + STUCK_KEYS,
+            "{with_backlog} keys with a backlog, not {}",
+            BACKLOG_KEYS + STUCK_KEYS
         );
 
         let app = App::start(
@@ -135,7 +173,7 @@ impl Bench {
         // Each read is checked on its first answer: a wrong answer measures nothing.
         let s = admin.get_stats(stats.clone()).await?.into_inner();
         anyhow::ensure!(
-            s.pending == BACKLOG_KEYS * BACKLOG_EACH && s.oldest_pending_age.is_some(),
+            s.pending == pending && s.oldest_pending_age.is_some(),
             "GetStats said {} pending: not the prepared backlog",
             s.pending
         );
@@ -152,9 +190,13 @@ impl Bench {
         let mut rows = Vec::new();
         let note = format!(
             "{events} events retained over {keys} keys, {BACKLOG_KEYS} keys with \
-             {BACKLOG_EACH} pending each (prepared in SQL in {:.0} s)",
+             {BACKLOG_EACH} new events pending each, {STUCK_KEYS} keys stuck for the week \
+             ({pending} pending in all; prepared in SQL in {:.0} s)",
             prep.as_secs_f64()
         );
+        let listing = self
+            .history_listings(&mut admin, &pool, backlog_top, &note)
+            .await?;
         for name in ["get-stats", "list-pending-most", "list-pending-oldest"] {
             let mark = CpuMark::take(self.broker_pid);
             let mut lat = Vec::with_capacity(CALLS);
@@ -221,9 +263,7 @@ impl Bench {
                         .fetch_all(&pool)
                         .await?;
                 anyhow::ensure!(
-                    oldest.is_some()
-                        && per_topic.iter().map(|t| t.1).sum::<i64>()
-                            == BACKLOG_KEYS * BACKLOG_EACH,
+                    oldest.is_some() && per_topic.iter().map(|t| t.1).sum::<i64>() == pending,
                     "{variant}: not the prepared backlog"
                 );
                 lat.push(t.elapsed().as_micros() as u64);
@@ -236,10 +276,129 @@ impl Bench {
                 format!("{note}; {CALLS} pairs of statements"),
             ));
         }
+        rows.extend(listing);
         rows.extend(self.history_pruning(&app, &pool, events, keys).await?);
         pool.close().await;
         app.stop().await?;
         self.dbs.drop_db(&db).await;
+        Ok(rows)
+    }
+
+    /// `ListEvents` over the history: each status, the pending page past the new backlog
+    /// (the stuck keys' events, spread over the week), and that page as main read it
+    /// before issue 46.
+    async fn history_listings(
+        &self,
+        admin: &mut pb::admin_service_client::AdminServiceClient<tonic::transport::Channel>,
+        pool: &sqlx::PgPool,
+        backlog_top: i64,
+        note: &str,
+    ) -> anyhow::Result<Vec<Row>> {
+        let list = |status: pb::EventStatus, page_token: String| pb::ListEventsRequest {
+            r#box: pb::Box::Outbox as i32,
+            status: status as i32,
+            page_size: 50,
+            page_token,
+            ..Default::default()
+        };
+        // The page token past the backlog: pages of 1,000 until one reaches below it.
+        let mut token = String::new();
+        loop {
+            let mut r = list(pb::EventStatus::Pending, token.clone());
+            r.page_size = 1000;
+            let page = admin.list_events(r).await?.into_inner();
+            anyhow::ensure!(
+                !page.events.is_empty(),
+                "no pending events past the backlog"
+            );
+            if page.events.iter().any(|e| e.id < backlog_top) {
+                break;
+            }
+            token = page.next_page_token;
+        }
+        let deep = admin
+            .list_events(list(pb::EventStatus::Pending, token.clone()))
+            .await?
+            .into_inner();
+        anyhow::ensure!(
+            deep.events.len() == 50
+                && deep
+                    .events
+                    .iter()
+                    .all(|e| e.status == pb::EventStatus::Pending as i32),
+            "the deep pending page has {} events",
+            deep.events.len()
+        );
+        let cases = [
+            (
+                "list-events-pending",
+                pb::EventStatus::Pending,
+                String::new(),
+            ),
+            (
+                "list-events-pending-past-backlog",
+                pb::EventStatus::Pending,
+                token,
+            ),
+            (
+                "list-events-completed",
+                pb::EventStatus::Completed,
+                String::new(),
+            ),
+            ("list-events-failed", pb::EventStatus::Failed, String::new()),
+            (
+                "list-events-any",
+                pb::EventStatus::Unspecified,
+                String::new(),
+            ),
+        ];
+        let mut rows = Vec::new();
+        for (name, status, token) in cases {
+            let first = admin
+                .list_events(list(status, token.clone()))
+                .await?
+                .into_inner();
+            anyhow::ensure!(
+                first.events.len() == 50,
+                "{name}: {} events",
+                first.events.len()
+            );
+            let mark = CpuMark::take(self.broker_pid);
+            let mut lat = Vec::with_capacity(CALLS);
+            let start = Instant::now();
+            for _ in 0..CALLS {
+                let t = Instant::now();
+                admin.list_events(list(status, token.clone())).await?;
+                lat.push(t.elapsed().as_micros() as u64);
+            }
+            rows.push(self.calls_row(
+                format!("history {name} (gRPC)"),
+                lat,
+                start,
+                &mark,
+                format!("{note}; {CALLS} calls of 50 events over gRPC"),
+            ));
+        }
+        let below = deep.events.first().map_or(backlog_top, |e| e.id + 1);
+        let mark = CpuMark::take(self.broker_pid);
+        let mut lat = Vec::with_capacity(PRUNE_CALLS);
+        let start = Instant::now();
+        for _ in 0..PRUNE_CALLS {
+            let t = Instant::now();
+            let ids: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(PENDING_BEFORE))
+                .bind(below)
+                .fetch_all(pool)
+                .await?;
+            anyhow::ensure!(ids.len() == 51, "before: {} events", ids.len());
+            lat.push(t.elapsed().as_micros() as u64);
+        }
+        rows.push(self.calls_row(
+            "history list-events-pending-past-backlog, main's statement before issue 46".into(),
+            lat,
+            start,
+            &mark,
+            format!("{note}; {PRUNE_CALLS} calls of the pending branch as SQL"),
+        ));
         Ok(rows)
     }
 

@@ -38,6 +38,15 @@ const CONNECTIONS_PER_TURN: u32 = 4;
 /// other replicas lease it).
 const FORGET_AFTER: Duration = Duration::from_secs(3);
 
+/// How soon a claim looks again at a key it found held: at first after `RECHECK_FIRST`,
+/// then after half the time it has been held, at most `RECHECK_MAX` (under
+/// `FORGET_AFTER`, so the key stays followed between looks). The writer's commit wakes
+/// the key at once (the fold pulls `ready_at` to now) and a turn wakes it when it gets
+/// the lock, so the backoff costs no latency in either case; it only stops a key held by
+/// a transaction left open from being leased and released five times a second.
+const RECHECK_FIRST: Duration = Duration::from_millis(200);
+const RECHECK_MAX: Duration = Duration::from_secs(2);
+
 /// A key held longer than this is named in a warning, with the holder's pid, and in
 /// the metric `mailroom_outbox_key_held_seconds`.
 pub(super) const REPORT_AFTER: Duration = Duration::from_secs(5);
@@ -108,6 +117,13 @@ pub(super) struct HeldKeys {
 pub(super) struct Followups {
     pub(super) turns: Vec<LineKey>,
     pub(super) report: Vec<(LineKey, Duration)>,
+    /// For each held key, in the order given: how soon a claim looks at it again.
+    pub(super) recheck: Vec<Duration>,
+}
+
+/// How soon a key held for `age` is looked at again (see `RECHECK_FIRST`).
+fn recheck_after(age: Duration) -> Duration {
+    (age / 2).clamp(RECHECK_FIRST, RECHECK_MAX)
 }
 
 impl HeldKeys {
@@ -139,6 +155,7 @@ impl HeldKeys {
             });
             h.seen = now;
             let age = now.duration_since(h.since);
+            f.recheck.push(recheck_after(age));
             let may_queue = h.next_turn.is_none_or(|t| now >= t);
             if age >= QUEUE_AFTER && !h.turn && may_queue && turns < max_turns {
                 h.turn = true;
@@ -326,5 +343,29 @@ mod tests {
         assert_eq!(h.observe(&[&a], &[], 8, at(10_000)).report.len(), 1);
         h.observe(&[], &[&a], 8, at(10_100));
         assert!(h.snapshot(at(10_100)).is_empty(), "free: forgotten");
+    }
+
+    #[test]
+    fn a_key_held_longer_is_looked_at_less_often() {
+        let h = HeldKeys::default();
+        let (a, b) = (key("a"), key("b"));
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let ms =
+            |f: &Followups| -> Vec<u128> { f.recheck.iter().map(Duration::as_millis).collect() };
+        assert_eq!(ms(&h.observe(&[&a], &[], 8, t0)), [200]);
+        assert_eq!(ms(&h.observe(&[&a, &b], &[], 8, at(1_000))), [500, 200]);
+        assert_eq!(ms(&h.observe(&[&b, &a], &[], 8, at(2_600))), [800, 1_300]);
+        assert_eq!(
+            ms(&h.observe(&[&a], &[], 8, at(4_600))),
+            [2_000],
+            "at most 2 s"
+        );
+        h.observe(&[], &[&a], 8, at(4_700));
+        assert_eq!(
+            ms(&h.observe(&[&a], &[], 8, at(4_800))),
+            [200],
+            "held again: from the start"
+        );
     }
 }

@@ -10,6 +10,7 @@
 //! `retention.rs` the purges, `notify.rs` LISTEN/NOTIFY wake-ups.
 
 mod admin;
+mod fold;
 mod held;
 pub mod migrate;
 pub mod notify;
@@ -49,9 +50,10 @@ pub struct PgStore {
     names: Qualifier,
     outbox: Sql,
     inbox: Sql,
-    /// Where the next fold's scan starts (`PgStore::fold`): above the last id of a full
-    /// fold, else 0.
-    fold_from: std::sync::atomic::AtomicI64,
+    /// Where the next fold's scan starts (`fold.rs`); held while a fold runs.
+    fold_floor: tokio::sync::Mutex<fold::FoldFloor>,
+    /// The outbox's events table, qualified, as text (the fold reads its id sequence).
+    events_table: String,
     /// Where the next pruning of idle key rows starts, per box (`retention.rs`).
     prune_from: std::sync::Mutex<retention::PruneFrom>,
     /// Keys this replica's claims found held by SQL-API writers (`held.rs`).
@@ -225,6 +227,7 @@ impl PgStore {
     /// A store over the given pools, one per query class.
     pub fn from_pools(pools: PgPools) -> Self {
         let names = Qualifier::new(&pools.schema);
+        let events_table = format!("{}.outbox_events", profile::quote_ident(names.schema()));
         PgStore {
             pool: pools.enqueue,
             relay_pool: pools.relay,
@@ -233,7 +236,8 @@ impl PgStore {
             inbox: Sql::new("inbox_events", "inbox_keys", true, &names),
             held_sql: held::Statements::new(&names),
             names,
-            fold_from: std::sync::atomic::AtomicI64::new(0),
+            fold_floor: tokio::sync::Mutex::new(fold::FoldFloor::new(std::time::Instant::now())),
+            events_table,
             prune_from: std::sync::Mutex::default(),
             held: Arc::default(),
             known: schema::highest(&sqlx::migrate!("migrations/postgres")),
@@ -601,7 +605,7 @@ impl Store for PgStore {
     }
 
     async fn fold_sql_events(&self) -> StoreResult<u64> {
-        self.fold().await
+        self.fold(true).await
     }
 
     async fn claim(&self, queue: &Queue, token: i64, limits: ClaimLimits) -> StoreResult<Claim> {

@@ -3,7 +3,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
@@ -24,30 +23,48 @@ use crate::store::{
 const FOLD_BATCH: i64 = 1_000;
 
 /// How soon a key whose order lock a SQL-API writer held is looked at again, unless the
-/// writer's commit wakes it first.
+/// writer's commit wakes it first; `held.rs` lengthens it for keys held long.
 const HELD_RECHECK: chrono::Duration = chrono::Duration::milliseconds(200);
 
 impl PgStore {
-    /// Folds up to a batch of SQL-API events into their keys (see `Sql::fold`).
-    pub(super) async fn fold(&self) -> StoreResult<u64> {
+    /// Folds up to a batch of SQL-API events into their keys (see `Sql::fold`), above the
+    /// floor of `fold.rs`. A claim's fold is skipped while another of this process runs
+    /// (it would only find the turn taken); `wait` waits for it instead.
+    pub(super) async fn fold(&self, wait: bool) -> StoreResult<u64> {
         let Some(fold) = &self.outbox.fold else {
             return Ok(0);
         };
-        let from = self.fold_from.load(Ordering::Relaxed);
+        let mut floor = if wait {
+            self.fold_floor.lock().await
+        } else {
+            match self.fold_floor.try_lock() {
+                Ok(f) => f,
+                Err(_) => return Ok(0),
+            }
+        };
+        let now = std::time::Instant::now();
         let r = q(fold)
             .bind(FOLD_BATCH)
-            .bind(from)
+            .bind(floor.start(now))
             .bind(self.known)
+            .bind(&self.events_table)
             .fetch_one(&self.relay_pool)
             .await?;
         let scanned: i64 = r.try_get("scanned")?;
-        // A full batch goes on above its last id next time; anything less starts over,
-        // which comes back to the events of keys that were held.
-        let next = match r.try_get::<Option<i64>, _>("last")? {
-            Some(last) if scanned >= FOLD_BATCH => last,
-            _ => 0,
-        };
-        self.fold_from.store(next, Ordering::Relaxed);
+        floor.record(
+            super::fold::Outcome {
+                gate: r.try_get("gate")?,
+                present: r.try_get("present")?,
+                turned: r.try_get("turned")?,
+                full: scanned >= FOLD_BATCH,
+                last: r.try_get("last")?,
+                skipped: r.try_get("skipped")?,
+                xmin: r.try_get("xmin")?,
+                xid: r.try_get("xid")?,
+                seq: r.try_get("seq")?,
+            },
+            now,
+        );
         let folded: i64 = r.try_get("folded")?;
         Ok(u64::try_from(folded).unwrap_or(0))
     }
@@ -61,7 +78,7 @@ impl PgStore {
     ) -> StoreResult<Claim> {
         let sql = self.sql(queue.box_kind());
         if sql.fold.is_some() {
-            self.fold().await?;
+            self.fold(false).await?;
         }
         // The outbox leases and reads in one transaction: the order locks the lease
         // takes (see `Sql::lease_keys`) must be held while the windows are read.
@@ -90,7 +107,7 @@ impl PgStore {
         let mut keyed = Vec::with_capacity(leased.len());
         if !leased.is_empty() {
             let mut lines = Leased::split(&leased, now)?;
-            self.observe_held(&lines);
+            self.observe_held(&mut lines, now);
             let per_key = limits.per_key(leased.len());
             if !lines.free.is_empty() {
                 let windows = scoped(
@@ -125,13 +142,17 @@ impl PgStore {
     /// Follows the keys a claim found held by SQL-API writers (`held.rs`): queues turns
     /// for those held long, names those held longer in a warning. Both run beside the
     /// relay, which goes on with its claim.
-    fn observe_held(&self, lines: &Leased) {
+    fn observe_held(&self, lines: &mut Leased, now: DateTime<Utc>) {
         let held: Vec<&LineKey> = lines.held.iter().map(|w| &w.line).collect();
         let free: Vec<&LineKey> = lines.free.iter().map(|w| &w.line).collect();
         let connections = self.relay_pool.options().get_max_connections();
         let f = self
             .held
             .observe(&held, &free, connections, std::time::Instant::now());
+        for (w, after) in lines.held.iter_mut().zip(&f.recheck) {
+            let after = chrono::Duration::from_std(*after).unwrap_or(HELD_RECHECK);
+            w.delayed_at = Some(now + after);
+        }
         for key in f.turns {
             tokio::spawn(held::take_turn(
                 self.relay_pool.clone(),

@@ -144,9 +144,20 @@ pub(super) const REQUIRED: &str =
 /// one-time filter): in the scan's filter it was evaluated per row. The schema gate
 /// (`compatible`, $3) comes first: a binary the database does not accept neither folds
 /// nor takes the turn.
-const FOLD: &str = "WITH turn AS MATERIALIZED (
+///
+/// The scan starts above the floor of `fold.rs`, which the statement's last columns
+/// move: the snapshot's horizon, the id sequence's last value ($4 names the table) read
+/// in `probe`, before the turn's row lock gives the fold its transaction id, and that
+/// id; the lowest id left uncounted. The update of `marked` is bounded by the ids of `f`:
+/// its plan may read the uncounted index for the join, which it did whole, dead entries
+/// and all, on every fold, even with nothing to fold.
+const FOLD: &str = "WITH probe AS MATERIALIZED (
+                    SELECT $GATE AS gate,
+                           EXISTS (SELECT 1 FROM outbox_events WHERE NOT counted AND id > $2) AS present,
+                           pg_sequence_last_value(pg_get_serial_sequence($4, 'id')::regclass) AS seq),
+                 turn AS MATERIALIZED (
                     SELECT true FROM mailroom_fold_turn
-                    WHERE $GATE AND EXISTS (SELECT 1 FROM outbox_events WHERE NOT counted AND id > $2)
+                    WHERE (SELECT gate AND present FROM probe)
                     FOR UPDATE SKIP LOCKED),
                  f AS MATERIALIZED (
                     SELECT id, topic, event_key, scheduled_at FROM outbox_events
@@ -177,15 +188,21 @@ const FOLD: &str = "WITH turn AS MATERIALIZED (
                     WHERE k.topic = held.topic AND k.event_key = held.event_key
                       AND held.at < k.ready_at
                     RETURNING 1),
-                 marked AS (
+                 marked AS MATERIALIZED (
                     UPDATE outbox_events e SET counted = true
                     FROM f WHERE e.id = f.id AND NOT e.counted
+                      AND e.id > $2 AND e.id <= (SELECT max(id) FROM f)
                       AND ((f.topic, f.event_key) IN (SELECT topic, event_key FROM held)
                            OR (f.topic, f.event_key) IN (SELECT topic, event_key FROM fresh))
                       AND (SELECT count(*) FROM woken) >= 0
-                    RETURNING 1)
+                    RETURNING e.id)
                  SELECT (SELECT count(*) FROM f) AS scanned, (SELECT max(id) FROM f) AS last,
-                        (SELECT count(*) FROM marked) AS folded";
+                        (SELECT count(*) FROM marked) AS folded,
+                        (SELECT min(id) FROM f WHERE id NOT IN (SELECT id FROM marked)) AS skipped,
+                        (SELECT gate FROM probe) AS gate, (SELECT present FROM probe) AS present,
+                        (SELECT count(*) FROM turn) > 0 AS turned,
+                        txid_snapshot_xmin(txid_current_snapshot()) AS xmin,
+                        txid_current_if_assigned() AS xid, (SELECT seq FROM probe) AS seq";
 
 /// Whether no SQL-API writer holds the order lock of key `k` (docs/sql-api.md, "Order
 /// locks"): its slot row (migration 0020), tried in shared mode, `SKIP LOCKED`, and held
