@@ -43,7 +43,7 @@ pub async fn pg_pool(
     config: &Config,
     statement_timeout: Option<std::time::Duration>,
     max_connections: u32,
-    generic_plans: bool,
+    plans: crate::store::postgres::Plans,
 ) -> anyhow::Result<sqlx::PgPool> {
     let redacted = redact_url(&config.database_url.0);
     crate::store::postgres::pool(
@@ -53,7 +53,7 @@ pub async fn pg_pool(
             acquire_timeout: config.database_acquire_timeout,
             statement_timeout,
             lazy: false,
-            generic_plans,
+            plans,
         },
         &config.database_profile,
     )
@@ -65,12 +65,13 @@ pub async fn pg_pool(
 /// enqueues get `database_max_connections`, relays half of it, the admin a quarter (at
 /// least 2 each), so a burst of one class cannot take the others' connections.
 pub async fn pg_pools(config: &Config) -> anyhow::Result<PgPools> {
+    use crate::store::postgres::Plans;
     let n = config.database_max_connections;
     let t = config.database_timeouts;
     Ok(PgPools {
-        enqueue: pg_pool(config, t.enqueue, n, false).await?,
-        relay: pg_pool(config, t.relay, (n / 2).max(2), true).await?,
-        admin: pg_pool(config, t.admin, (n / 4).max(2), false).await?,
+        enqueue: pg_pool(config, t.enqueue, n, Plans::Server).await?,
+        relay: pg_pool(config, t.relay, (n / 2).max(2), Plans::Generic).await?,
+        admin: pg_pool(config, t.admin, (n / 4).max(2), Plans::Custom).await?,
         schema: config.database_profile.schema.clone(),
     })
 }

@@ -81,7 +81,23 @@ impl Bench {
 
     pub(crate) async fn batch_with(&self, writers: Option<usize>) -> anyhow::Result<Row> {
         let (db, url) = self.dbs.fresh().await?;
-        let mut config = mailroom_config(&url, &self.brokers, 0)?;
+        let name = match writers {
+            None => "batch-100".to_string(),
+            Some(w) => format!("diag-batch-100-writers{w}"),
+        };
+        let row = self.batch_on(&name, writers, &url).await;
+        self.dbs.drop_db(&db).await;
+        row
+    }
+
+    /// [`Bench::batch_with`] into the database at `url`, whatever it already holds.
+    pub(crate) async fn batch_on(
+        &self,
+        name: &str,
+        writers: Option<usize>,
+        url: &str,
+    ) -> anyhow::Result<Row> {
+        let mut config = mailroom_config(url, &self.brokers, 0)?;
         if let Some(w) = writers {
             config.intake.writers = w;
         }
@@ -111,12 +127,8 @@ impl Bench {
             }
         })
         .await;
-        let name = match writers {
-            None => "batch-100".to_string(),
-            Some(w) => format!("diag-batch-100-writers{w}"),
-        };
         let mut row = load_row(
-            &name,
+            name,
             load,
             mark.since(self.broker_pid),
             Some("raw-pg-100-rows-per-stmt-c16"),
@@ -124,12 +136,11 @@ impl Bench {
         row.notes
             .push(format!("{BATCH_CLIENTS} clients; latency per call"));
         tokio::time::sleep(Duration::from_millis(600)).await; // let backends flush their stats
-        if let Ok(pool) = sqlx::PgPool::connect(&url).await {
+        if let Ok(pool) = sqlx::PgPool::connect(url).await {
             row.notes.push(key_churn(&pool).await);
             pool.close().await;
         }
         app.stop().await?;
-        self.dbs.drop_db(&db).await;
         Ok(row)
     }
 }

@@ -14,9 +14,23 @@ impl Bench {
         keys: usize,
     ) -> anyhow::Result<Row> {
         let (db, url) = self.dbs.fresh().await?;
-        let topic = self.topic(&name.replace('-', "_"));
+        let row = self.relay_on(name, events, keys, &url).await;
+        self.dbs.drop_db(&db).await;
+        row
+    }
+
+    /// [`Bench::relay`] in the database at `url`, whatever it already holds (its own
+    /// topic: the drain waits for its events only).
+    pub(crate) async fn relay_on(
+        &self,
+        name: &str,
+        events: usize,
+        keys: usize,
+        url: &str,
+    ) -> anyhow::Result<Row> {
+        let topic = self.topic(&name.replace(['-', ' ', '(', ')', ','], "_"));
         {
-            let store = PgStore::connect(&url, 2).await?;
+            let store = PgStore::connect(url, 2).await?;
             let mut i = 0;
             while i < events {
                 let chunk: Vec<NewEvent> = (i..(i + 1000).min(events))
@@ -28,7 +42,7 @@ impl Bench {
             sqlx::query("ANALYZE").execute(store.pool()).await?;
             store.pool().close().await;
         }
-        let config = mailroom_config(&url, &self.brokers, 2)?;
+        let config = mailroom_config(url, &self.brokers, 2)?;
         let relays = config.relays;
         let sink = Arc::new(TimedSink {
             inner: open_sink(&config).await?,
@@ -108,7 +122,6 @@ impl Bench {
         // producer). The row's rate is the broker's, not the in-process counters'.
         let seen = self.read_back(&topic, events, keys == 1).await;
         notes.push(seen.note());
-        self.dbs.drop_db(&db).await;
         if !seen.complete() {
             anyhow::bail!("{name}: {}", seen.note());
         }

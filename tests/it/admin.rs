@@ -1362,7 +1362,8 @@ async fn pending_listing_under_history(url: &str) {
         page_token: token,
         ..Default::default()
     };
-    let cases: Vec<(pb::EventFilter, Box<dyn Fn(&(i64, String, String)) -> bool>)> = vec![
+    type Wanted = Box<dyn Fn(&(i64, String, String)) -> bool>;
+    let cases: Vec<(pb::EventFilter, Wanted)> = vec![
         (pb::EventFilter::default(), Box::new(|_| true)),
         (
             pb::EventFilter {

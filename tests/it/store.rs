@@ -1809,9 +1809,11 @@ async fn a_continued_line_reads_up_to_its_horizon_without_a_lock() {
 }
 
 /// The relay's sessions plan their prepared statements once (`plan_cache_mode =
-/// force_generic_plan`, docs/relay.md "Generic plans"); the enqueue and admin classes
-/// keep PostgreSQL's default, and the relay's windows statement is planned once per
-/// session however often it runs.
+/// force_generic_plan`, docs/relay.md "Generic plans"), the admin's for every call's
+/// values (`force_custom_plan`: their filters are optional, and the generic plan the
+/// server chose after five calls read and sorted the whole events table for a page of
+/// `ListEvents`), the enqueue class keeps PostgreSQL's default; the relay's windows
+/// statement is planned once per session however often it runs, the listing every time.
 #[tokio::test]
 async fn relay_sessions_plan_their_statements_once() {
     let db = fresh_pg().await;
@@ -1822,7 +1824,7 @@ async fn relay_sessions_plan_their_statements_once() {
     for (pool, want) in [
         (&pools.enqueue, "auto"),
         (&pools.relay, "force_generic_plan"),
-        (&pools.admin, "auto"),
+        (&pools.admin, "force_custom_plan"),
     ] {
         let mode: String = sqlx::query_scalar("SHOW plan_cache_mode")
             .fetch_one(pool)
@@ -1834,6 +1836,7 @@ async fn relay_sessions_plan_their_statements_once() {
     // hold generic plans only (`pg_prepared_statements`, PostgreSQL 14+); under the
     // default mode the first five calls of each are custom plans.
     let relay_pool = pools.relay.clone();
+    let admin_pool = pools.admin.clone();
     let store = mailroom::store::postgres::PgStore::from_pools(pools);
     for i in 0..8 {
         // A new key each time: the keys claimed before stay leased.
@@ -1868,4 +1871,37 @@ async fn relay_sessions_plan_their_statements_once() {
         generic >= 16,
         "8 claims of 2+ statements ran generic plans: {generic}"
     );
+    drop(sessions);
+    for _ in 0..8 {
+        let q = mailroom::domain::admin::EventsQuery {
+            status: None,
+            filter: Default::default(),
+            page_size: 50,
+            before_id: None,
+        };
+        let page = mailroom::store::admin::AdminStore::list_events(&store, BoxKind::Outbox, &q)
+            .await
+            .unwrap();
+        assert_eq!(page.events.len(), 8);
+    }
+    let mut sessions = Vec::new();
+    for _ in 0..admin_pool.size() {
+        sessions.push(admin_pool.acquire().await.unwrap());
+    }
+    let (mut custom, mut generic) = (0i64, 0i64);
+    for s in &mut sessions {
+        // The listing's statement (one without parameters, such as this one, has a
+        // generic plan only, whatever the mode).
+        let (c, g): (i64, i64) = sqlx::query_as(
+            "SELECT coalesce(sum(custom_plans), 0)::int8, coalesce(sum(generic_plans), 0)::int8
+             FROM pg_prepared_statements WHERE statement LIKE 'SELECT * FROM (%'",
+        )
+        .fetch_one(&mut **s)
+        .await
+        .unwrap();
+        custom += c;
+        generic += g;
+    }
+    assert_eq!(generic, 0, "the listing ran a generic plan");
+    assert!(custom >= 8, "8 listings planned for their values: {custom}");
 }

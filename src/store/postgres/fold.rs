@@ -109,13 +109,13 @@ impl FoldFloor {
         if !o.gate {
             return;
         }
-        if let (Some(xid), Some(seq)) = (o.xid, o.seq) {
-            if seq > self.floor {
-                if self.candidates.len() == MAX_CANDIDATES {
-                    self.candidates.pop_front();
-                }
-                self.candidates.push_back((xid, seq));
+        if let (Some(xid), Some(seq)) = (o.xid, o.seq)
+            && seq > self.floor
+        {
+            if self.candidates.len() == MAX_CANDIDATES {
+                self.candidates.pop_front();
             }
+            self.candidates.push_back((xid, seq));
         }
         if o.present && !o.turned {
             // Another fold held the turn: this one saw nothing it may rely on.

@@ -56,7 +56,7 @@ impl MigrationWait {
             acquire_timeout,
             statement_timeout: None,
             lazy: false,
-            generic_plans: false,
+            plans: super::Plans::Server,
         }
     }
 

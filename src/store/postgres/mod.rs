@@ -93,11 +93,27 @@ pub struct PoolShape {
     pub statement_timeout: Option<Duration>,
     /// Connect on first use instead of at once.
     pub lazy: bool,
-    /// Plan prepared statements once per session (`plan_cache_mode =
-    /// force_generic_plan`) instead of for every call's parameters: for the relay's
-    /// fixed-shape claims and settles, whose best plan does not depend on the values
-    /// (docs/relay.md, "Generic plans").
-    pub generic_plans: bool,
+    /// How prepared statements are planned (`plan_cache_mode`).
+    pub plans: Plans,
+}
+
+/// How a pool's sessions plan their prepared statements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Plans {
+    /// As the server decides (custom plans first, then a generic plan when it looks no
+    /// dearer).
+    #[default]
+    Server,
+    /// Once per session (`force_generic_plan`): for the relay's fixed-shape claims and
+    /// settles, whose best plan does not depend on the values (docs/relay.md, "Generic
+    /// plans").
+    Generic,
+    /// For every call's values (`force_custom_plan`): for the admin's reads, whose
+    /// filters are optional (`$1 IS NULL OR topic = $1`). A generic plan cannot tell which
+    /// are set, and the server chose one after five calls that read and sorted the whole
+    /// events table for a page of 50 (issue 46: 178 ms at 200,000 events, seconds at a
+    /// week's history); a custom plan drops the unset filters and walks an index.
+    Custom,
 }
 
 impl Default for PoolShape {
@@ -107,7 +123,7 @@ impl Default for PoolShape {
             acquire_timeout: Duration::from_secs(3),
             statement_timeout: None,
             lazy: false,
-            generic_plans: false,
+            plans: Plans::Server,
         }
     }
 }
@@ -169,7 +185,11 @@ async fn pool_with(
         opts = opts.options([("statement_timeout", t.as_millis().to_string())]);
     }
     let profile = Arc::new(profile.clone());
-    let generic_plans = shape.generic_plans;
+    let plans = match shape.plans {
+        Plans::Server => None,
+        Plans::Generic => Some("force_generic_plan"),
+        Plans::Custom => Some("force_custom_plan"),
+    };
     let options = PgPoolOptions::new()
         .max_connections(shape.max_connections)
         .acquire_timeout(shape.acquire_timeout)
@@ -177,14 +197,14 @@ async fn pool_with(
             let profile = profile.clone();
             Box::pin(async move {
                 profile.apply(conn).await?;
-                if generic_plans {
+                if let Some(mode) = plans {
                     // A statement after connecting rather than a startup option: PgBouncer
                     // refuses unknown startup parameters. `plan_cache_mode` is PostgreSQL
-                    // 12's; older servers keep planning per call.
-                    conn.execute(
-                        "SELECT set_config('plan_cache_mode', 'force_generic_plan', false)
-                         WHERE current_setting('server_version_num')::int >= 120000",
-                    )
+                    // 12's; older servers plan as they do.
+                    conn.execute(AssertSqlSafe(format!(
+                        "SELECT set_config('plan_cache_mode', '{mode}', false)
+                         WHERE current_setting('server_version_num')::int >= 120000"
+                    )))
                     .await?;
                 }
                 Ok(())
