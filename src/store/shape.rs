@@ -465,9 +465,12 @@ impl Shape {
             ""
         };
         let backlog = self.backlog("k.");
+        // The page's ids are chosen before any row is read through `rows` (on the outbox
+        // a view that computes each row's status): reading every candidate through it
+        // cost 48 ms for 3,000 of them.
         format!(
             "SELECT {listed} FROM {rows}
-             WHERE status = 'pending' AND {f} AND id IN (
+             WHERE status = 'pending' AND {f} AND id IN (SELECT id FROM (
                  SELECT e.id FROM {keys} k CROSS JOIN LATERAL (
                      SELECT e.id FROM {events} e
                      WHERE e.topic = k.topic AND e.event_key = k.event_key{same_sub}
@@ -480,7 +483,8 @@ impl Shape {
                      SELECT id FROM {events}
                      WHERE {a}{t} = 'pending' AND status = 'pending' AND event_key IS NULL
                        AND ({b}{i8} IS NULL OR id < {b}) AND {f}
-                     ORDER BY id DESC LIMIT {l}) u)
+                     ORDER BY id DESC LIMIT {l}) u
+                 ORDER BY id DESC LIMIT {l}) page)
              ORDER BY id DESC LIMIT {l}"
         )
     }
