@@ -121,10 +121,10 @@ impl Bench {
                            WHERE p.topic = s.topic AND p.event_key = s.event_key)
              UPDATE outbox_keys k SET published_through = l.first - 1, pending = l.n,
                     ready_at = now() + interval '1 hour'
-             FROM s, LATERAL (SELECT min(id) AS first,
-                                     count(*) FILTER (WHERE status = 'pending') AS n
+             FROM s, LATERAL (SELECT min(id) AS first, count(*) AS n
                               FROM outbox_events e
-                              WHERE e.topic = s.topic AND e.event_key = s.event_key) l
+                              WHERE e.status = 'pending' AND e.topic = s.topic
+                                AND e.event_key = s.event_key) l
              WHERE k.topic = s.topic AND k.event_key = s.event_key",
         )
         .bind(STUCK_KEYS)
