@@ -200,37 +200,32 @@ impl Bench {
             .history_listings(&mut admin, &pool, backlog_top, &note)
             .await?;
         for name in ["get-stats", "list-pending-most", "list-pending-oldest"] {
-            let mark = CpuMark::take(self.broker_pid);
-            let mut lat = Vec::with_capacity(CALLS);
-            let start = Instant::now();
-            for _ in 0..CALLS {
-                let t = Instant::now();
-                match name {
-                    "get-stats" => {
-                        admin.get_stats(stats.clone()).await?;
-                    }
-                    "list-pending-most" => {
-                        admin
-                            .list_pending(pending(pb::PendingOrder::MostPending))
-                            .await?;
-                    }
-                    _ => {
-                        admin
-                            .list_pending(pending(pb::PendingOrder::Oldest))
-                            .await?;
-                    }
-                }
-                lat.push(t.elapsed().as_micros() as u64);
-            }
-            rows.push(self.calls_row(
-                format!("history {name} (gRPC)"),
-                lat,
-                start,
-                &mark,
-                format!(
-                    "{note}; {CALLS} calls over gRPC; GetStats is also the readiness lag check's read"
-                ),
-            ));
+            let row = self
+                .timed_row(
+                    format!("history {name} (gRPC)"),
+                    CALLS,
+                    format!(
+                        "{note}; {CALLS} calls over gRPC; GetStats is also the readiness lag check's read"
+                    ),
+                    || {
+                        let (mut admin, stats) = (admin.clone(), stats.clone());
+                        let order = match name {
+                            "list-pending-most" => pb::PendingOrder::MostPending,
+                            _ => pb::PendingOrder::Oldest,
+                        };
+                        let list = pending(order);
+                        async move {
+                            if name == "get-stats" {
+                                admin.get_stats(stats).await?;
+                            } else {
+                                admin.list_pending(list).await?;
+                            }
+                            Ok(())
+                        }
+                    },
+                )
+                .await?;
+            rows.push(row);
         }
         // The two statements of GetStats (and the readiness check) that read the key
         // rows, as SQL: as shipped, and as main had them before issue 46.
@@ -251,32 +246,33 @@ impl Bench {
             let counts = format!(
                 "SELECT k.topic, sum(k.pending)::int8 FROM outbox_keys k WHERE {backlog} GROUP BY k.topic"
             );
-            let mark = CpuMark::take(self.broker_pid);
-            let mut lat = Vec::with_capacity(CALLS);
-            let start = Instant::now();
-            for _ in 0..CALLS {
-                let t = Instant::now();
-                let (_, oldest): (i64, Option<chrono::DateTime<chrono::Utc>>) =
-                    sqlx::query_as(sqlx::AssertSqlSafe(heads.as_str()))
-                        .fetch_one(&pool)
-                        .await?;
-                let per_topic: Vec<(String, i64)> =
-                    sqlx::query_as(sqlx::AssertSqlSafe(counts.as_str()))
-                        .fetch_all(&pool)
-                        .await?;
-                anyhow::ensure!(
-                    oldest.is_some() && per_topic.iter().map(|t| t.1).sum::<i64>() == pending_total,
-                    "{variant}: not the prepared backlog"
-                );
-                lat.push(t.elapsed().as_micros() as u64);
-            }
-            rows.push(self.calls_row(
-                format!("history stats key reads (SQL), {variant}"),
-                lat,
-                start,
-                &mark,
-                format!("{note}; {CALLS} pairs of statements"),
-            ));
+            let row = self
+                .timed_row(
+                    format!("history stats key reads (SQL), {variant}"),
+                    CALLS,
+                    format!("{note}; {CALLS} pairs of statements"),
+                    || {
+                        let (pool, heads, counts) = (pool.clone(), heads.clone(), counts.clone());
+                        async move {
+                            let (_, oldest): (i64, Option<chrono::DateTime<chrono::Utc>>) =
+                                sqlx::query_as(sqlx::AssertSqlSafe(heads))
+                                    .fetch_one(&pool)
+                                    .await?;
+                            let per_topic: Vec<(String, i64)> =
+                                sqlx::query_as(sqlx::AssertSqlSafe(counts))
+                                    .fetch_all(&pool)
+                                    .await?;
+                            anyhow::ensure!(
+                                oldest.is_some()
+                                    && per_topic.iter().map(|t| t.1).sum::<i64>() == pending_total,
+                                "{variant}: not the prepared backlog"
+                            );
+                            Ok(())
+                        }
+                    },
+                )
+                .await?;
+            rows.push(row);
         }
         rows.extend(listing);
         rows.extend(self.history_pruning(&app, &pool, events, keys).await?);
@@ -415,42 +411,42 @@ impl Bench {
                 "{name}: {} events",
                 first.events.len()
             );
-            let mark = CpuMark::take(self.broker_pid);
-            let mut lat = Vec::with_capacity(CALLS);
-            let start = Instant::now();
-            for _ in 0..CALLS {
-                let t = Instant::now();
-                admin.list_events(list(status, token.clone())).await?;
-                lat.push(t.elapsed().as_micros() as u64);
-            }
-            rows.push(self.calls_row(
-                format!("history {name} (gRPC)"),
-                lat,
-                start,
-                &mark,
-                format!("{note}; {CALLS} calls of 50 events over gRPC"),
-            ));
+            let row = self
+                .timed_row(
+                    format!("history {name} (gRPC)"),
+                    CALLS,
+                    format!("{note}; {CALLS} calls of 50 events over gRPC"),
+                    || {
+                        let (mut admin, r) = (admin.clone(), list(status, token.clone()));
+                        async move {
+                            admin.list_events(r).await?;
+                            Ok(())
+                        }
+                    },
+                )
+                .await?;
+            rows.push(row);
         }
         let below = deep.events.first().map_or(backlog_top, |e| e.id + 1);
-        let mark = CpuMark::take(self.broker_pid);
-        let mut lat = Vec::with_capacity(PRUNE_CALLS);
-        let start = Instant::now();
-        for _ in 0..PRUNE_CALLS {
-            let t = Instant::now();
-            let ids: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(PENDING_BEFORE))
-                .bind(below)
-                .fetch_all(pool)
-                .await?;
-            anyhow::ensure!(ids.len() == 51, "before: {} events", ids.len());
-            lat.push(t.elapsed().as_micros() as u64);
-        }
-        rows.push(self.calls_row(
-            "history list-events-pending-past-backlog, main's statement before issue 46".into(),
-            lat,
-            start,
-            &mark,
-            format!("{note}; {PRUNE_CALLS} calls of the pending branch as SQL"),
-        ));
+        let row = self
+            .timed_row(
+                "history list-events-pending-past-backlog, main's statement before issue 46".into(),
+                PRUNE_CALLS,
+                format!("{note}; {PRUNE_CALLS} calls of the pending branch as SQL"),
+                || {
+                    let pool = pool.clone();
+                    async move {
+                        let ids: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(PENDING_BEFORE))
+                            .bind(below)
+                            .fetch_all(&pool)
+                            .await?;
+                        anyhow::ensure!(ids.len() == 51, "before: {} events", ids.len());
+                        Ok(())
+                    }
+                },
+            )
+            .await?;
+        rows.push(row);
         Ok(rows)
     }
 
@@ -466,51 +462,61 @@ impl Bench {
     ) -> anyhow::Result<Vec<Row>> {
         let mut rows = Vec::new();
         for variant in ["as shipped", "main's statement before issue 46"] {
-            let mark = CpuMark::take(self.broker_pid);
-            let mut lat = Vec::with_capacity(PRUNE_CALLS);
-            let start = Instant::now();
-            let mut pruned = 0;
-            for _ in 0..PRUNE_CALLS {
-                let t = Instant::now();
-                pruned += if variant == "as shipped" {
-                    app.store.prune_idle_keys(1000).await? as i64
-                } else {
-                    sqlx::query_scalar::<_, i64>(PRUNE_BEFORE)
-                        .bind(1000i64)
-                        .fetch_one(pool)
-                        .await?
-                };
-                lat.push(t.elapsed().as_micros() as u64);
-            }
-            anyhow::ensure!(
-                pruned == 0,
-                "{pruned} keys pruned: the history has none to prune"
-            );
-            rows.push(self.calls_row(
-                format!("history prune-idle-keys, {variant}"),
-                lat,
-                start,
-                &mark,
-                format!(
-                    "{events} events retained over {keys} keys, none prunable; {PRUNE_CALLS} \
-                     calls of a batch of 1,000 (a retention round's last call)"
-                ),
-            ));
+            let row = self
+                .timed_row(
+                    format!("history prune-idle-keys, {variant}"),
+                    PRUNE_CALLS,
+                    format!(
+                        "{events} events retained over {keys} keys, none prunable; {PRUNE_CALLS} \
+                         calls of a batch of 1,000 (a retention round's last call)"
+                    ),
+                    || {
+                        let (store, pool) = (app.store.clone(), pool.clone());
+                        async move {
+                            let pruned = if variant == "as shipped" {
+                                store.prune_idle_keys(1000).await? as i64
+                            } else {
+                                sqlx::query_scalar::<_, i64>(PRUNE_BEFORE)
+                                    .bind(1000i64)
+                                    .fetch_one(&pool)
+                                    .await?
+                            };
+                            anyhow::ensure!(
+                                pruned == 0,
+                                "{pruned} keys pruned: the history has none to prune"
+                            );
+                            Ok(())
+                        }
+                    },
+                )
+                .await?;
+            rows.push(row);
         }
         Ok(rows)
     }
 
-    /// The row of a read timed call by call: `lat` holds each call's microseconds since
-    /// `start`, the CPU is counted from `mark`.
-    fn calls_row(
+    /// The row of a read timed call by call: `calls` calls of `call`, each call's
+    /// microseconds, and the CPU they cost.
+    async fn timed_row<F, Fut>(
         &self,
         name: String,
-        lat: Vec<u64>,
-        start: Instant,
-        mark: &CpuMark,
+        calls: usize,
         note: String,
-    ) -> Row {
-        Row {
+        mut call: F,
+    ) -> anyhow::Result<Row>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<()>>,
+    {
+        let mark = CpuMark::take(self.broker_pid);
+        let mut lat = Vec::with_capacity(calls);
+        let start = Instant::now();
+        for _ in 0..calls {
+            let t = Instant::now();
+            call().await?;
+            lat.push(t.elapsed().as_micros() as u64);
+        }
+        Ok(Row {
             name,
             events: lat.len() as u64,
             secs: start.elapsed().as_secs_f64(),
@@ -520,6 +526,6 @@ impl Bench {
             baseline: None,
             notes: vec![note],
             wal_bytes: None,
-        }
+        })
     }
 }
