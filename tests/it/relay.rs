@@ -1148,13 +1148,16 @@ impl Sink for TimedSink {
 /// Two relays sharing a `ClaimCadence` space their claims between them: after one
 /// relay's claim that took all there was, the other's next claim waits half the spacing
 /// from it, so under a trickle their claims alternate rather than fall together (one
-/// relay right after the other, then both a whole spacing later). Spacing 3 s so the
-/// bounds hold on a loaded machine; polls off.
+/// relay right after the other, then both a whole spacing later). Spacing 4 s so the
+/// bounds hold on a loaded machine; polls off. B claims a second after A: had B's own
+/// spacing ended just after A's next claim began (B claimed right after A), B's timer
+/// could fire while A's claim was still running, find nothing, leave B idle, and B took
+/// "d" at once (the suite saw "d" 42 ms after "c").
 #[tokio::test]
 async fn relays_sharing_a_cadence_alternate_their_spaced_claims() {
     let mut s = accept_only().await;
     let sink = Arc::new(TimedSink::default());
-    let spacing = Duration::from_millis(3000);
+    let spacing = Duration::from_millis(4000);
     let cadence = mailroom::relay::ClaimCadence::new(2);
     let config = RelayConfig {
         poll_interval: Duration::from_secs(60),
@@ -1171,12 +1174,13 @@ async fn relays_sharing_a_cadence_alternate_their_spaced_claims() {
         tokio::spawn(a.run(shutdown.clone())),
         tokio::spawn(b.run(shutdown.clone())),
     ];
-    // Both first claims find nothing. Relay A claims "a"; relay B, idle, claims "b" at
-    // once after it: both are now spaced, B's from just after A's.
+    // Both first claims find nothing. Relay A claims "a"; relay B, idle, claims "b" a
+    // second later, at once: both are now spaced, B's from a second after A's.
     tokio::time::sleep(Duration::from_millis(300)).await;
     enqueue(&mut s.client, event("cadence", "ka", b"a")).await;
     wake_a.notify_one();
     let at_a = sink.wait_for("a").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
     enqueue(&mut s.client, event("cadence", "kb", b"b")).await;
     let woke = std::time::Instant::now();
     wake_b.notify_one();
@@ -1198,8 +1202,8 @@ async fn relays_sharing_a_cadence_alternate_their_spaced_claims() {
         "c came {:?} after a",
         at_c - at_a
     );
-    // B's own spacing has passed by now, but A claimed at `at_c`: B waits half a
-    // spacing from that (without the cadence it claims "d" at once).
+    // B's own spacing ends a second after `at_c`, but A claimed at `at_c`: B waits half
+    // a spacing from that (without the cadence it claims "d" a second after "c").
     enqueue(&mut s.client, event("cadence", "kd", b"d")).await;
     wake_a.notify_one();
     wake_b.notify_one();
@@ -1207,7 +1211,7 @@ async fn relays_sharing_a_cadence_alternate_their_spaced_claims() {
     let half = spacing / 2;
     // Measured at the sink: a claim's delivery may lag it by a few hundred ms on a
     // loaded machine, more for one claim than the next (hence the margin; without the
-    // cadence "d" comes at once).
+    // cadence "d" comes a second after "c").
     assert!(
         at_d - at_c >= half - Duration::from_millis(500),
         "d came {:?} after c, under half a spacing",
