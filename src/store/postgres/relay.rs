@@ -22,10 +22,6 @@ use crate::store::{
 /// SQL-API events folded into their keys per claim, at most (the rest in the next).
 const FOLD_BATCH: i64 = 1_000;
 
-/// How soon a key whose order lock a SQL-API writer held is looked at again, unless the
-/// writer's commit wakes it first; `held.rs` lengthens it for keys held long.
-const HELD_RECHECK: chrono::Duration = chrono::Duration::milliseconds(200);
-
 impl PgStore {
     /// Folds up to a batch of SQL-API events into their keys (see `Sql::fold`), above the
     /// floor of `fold.rs`. A claim's fold is skipped while another of this process runs
@@ -106,7 +102,7 @@ impl PgStore {
         };
         let mut keyed = Vec::with_capacity(leased.len());
         if !leased.is_empty() {
-            let mut lines = Leased::split(&leased, now)?;
+            let mut lines = Leased::split(&leased)?;
             self.observe_held(&mut lines, now);
             let per_key = limits.per_key(leased.len());
             if !lines.free.is_empty() {
@@ -150,7 +146,8 @@ impl PgStore {
             .held
             .observe(&held, &free, connections, std::time::Instant::now());
         for (w, after) in lines.held.iter_mut().zip(&f.recheck) {
-            let after = chrono::Duration::from_std(*after).unwrap_or(HELD_RECHECK);
+            // At most `held.rs`'s 2 s, always in chrono's range.
+            let after = chrono::Duration::from_std(*after).unwrap_or(chrono::Duration::seconds(2));
             w.delayed_at = Some(now + after);
         }
         for key in f.turns {
@@ -400,10 +397,10 @@ struct Leased {
 
 impl Leased {
     /// Windows are read for the keys whose order lock was free; the others come back
-    /// empty, to be looked at again after `HELD_RECHECK` or as soon as the writer's
-    /// commit is folded in (which pulls `ready_at` to now). Their `line_end` covers every
+    /// empty, to be looked at again after the backoff `observe_held` sets (`held.rs`) or
+    /// as soon as the writer's commit is folded in (which pulls `ready_at` to now). Their `line_end` covers every
     /// id, so nothing counts as new at the release.
-    fn split(leased: &[PgRow], now: DateTime<Utc>) -> StoreResult<Leased> {
+    fn split(leased: &[PgRow]) -> StoreResult<Leased> {
         let mut l = Leased {
             free: Vec::with_capacity(leased.len()),
             topics: Vec::with_capacity(leased.len()),
@@ -421,7 +418,7 @@ impl Leased {
                     line,
                     rows: Vec::new(),
                     full: false,
-                    delayed_at: Some(now + HELD_RECHECK),
+                    delayed_at: None,
                     line_end: Some(i64::MAX),
                 });
                 continue;
