@@ -1901,3 +1901,89 @@ async fn relay_sessions_plan_their_statements_once() {
     assert_eq!(generic, 0, "the listing ran a generic plan");
     assert!(custom >= 8, "8 listings planned for their values: {custom}");
 }
+
+/// The relay's statements run generic plans (docs/relay.md, "Generic plans"), and a
+/// generic plan over a table not yet analyzed (a fresh deployment's first burst) is made
+/// from default estimates. None of them may read the whole events table: the fold's
+/// probe was an `EXISTS` that the planner answered with a sequential scan stopping at the
+/// first uncounted row, and with every row counted it read the table on every claim.
+/// Autovacuum is off for the table, so no ANALYZE can come in between and hide it.
+#[tokio::test]
+async fn relay_claims_read_no_whole_table_before_the_first_analyze() {
+    use sqlx::Connection;
+    let db = fresh_pg().await;
+    let mut c = config(&db);
+    c.relays = 0;
+    open_store(&c).await.expect("migrated");
+    let mut check = sqlx::PgConnection::connect(&db).await.unwrap();
+    sqlx::query("ALTER TABLE public.outbox_events SET (autovacuum_enabled = false)")
+        .execute(&mut check)
+        .await
+        .unwrap();
+    let pools = mailroom::app::pg_pools(&c).await.unwrap();
+    let relay_pool = pools.relay.clone();
+    let store = mailroom::store::postgres::PgStore::from_pools(pools);
+    for b in 0..20 {
+        let events: Vec<NewEvent> = (0..1000)
+            .map(|i| new_event(Some(&format!("k{}", (b * 1000 + i) % 100)), "x"))
+            .collect();
+        store.enqueue(&events, false).await.unwrap();
+    }
+    let analyzed: Option<i64> = sqlx::query_scalar(
+        "SELECT analyze_count + autoanalyze_count FROM pg_stat_all_tables
+         WHERE relid = 'public.outbox_events'::regclass",
+    )
+    .fetch_one(&mut check)
+    .await
+    .unwrap();
+    sqlx::query("SELECT pg_stat_reset()")
+        .execute(&mut check)
+        .await
+        .unwrap();
+    let mut claimed = 0;
+    for token in 0..10 {
+        let claim = store
+            .claim(&Queue::Outbox, token, limits(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        claimed += claim.keyed.iter().map(|w| w.rows.len()).sum::<usize>();
+    }
+    assert!(claimed > 0, "the claims took events");
+    // Backends report their table statistics when their session ends.
+    relay_pool.close().await;
+    let mut seq_read = 0i64;
+    for _ in 0..50 {
+        sqlx::query("SELECT pg_stat_clear_snapshot()")
+            .execute(&mut check)
+            .await
+            .unwrap();
+        let (scans, read): (i64, i64) = sqlx::query_as(
+            "SELECT seq_scan, seq_tup_read FROM pg_stat_all_tables
+             WHERE relid = 'public.outbox_events'::regclass",
+        )
+        .fetch_one(&mut check)
+        .await
+        .unwrap();
+        let idx: i64 = sqlx::query_scalar(
+            "SELECT coalesce(idx_scan, 0) FROM pg_stat_all_tables
+             WHERE relid = 'public.outbox_events'::regclass",
+        )
+        .fetch_one(&mut check)
+        .await
+        .unwrap();
+        seq_read = read;
+        if idx > 0 || scans > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        analyzed,
+        Some(0),
+        "the table was analyzed before the claims"
+    );
+    assert_eq!(
+        seq_read, 0,
+        "10 claims read {seq_read} rows of the 20,000-event table sequentially"
+    );
+}
