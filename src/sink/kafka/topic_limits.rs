@@ -223,12 +223,7 @@ impl TopicLimits {
     /// cached limit: the broker would refuse it.
     pub fn refusal(&self, e: &StoredEvent) -> Option<TooLarge> {
         let limit = self.cached(&e.topic)?;
-        let record_bytes = record_batch_bytes(e, &self.inner.source);
-        (record_bytes > limit).then(|| TooLarge {
-            topic: e.topic.clone(),
-            record_bytes,
-            limit,
-        })
+        refusal_within(e, &cloud_event_headers(e, &self.inner.source), limit)
     }
 
     /// The topic's state channel, whether a fetch must start (none yet, or stale), and
@@ -349,6 +344,23 @@ pub fn record_batch_bytes(e: &StoredEvent, source: &str) -> usize {
         e.payload.len(),
         &cloud_event_headers(e, source),
     )
+}
+
+/// Why `e`, sent with the CloudEvents headers `headers` (`cloud_event_headers`), cannot
+/// go to a topic whose limit is `limit` (`TopicLimits::cached`), if it is over it. The
+/// relay reads the limit once per line and builds each record's headers once, for this
+/// and for the record itself.
+pub fn refusal_within(
+    e: &StoredEvent,
+    headers: &[(String, String)],
+    limit: usize,
+) -> Option<TooLarge> {
+    let record_bytes = batch_bytes(e.key.as_ref().map(String::len), e.payload.len(), headers);
+    (record_bytes > limit).then(|| TooLarge {
+        topic: e.topic.clone(),
+        record_bytes,
+        limit,
+    })
 }
 
 /// A v2 record batch of one record with this key, payload and headers.
