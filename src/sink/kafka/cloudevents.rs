@@ -1,6 +1,11 @@
 //! A record's headers under the CloudEvents Kafka protocol binding (binary content mode).
 
+use std::borrow::Cow;
+
 use crate::domain::StoredEvent;
+
+/// One record header: its name and its value, borrowed from the event where they can be.
+pub type CeHeader<'a> = (Cow<'a, str>, Cow<'a, str>);
 
 /// The CloudEvents attributes mailroom sets itself (binary content mode).
 const CE_OWN: [&str; 5] = ["ce_specversion", "ce_id", "ce_type", "ce_source", "ce_time"];
@@ -20,30 +25,34 @@ pub const DEFAULT_CONTENT_TYPE: &str = "application/octet-stream";
 /// - the event's other headers as they are, except those naming an attribute mailroom
 ///   sets (an event cannot forge its `ce_id` or `ce_source`). Other `ce_*` headers pass
 ///   through as extension attributes.
-pub fn cloud_event_headers(e: &StoredEvent, source: &str) -> Vec<(String, String)> {
-    let mut content_type = None;
+pub fn cloud_event_headers<'a>(e: &'a StoredEvent, source: &'a str) -> Vec<CeHeader<'a>> {
+    // Borrowed where the event or the source already hold the text: the relay builds
+    // these for every record, and two owned strings per header were most of the cost.
+    let mut content_type: Option<&'a str> = None;
     let mut out = Vec::with_capacity(e.headers.len() + 6);
     for (k, v) in &e.headers {
-        let lower = k.to_ascii_lowercase();
-        if lower == "content-type" || lower == "ce_datacontenttype" {
-            content_type.get_or_insert_with(|| v.clone());
-        } else if !CE_OWN.contains(&lower.as_str()) {
-            out.push((k.clone(), v.clone()));
+        if k.eq_ignore_ascii_case("content-type") || k.eq_ignore_ascii_case("ce_datacontenttype") {
+            content_type.get_or_insert(v.as_str());
+        } else if !CE_OWN.iter().any(|own| k.eq_ignore_ascii_case(own)) {
+            out.push((Cow::Borrowed(k.as_str()), Cow::Borrowed(v.as_str())));
         }
     }
     let ty = e.event_type.as_deref().unwrap_or("mailroom.event");
     out.extend([
-        ("ce_specversion".to_string(), "1.0".to_string()),
+        (Cow::Borrowed("ce_specversion"), Cow::Borrowed("1.0")),
         (
-            "ce_id".to_string(),
-            format!("{}-{}", e.id, e.created_at.timestamp_micros()),
+            Cow::Borrowed("ce_id"),
+            Cow::Owned(format!("{}-{}", e.id, e.created_at.timestamp_micros())),
         ),
-        ("ce_type".to_string(), ty.to_string()),
-        ("ce_source".to_string(), source.to_string()),
-        ("ce_time".to_string(), e.created_at.to_rfc3339()),
+        (Cow::Borrowed("ce_type"), Cow::Borrowed(ty)),
+        (Cow::Borrowed("ce_source"), Cow::Borrowed(source)),
         (
-            "content-type".to_string(),
-            content_type.unwrap_or_else(|| DEFAULT_CONTENT_TYPE.to_string()),
+            Cow::Borrowed("ce_time"),
+            Cow::Owned(e.created_at.to_rfc3339()),
+        ),
+        (
+            Cow::Borrowed("content-type"),
+            Cow::Borrowed(content_type.unwrap_or(DEFAULT_CONTENT_TYPE)),
         ),
     ]);
     out
@@ -79,13 +88,14 @@ mod tests {
 
     #[test]
     fn headers_follow_the_cloudevents_kafka_binding() {
-        let get = |h: &[(String, String)], k: &str| -> Vec<String> {
+        let get = |h: &[CeHeader<'_>], k: &str| -> Vec<String> {
             h.iter()
                 .filter(|(n, _)| n == k)
-                .map(|(_, v)| v.clone())
+                .map(|(_, v)| v.to_string())
                 .collect()
         };
-        let h = cloud_event_headers(&stored(&[("source", "checkout")]), "mailroom/x");
+        let e = stored(&[("source", "checkout")]);
+        let h = cloud_event_headers(&e, "mailroom/x");
         assert_eq!(get(&h, "ce_specversion"), ["1.0"]);
         assert_eq!(get(&h, "ce_id"), ["42-1764600000123456"]);
         assert_eq!(get(&h, "ce_type"), ["order.created"]);
@@ -95,21 +105,20 @@ mod tests {
         assert_eq!(get(&h, "source"), ["checkout"]);
         // The event's content type, whatever its spelling; no forged ce_id/ce_source;
         // other ce_ extensions pass through.
-        let h = cloud_event_headers(
-            &stored(&[
-                ("Content-Type", "application/json"),
-                ("ce_id", "forged"),
-                ("ce_source", "forged"),
-                ("ce_subject", "order-42"),
-            ]),
-            "mailroom/x",
-        );
+        let e = stored(&[
+            ("Content-Type", "application/json"),
+            ("ce_id", "forged"),
+            ("ce_source", "forged"),
+            ("ce_subject", "order-42"),
+        ]);
+        let h = cloud_event_headers(&e, "mailroom/x");
         assert_eq!(get(&h, "content-type"), ["application/json"]);
         assert!(get(&h, "Content-Type").is_empty());
         assert_eq!(get(&h, "ce_id"), ["42-1764600000123456"]);
         assert_eq!(get(&h, "ce_source"), ["mailroom/x"]);
         assert_eq!(get(&h, "ce_subject"), ["order-42"]);
-        let h = cloud_event_headers(&stored(&[("ce_datacontenttype", "text/plain")]), "s");
+        let e = stored(&[("ce_datacontenttype", "text/plain")]);
+        let h = cloud_event_headers(&e, "s");
         assert_eq!(get(&h, "content-type"), ["text/plain"]);
         assert!(get(&h, "ce_datacontenttype").is_empty());
     }

@@ -21,6 +21,7 @@
 //! was at fault, narrows the refused topic onto a producer of its own that sends one
 //! record at a time (`narrowing`; docs/relay.md, "Broker refusals").
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
@@ -41,7 +42,7 @@ mod pauses;
 pub mod topic_limits;
 
 pub use classify::{Attempt, Decision, Narrow, Row, decide, markdown_table};
-pub use cloudevents::{DEFAULT_CONTENT_TYPE, cloud_event_headers};
+pub use cloudevents::{CeHeader, DEFAULT_CONTENT_TYPE, cloud_event_headers};
 
 use super::{Delivery, Failure, LineDone, Sink};
 use crate::domain::StoredEvent;
@@ -380,18 +381,22 @@ impl KafkaSink {
 
     /// The record's headers (`cloud_event_headers`), with the producer span's trace
     /// context when spans are exported.
-    fn headers(
-        mut all: Vec<(String, String)>,
-        trace: Option<&HashMap<String, String>>,
+    fn headers<'a>(
+        mut all: Vec<CeHeader<'a>>,
+        trace: Option<&'a HashMap<String, String>>,
     ) -> OwnedHeaders {
         if let Some(trace) = trace {
             all.retain(|(k, _)| k != "traceparent" && k != "tracestate");
-            all.extend(trace.iter().map(|(k, v)| (k.clone(), v.clone())));
+            all.extend(
+                trace
+                    .iter()
+                    .map(|(k, v)| (Cow::Borrowed(k.as_str()), Cow::Borrowed(v.as_str()))),
+            );
         }
         let mut h = OwnedHeaders::new_with_capacity(all.len());
         for (k, v) in &all {
             h = h.insert(Header {
-                key: k,
+                key: k.as_ref(),
                 value: Some(v.as_bytes()),
             });
         }

@@ -20,7 +20,7 @@ use rdkafka::client::DefaultClientContext;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::cloudevents::cloud_event_headers;
+use super::cloudevents::{CeHeader, cloud_event_headers};
 use crate::domain::{NewEvent, Status, StoredEvent};
 
 /// Stock Kafka's `message.max.bytes` (and so each topic's `max.message.bytes`): the
@@ -350,11 +350,7 @@ pub fn record_batch_bytes(e: &StoredEvent, source: &str) -> usize {
 /// go to a topic whose limit is `limit` (`TopicLimits::cached`), if it is over it. The
 /// relay reads the limit once per line and builds each record's headers once, for this
 /// and for the record itself.
-pub fn refusal_within(
-    e: &StoredEvent,
-    headers: &[(String, String)],
-    limit: usize,
-) -> Option<TooLarge> {
+pub fn refusal_within(e: &StoredEvent, headers: &[CeHeader<'_>], limit: usize) -> Option<TooLarge> {
     let record_bytes = batch_bytes(e.key.as_ref().map(String::len), e.payload.len(), headers);
     (record_bytes > limit).then(|| TooLarge {
         topic: e.topic.clone(),
@@ -364,7 +360,7 @@ pub fn refusal_within(
 }
 
 /// A v2 record batch of one record with this key, payload and headers.
-fn batch_bytes(key: Option<usize>, payload: usize, headers: &[(String, String)]) -> usize {
+fn batch_bytes(key: Option<usize>, payload: usize, headers: &[CeHeader<'_>]) -> usize {
     let mut header_bytes: usize = headers
         .iter()
         .map(|(k, v)| field_len(Some(k.len())) + field_len(Some(v.len())))
