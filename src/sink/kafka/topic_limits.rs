@@ -3,7 +3,7 @@
 //! batch the producer sends for one event, counted the way the broker counts it. The
 //! intake refuses an event whose record would not fit (`check`); the sink refuses one
 //! that no longer fits (the limit was lowered, or it came through the SQL API) as a
-//! counted failure before the broker does (`refusal`).
+//! counted failure before the broker does (`cached`, then `refusal_within`).
 //!
 //! Nothing here blocks the flow: a topic the cluster reports no limit for (it does not
 //! exist yet, or the broker does not say), or a cluster that does not answer within
@@ -207,7 +207,7 @@ impl TopicLimits {
     }
 
     /// Learns the limits of the topics of `events` (waiting as `limit` does), so that
-    /// `refusal` can answer from the cache.
+    /// `cached` can answer from the cache.
     pub async fn learn<'a>(&self, events: impl Iterator<Item = &'a StoredEvent>) {
         let mut seen = std::collections::HashSet::new();
         let pending: Vec<_> = events
@@ -217,13 +217,6 @@ impl TopicLimits {
         for (topic, (rx, deadline)) in pending {
             self.wait(topic, rx, deadline).await;
         }
-    }
-
-    /// Why the stored event `e` cannot be published, if its record is over its topic's
-    /// cached limit: the broker would refuse it.
-    pub fn refusal(&self, e: &StoredEvent) -> Option<TooLarge> {
-        let limit = self.cached(&e.topic)?;
-        refusal_within(e, &cloud_event_headers(e, &self.inner.source), limit)
     }
 
     /// The topic's state channel, whether a fetch must start (none yet, or stale), and
@@ -334,22 +327,12 @@ fn field_len(len: Option<usize>) -> usize {
     }
 }
 
-/// The bytes of a v2 record batch holding only `e`'s record, as the producer builds it
-/// (`KafkaSink`: the payload, the key, `cloud_event_headers` and, when spans are
-/// exported, a `traceparent`), uncompressed: what the broker compares with the topic's
-/// `max.message.bytes`.
-pub fn record_batch_bytes(e: &StoredEvent, source: &str) -> usize {
-    batch_bytes(
-        e.key.as_ref().map(String::len),
-        e.payload.len(),
-        &cloud_event_headers(e, source),
-    )
-}
-
-/// Why `e`, sent with the CloudEvents headers `headers` (`cloud_event_headers`), cannot
-/// go to a topic whose limit is `limit` (`TopicLimits::cached`), if it is over it. The
-/// relay reads the limit once per line and builds each record's headers once, for this
-/// and for the record itself.
+/// Why the stored event `e`, sent with the CloudEvents headers `headers`
+/// (`cloud_event_headers`), cannot go to a topic whose limit is `limit`
+/// (`TopicLimits::cached`): its record batch, counted as the broker counts it (the
+/// payload, the key, the headers and, when spans are exported, a `traceparent`;
+/// uncompressed), is over it. The relay reads the limit once per line and builds each
+/// record's headers once, for this and for the record itself.
 pub fn refusal_within(e: &StoredEvent, headers: &[CeHeader<'_>], limit: usize) -> Option<TooLarge> {
     let record_bytes = batch_bytes(e.key.as_ref().map(String::len), e.payload.len(), headers);
     (record_bytes > limit).then(|| TooLarge {
@@ -381,7 +364,7 @@ fn batch_bytes(key: Option<usize>, payload: usize, headers: &[CeHeader<'_>]) -> 
     BATCH_HEADER_BYTES + varint_len(i64::try_from(body).unwrap_or(i64::MAX)) + body
 }
 
-/// `record_batch_bytes` of an event not stored yet, with the longest id and creation
+/// The record batch of an event not stored yet (as `refusal_within` counts it), with the longest id and creation
 /// time its `ce_id` and `ce_time` can carry.
 pub fn new_event_record_bytes(e: &NewEvent, source: &str) -> usize {
     let now = chrono::Utc::now();
