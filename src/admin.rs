@@ -11,12 +11,14 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
 use crate::domain::admin::{
-    AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventsPage, EventsQuery,
-    PauseOutcome, PauseRequest, PendingPage, PendingQuery, RequeueOutcome, RequeueRequest, Stats,
-    TopicPause, TopicStats,
+    AdminKey, AuditPage, CancelOutcome, CancelRequest, EventCopy, EventDetail, EventsPage,
+    EventsQuery, MAX_REPUBLISH_BYTES, PauseOutcome, PauseRequest, PendingPage, PendingQuery,
+    REPUBLISHED_FROM, RepublishOutcome, RepublishRequest, RepublishSelection, RequeueOutcome,
+    RequeueRequest, SAMPLE_IDS, Stats, TopicPause, TopicStats,
 };
-use crate::domain::{BoxKind, EventId};
+use crate::domain::{BoxKind, Enqueued, EventId, NewEvent};
 use crate::error::Error;
+use crate::intake::Intake;
 use crate::schema::SchemaGate;
 use crate::store::Store;
 
@@ -44,6 +46,8 @@ pub struct Admin {
     wake_for: Duration,
     /// Writes only while the database's schema allows this binary (`crate::schema`).
     schema: Option<SchemaGate>,
+    /// Where republished copies are stored, as every new event is (`with_intake`).
+    intake: Option<Intake>,
 }
 
 impl Admin {
@@ -54,7 +58,14 @@ impl Admin {
             store,
             wake_for: relay_lease + Duration::from_secs(5),
             schema: None,
+            intake: None,
         }
+    }
+
+    /// Stores republished copies through `intake` (without one, republish is refused).
+    pub fn with_intake(mut self, intake: Intake) -> Self {
+        self.intake = Some(intake);
+        self
     }
 
     /// Refuses writes (`SchemaIncompatible`) while `gate` says this binary does not
@@ -76,6 +87,72 @@ impl Admin {
     /// The store it runs against.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+
+    /// Publishes completed outbox events again (or, on dry run, counts and samples them).
+    /// Each copy is a new event stored through the intake like any other: a new id at
+    /// the end of its key's line, its own attempts, the original's id in the header
+    /// `mailroom-republished-from`. The copies of one call are one transaction, each
+    /// with the idempotency key `mailroom.republish/<request id>/<original id>`, so a
+    /// call retried with its request id after the copies were stored but before the
+    /// audit entry was (a crash between the two) stores no second copy. Without a
+    /// request id a random one is used.
+    pub async fn republish(&self, r: &RepublishRequest) -> Result<RepublishOutcome, Error> {
+        if !r.context.dry_run {
+            self.may_write().await?;
+        }
+        let (ids, originals) = match self.store.republish_selection(r).await? {
+            RepublishSelection::Replayed { audit_id, count } => {
+                return Ok(RepublishOutcome {
+                    count,
+                    sample_ids: Vec::new(),
+                    audit_id: Some(audit_id),
+                    replayed: true,
+                    copies: Vec::new(),
+                });
+            }
+            RepublishSelection::Selected { ids, copies } => (ids, copies),
+        };
+        let mut out = RepublishOutcome {
+            count: ids.len() as i64,
+            sample_ids: ids.iter().take(SAMPLE_IDS).copied().collect(),
+            audit_id: None,
+            replayed: false,
+            copies: Vec::new(),
+        };
+        if r.context.dry_run || ids.is_empty() {
+            return Ok(out);
+        }
+        let intake = self.intake.as_ref().ok_or_else(|| {
+            Error::FailedPrecondition("republish is served by the gRPC AdminService only".into())
+        })?;
+        let bytes: usize = originals.iter().map(copy_bytes).sum();
+        if bytes > MAX_REPUBLISH_BYTES {
+            return Err(Error::invalid(
+                "limit",
+                format!(
+                    "the {} selected events hold {bytes} bytes, over the {MAX_REPUBLISH_BYTES} \
+                     one republish copies: lower the limit or narrow the filter",
+                    ids.len()
+                ),
+            ));
+        }
+        let rid = r
+            .context
+            .request_id
+            .clone()
+            .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()));
+        let events: Vec<NewEvent> = originals.into_iter().map(|o| copy_of(o, &rid)).collect();
+        let stored = intake.submit(events, true).await?;
+        out.copies = ids
+            .iter()
+            .zip(stored)
+            .map(|(o, e)| match e {
+                Enqueued::Inserted(id) | Enqueued::Duplicate(id) => (*o, id),
+            })
+            .collect();
+        out.audit_id = Some(self.store.record_republish(r, out.count).await?);
+        Ok(out)
     }
 
     /// One page of a box's backlog, grouped by key; in the outbox, with the paused topics
@@ -198,9 +275,72 @@ impl Admin {
     }
 }
 
+/// Bytes a copy holds in memory.
+fn copy_bytes(c: &EventCopy) -> usize {
+    c.payload.len()
+        + c.topic.len()
+        + c.key.as_ref().map_or(0, String::len)
+        + c.headers
+            .iter()
+            .map(|(k, v)| k.len() + v.len())
+            .sum::<usize>()
+}
+
+/// The new event that republishes `o` under request id `rid`.
+fn copy_of(o: EventCopy, rid: &str) -> NewEvent {
+    let mut headers = o.headers;
+    headers.insert(REPUBLISHED_FROM.to_string(), o.id.to_string());
+    NewEvent {
+        topic: o.topic,
+        key: o.key,
+        payload: o.payload,
+        headers,
+        event_type: o.event_type,
+        idempotency_key: Some(format!("mailroom.republish/{rid}/{}", o.id)),
+        deliver_after: None,
+        max_attempts: o.max_attempts,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_copy_keeps_the_content_and_names_its_original() {
+        let mut headers = std::collections::BTreeMap::new();
+        headers.insert("trace".to_string(), "t1".to_string());
+        headers.insert(REPUBLISHED_FROM.to_string(), "3".to_string());
+        let o = EventCopy {
+            id: 17,
+            topic: "orders".into(),
+            key: Some("k".into()),
+            payload: b"p".to_vec(),
+            headers,
+            event_type: Some("order.placed".into()),
+            max_attempts: 9,
+        };
+        assert_eq!(
+            copy_bytes(&o),
+            1 + 6 + 1 + (5 + 2) + (REPUBLISHED_FROM.len() + 1)
+        );
+        let e = copy_of(o, "r1");
+        assert_eq!(e.headers[REPUBLISHED_FROM], "17", "the immediate original");
+        assert_eq!(e.headers["trace"], "t1");
+        assert_eq!(
+            e.idempotency_key.as_deref(),
+            Some("mailroom.republish/r1/17")
+        );
+        assert_eq!(
+            (
+                e.topic.as_str(),
+                e.key.as_deref(),
+                e.max_attempts,
+                e.deliver_after
+            ),
+            ("orders", Some("k"), 9, None)
+        );
+    }
     use crate::domain::admin::{PendingCursor, PendingOrder};
 
     #[test]

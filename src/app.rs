@@ -704,7 +704,9 @@ impl Services {
     fn new(p: &Parts<'_>, health: HealthServer<HealthService>, intake: Intake) -> Services {
         let config = p.config;
         let shares = crate::api::layers::Shares::new(config.overload.principal_share_percent);
-        let admin = Admin::new(p.store.clone(), config.relay.lease).with_schema(p.schema.clone());
+        let admin = Admin::new(p.store.clone(), config.relay.lease)
+            .with_schema(p.schema.clone())
+            .with_intake(intake.clone());
         let inbox = crate::inbox::Inbox::new(
             p.store.clone(),
             config.subscriptions.clone(),

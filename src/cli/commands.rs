@@ -159,9 +159,9 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
         command @ (AdminCommand::Pending { .. } | AdminCommand::Failed { .. }) => {
             backlog(&mut c, &t, command).await
         }
-        command @ (AdminCommand::Requeue { .. } | AdminCommand::Cancel { .. }) => {
-            actions(&mut c, &t, command).await
-        }
+        command @ (AdminCommand::Requeue { .. }
+        | AdminCommand::Cancel { .. }
+        | AdminCommand::Republish { .. }) => actions(&mut c, &t, command).await,
         command @ (AdminCommand::Pause { .. }
         | AdminCommand::Resume { .. }
         | AdminCommand::Paused) => pauses(&mut c, &t, command).await,
@@ -264,6 +264,31 @@ async fn actions(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::R
             };
             let r = answer(c.inner.cancel_events(c.req(req)).await)?;
             Ok(cancel_out(&r, !yes, t.json))
+        }
+        AdminCommand::Republish {
+            ids,
+            filter,
+            limit,
+            yes,
+            all,
+            request_id: rid,
+            operator: who,
+        } => {
+            if t.inbox {
+                anyhow::bail!("republish acts on the outbox only");
+            }
+            let req = pb::RepublishEventsRequest {
+                // Ids name events exactly: the filter flags are not sent with them.
+                filter: ids.is_empty().then(|| filter.to_pb("")),
+                ids,
+                limit: limit.unwrap_or(0),
+                confirm: yes,
+                operator: operator(who),
+                all,
+                request_id: request_id(rid),
+            };
+            let r = answer(c.inner.republish_events(c.req(req)).await)?;
+            Ok(republish_out(&r, t.json))
         }
         _ => unreachable!("dispatched by execute"),
     }

@@ -87,7 +87,7 @@ impl AdminArgs {
     }
 }
 
-/// The event filter of `failed` and `requeue`.
+/// The event filter of `failed`, `requeue` and `republish`.
 #[derive(Debug, Args, Default)]
 pub struct FilterArgs {
     /// Only this topic.
@@ -108,6 +108,15 @@ pub struct FilterArgs {
     /// Only events last updated before this RFC 3339 time.
     #[arg(long)]
     pub until: Option<DateTime<Utc>>,
+    /// Only keys starting with this text.
+    #[arg(long)]
+    pub key_prefix: Option<String>,
+    /// Only events created at or after this RFC 3339 time.
+    #[arg(long)]
+    pub created_since: Option<DateTime<Utc>>,
+    /// Only events created before this RFC 3339 time.
+    #[arg(long)]
+    pub created_until: Option<DateTime<Utc>>,
 }
 
 impl FilterArgs {
@@ -120,6 +129,9 @@ impl FilterArgs {
             updated_after: self.since.map(to_timestamp),
             updated_before: self.until.map(to_timestamp),
             error_contains: self.error_contains.clone().unwrap_or_default(),
+            key_prefix: self.key_prefix.clone().unwrap_or_default(),
+            created_after: self.created_since.map(to_timestamp),
+            created_before: self.created_until.map(to_timestamp),
         }
     }
 }
@@ -182,6 +194,30 @@ pub enum AdminCommand {
         #[arg(long)]
         yes: bool,
         /// With no ids and no filter flags: yes, every failed event of the box.
+        #[arg(long)]
+        all: bool,
+        /// Idempotency of the action: a repeated id acts once [default: a new UUID].
+        #[arg(long)]
+        request_id: Option<String>,
+        /// Name recorded in the audit log [default: $USER].
+        #[arg(long)]
+        operator: Option<String>,
+    },
+    /// Publish completed outbox events again as new events, by ids or by filter (dry run
+    /// unless --yes). `--since`/`--until` bound the publication time.
+    Republish {
+        /// Completed event ids; when given, no filter flags.
+        ids: Vec<i64>,
+        /// Which completed events.
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// At most this many events, oldest first [server default and max: 1000].
+        #[arg(long)]
+        limit: Option<u32>,
+        /// Act; without it only show what would be republished.
+        #[arg(long)]
+        yes: bool,
+        /// With no ids and no filter flags: yes, every completed event.
         #[arg(long)]
         all: bool,
         /// Idempotency of the action: a repeated id acts once [default: a new UUID].

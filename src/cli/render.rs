@@ -36,6 +36,44 @@ pub(super) fn requeue_out(r: &pb::RequeueFailedResponse, json_out: bool) -> Stri
     }
 }
 
+/// What `republish` prints.
+pub(super) fn republish_out(r: &pb::RepublishEventsResponse, json_out: bool) -> String {
+    if json_out {
+        let copies: Vec<_> = r
+            .copies
+            .iter()
+            .map(|c| json!({ "original_id": c.original_id, "id": c.id }))
+            .collect();
+        lines(&json!({
+            "dry_run": r.dry_run,
+            "count": r.count,
+            "sample_ids": r.sample_ids,
+            "audit_id": r.audit_id,
+            "replayed": r.replayed,
+            "copies": copies,
+        }))
+    } else if r.dry_run {
+        format!(
+            "dry run: would republish {} completed event(s){}\nrun again with --yes to republish them\n",
+            r.count,
+            sample(&r.sample_ids, r.count)
+        )
+    } else {
+        let first = r
+            .copies
+            .first()
+            .map(|c| format!("; first copy {} of {}", c.id, c.original_id))
+            .unwrap_or_default();
+        format!(
+            "republished {} event(s){}{first} (audit entry {}){}\n",
+            r.count,
+            sample(&r.sample_ids, r.count),
+            r.audit_id,
+            replayed(r.replayed)
+        )
+    }
+}
+
 /// The note on an action answered from its earlier outcome (the same `--request-id`
 /// again): nothing was done this time.
 fn replayed(replayed: bool) -> &'static str {

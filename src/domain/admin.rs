@@ -138,6 +138,15 @@ pub struct EventFilter {
     /// Case-sensitive substring of the last error.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error_contains: Option<String>,
+    /// The key starts with this text (unkeyed events never match).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_prefix: Option<String>,
+    /// Created at or after.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub created_after: Option<DateTime<Utc>>,
+    /// Created strictly before.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub created_before: Option<DateTime<Utc>>,
 }
 
 /// Which failed events a requeue takes.
@@ -148,6 +157,80 @@ pub enum Selection {
     Ids(Vec<EventId>),
     /// Failed events matching the filter, in id order, up to the request's `limit`.
     Filter(EventFilter),
+}
+
+/// Most events one republish copies (one transaction of the intake; larger selections
+/// are several calls, each with its own request id).
+pub const MAX_REPUBLISH: u32 = 1000;
+/// Bytes (payloads, headers, strings) one republish may copy: the copies are held in
+/// memory and stored in one transaction.
+pub const MAX_REPUBLISH_BYTES: usize = 64 * 1024 * 1024;
+/// The header a republished copy carries: its original's id.
+pub const REPUBLISHED_FROM: &str = "mailroom-republished-from";
+
+/// A validated RepublishEvents request.
+#[derive(Debug, Clone)]
+pub struct RepublishRequest {
+    /// The completed outbox events to publish again.
+    pub selection: Selection,
+    /// Most events a filter takes (1..=`MAX_REPUBLISH`); a list of ids may not be longer.
+    pub limit: u32,
+    /// Who acts, and whether for real (`dry_run` unless the caller confirmed).
+    pub context: ActionContext,
+}
+
+/// An event to copy, as the store read it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventCopy {
+    /// The original's id.
+    pub id: EventId,
+    /// The original's topic, key, payload, headers, type and attempt budget, copied.
+    pub topic: String,
+    #[allow(missing_docs)]
+    pub key: Option<String>,
+    #[allow(missing_docs)]
+    pub payload: Vec<u8>,
+    #[allow(missing_docs)]
+    pub headers: std::collections::BTreeMap<String, String>,
+    #[allow(missing_docs)]
+    pub event_type: Option<String>,
+    #[allow(missing_docs)]
+    pub max_attempts: u32,
+}
+
+/// What the store found for a republish.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RepublishSelection {
+    /// The request id named a republish done before.
+    Replayed {
+        /// Its audit entry.
+        audit_id: i64,
+        /// The events it republished.
+        count: i64,
+    },
+    /// The selected originals.
+    Selected {
+        /// Their ids, in id order.
+        ids: Vec<EventId>,
+        /// Their content, in id order; empty on dry run.
+        copies: Vec<EventCopy>,
+    },
+}
+
+/// What a republish did (or, on dry run, would do).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RepublishOutcome {
+    /// Events republished; on dry run, selected; on replay, republished the first time.
+    pub count: i64,
+    /// The first `SAMPLE_IDS` originals of the selection; empty on replay.
+    pub sample_ids: Vec<EventId>,
+    /// The audit entry written (or the earlier one, on replay); `None` on dry run or when
+    /// nothing matched.
+    pub audit_id: Option<i64>,
+    /// Whether the request id named an action done before (nothing changed now).
+    pub replayed: bool,
+    /// (original, copy) ids, in id order; empty on dry run and replay.
+    pub copies: Vec<(EventId, EventId)>,
 }
 
 /// Who runs an admin action (requeue, cancel) and how: what its audit entry records.

@@ -8,8 +8,8 @@
 use super::StoreResult;
 use crate::domain::admin::{
     AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventsPage, EventsQuery,
-    PauseOutcome, PauseRequest, PendingPage, PendingQuery, RequeueOutcome, RequeueRequest, Stats,
-    TopicPause,
+    PauseOutcome, PauseRequest, PendingPage, PendingQuery, RepublishRequest, RepublishSelection,
+    RequeueOutcome, RequeueRequest, Stats, TopicPause,
 };
 use crate::domain::{BoxKind, EventId};
 
@@ -28,6 +28,15 @@ pub trait AdminStore: Send + Sync {
     /// Moves pending events to failed with the operator's reason, wakes their keys and
     /// records the audit entry, in one transaction; same id checks as a requeue.
     async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> StoreResult<CancelOutcome>;
+
+    /// The completed outbox events a republish selects, in id order, with their content
+    /// unless on dry run; or, when the request id names a republish already recorded,
+    /// that one (and nothing is read). Explicit ids: all must exist (`NotFound`) and be
+    /// completed (`FailedPrecondition`).
+    async fn republish_selection(&self, r: &RepublishRequest) -> StoreResult<RepublishSelection>;
+
+    /// Records the audit entry of a republish whose copies are stored: `count` events.
+    async fn record_republish(&self, r: &RepublishRequest, count: i64) -> StoreResult<i64>;
 
     /// One event; the payload is left empty unless asked for.
     async fn event_detail(

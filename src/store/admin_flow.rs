@@ -18,10 +18,10 @@ use super::rows::{
 };
 use super::{StoreError, StoreResult};
 use crate::domain::admin::{
-    ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventFilter,
-    EventsPage, EventsQuery, PauseOutcome, PauseRequest, PendingCursor, PendingOrder, PendingPage,
-    PendingQuery, RequeueOutcome, RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicPause,
-    TopicStats,
+    ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventCopy, EventDetail,
+    EventFilter, EventsPage, EventsQuery, PauseOutcome, PauseRequest, PendingCursor, PendingOrder,
+    PendingPage, PendingQuery, RepublishRequest, RepublishSelection, RequeueOutcome,
+    RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicPause, TopicStats,
 };
 use crate::domain::{BoxKind, EventId, Status};
 
@@ -49,8 +49,8 @@ async fn read<E: AdminSql>(
     e.read(how, &batch).await
 }
 
-/// The seven parameters of an event filter, in statement order.
-fn filter_params(f: &EventFilter) -> [Param<'_>; 7] {
+/// The ten parameters of an event filter, in statement order.
+fn filter_params(f: &EventFilter) -> [Param<'_>; 10] {
     [
         Param::Text(f.topic.as_deref()),
         Param::Text(f.key.as_deref()),
@@ -59,6 +59,9 @@ fn filter_params(f: &EventFilter) -> [Param<'_>; 7] {
         Param::Time(f.updated_before),
         Param::Text(f.error_contains.as_deref()),
         Param::Text(f.subscription.as_deref()),
+        Param::Text(f.key_prefix.as_deref()),
+        Param::Time(f.created_after),
+        Param::Time(f.created_before),
     ]
 }
 
@@ -347,6 +350,94 @@ async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResul
     })
 }
 
+async fn republish_selection<E: AdminSql>(
+    e: &E,
+    r: &RepublishRequest,
+) -> StoreResult<RepublishSelection> {
+    let b = BoxKind::Outbox;
+    let mut tx = e.begin().await?;
+    if !r.context.dry_run
+        && let Some(rep) =
+            replayed(e, &mut tx, "republish", b, r.context.request_id.as_deref()).await?
+    {
+        e.rollback(tx).await?;
+        return Ok(RepublishSelection::Replayed {
+            audit_id: rep.audit_id,
+            count: rep.count,
+        });
+    }
+    let copies_of = |ids| query(Stmt::Shared(Shared::Copies), vec![Param::Ids(ids)]);
+    let (ids, copies) = match &r.selection {
+        Selection::Ids(ids) => {
+            let rows = rows_in(e, &mut tx, b, copies_of(ids)).await?;
+            let found = decode_all(&rows, decode_detail)?;
+            let status: Vec<(EventId, Status)> =
+                found.iter().map(|d| (d.event.id, d.event.status)).collect();
+            check_ids(ids, &status, Status::Completed, "republished")?;
+            (ids.clone(), found)
+        }
+        Selection::Filter(f) => {
+            let mut params = filter_params(f).to_vec();
+            params.push(Param::Int(Some(i64::from(r.limit))));
+            let q = query(Stmt::Shared(Shared::CompletedByFilter), params);
+            let rows = rows_in(e, &mut tx, b, q).await?;
+            let ids: Vec<EventId> = decode_all(&rows, decode_candidate)?
+                .iter()
+                .map(|c| c.id)
+                .collect();
+            let found = if r.context.dry_run || ids.is_empty() {
+                Vec::new()
+            } else {
+                decode_all(
+                    &rows_in(e, &mut tx, b, copies_of(&ids)).await?,
+                    decode_detail,
+                )?
+            };
+            (ids, found)
+        }
+    };
+    e.rollback(tx).await?;
+    let copies = if r.context.dry_run {
+        Vec::new()
+    } else {
+        copies
+            .into_iter()
+            .map(|d| EventCopy {
+                id: d.event.id,
+                topic: d.event.topic,
+                key: d.event.key,
+                payload: d.event.payload,
+                headers: d.event.headers,
+                event_type: d.event.event_type,
+                max_attempts: d.event.max_attempts,
+            })
+            .collect()
+    };
+    Ok(RepublishSelection::Selected { ids, copies })
+}
+
+async fn record_republish<E: AdminSql>(
+    e: &E,
+    r: &RepublishRequest,
+    count: i64,
+) -> StoreResult<i64> {
+    let mut tx = e.begin().await?;
+    let selection = match &r.selection {
+        Selection::Ids(ids) => serde_json::json!({ "ids": ids }),
+        Selection::Filter(f) => serde_json::json!({ "filter": f, "limit": r.limit }),
+    };
+    let audit = NewAudit {
+        context: &r.context,
+        action: "republish",
+        box_kind: BoxKind::Outbox,
+        selection,
+        count,
+    };
+    let id = insert_audit(e, &mut tx, &audit).await?;
+    e.commit(tx).await?;
+    Ok(id)
+}
+
 /// Pause (`Shared::Pause`) or resume (`Shared::Resume`) a topic: the row inserted or
 /// deleted and, when one was, the audit entry, in one transaction. A pause that finds
 /// the topic paused answers with the pause in force.
@@ -539,6 +630,14 @@ impl<E: AdminSql> AdminStore for E {
 
     async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> StoreResult<CancelOutcome> {
         cancel(self, b, r).await
+    }
+
+    async fn republish_selection(&self, r: &RepublishRequest) -> StoreResult<RepublishSelection> {
+        republish_selection(self, r).await
+    }
+
+    async fn record_republish(&self, r: &RepublishRequest, count: i64) -> StoreResult<i64> {
+        record_republish(self, r, count).await
     }
 
     async fn event_detail(

@@ -40,13 +40,17 @@ pub(crate) enum Shared {
     AuditOfRequest,
     /// ids: candidates `id, subscription, topic, event_key, status`, in id order.
     CandidatesById,
-    /// the filter (7), limit: failed candidates matching it, in id order.
+    /// the filter (10), limit: failed candidates matching it, in id order.
     FailedByFilter,
+    /// the filter (10), limit: completed candidates matching it, in id order.
+    CompletedByFilter,
+    /// ids: as `Detail` with payloads, in id order.
+    Copies,
     /// ids, now: failed events back to pending, due now.
     Requeue,
     /// ids, reason, now: pending events to failed with `cancelled: <reason>`.
     Cancel,
-    /// status, before id, the filter (7), limit: as `Detail`, newest first, no payload.
+    /// status, before id, the filter (10), limit: as `Detail`, newest first, no payload.
     Events,
     /// before id, limit: `id, at, actor, action, box, selection, count, principal,
     /// request_id`, newest first.

@@ -170,8 +170,8 @@ impl Shape {
         format!("{alias}ready_at < {} AND {alias}pending > 0", self.idle)
     }
 
-    /// The event filter as SQL conditions over parameters `first..first+6` (the
-    /// subscription last), in the order of `admin_flow::filter_params`.
+    /// The event filter as SQL conditions over parameters `first..first+9`, in the order
+    /// of `admin_flow::filter_params`.
     pub fn filter(&self, first: usize) -> String {
         let p = |i: usize| format!("{}{}", self.mark, first + i);
         let (t, ts, find) = (self.text, self.time, self.find);
@@ -181,14 +181,20 @@ impl Shape {
              AND ({3}{ts} IS NULL OR updated_at >= {3})
              AND ({4}{ts} IS NULL OR updated_at < {4})
              AND ({5}{t} IS NULL OR {find}(last_error, {5}) > 0)
-             AND {6}",
+             AND {6}
+             AND ({7}{t} IS NULL OR {find}(event_key, {7}) = 1)
+             AND ({8}{ts} IS NULL OR created_at >= {8})
+             AND ({9}{ts} IS NULL OR created_at < {9})",
             p(0),
             p(1),
             p(2),
             p(3),
             p(4),
             p(5),
-            self.sub_filter("subscription", &p(6))
+            self.sub_filter("subscription", &p(6)),
+            p(7),
+            p(8),
+            p(9)
         )
     }
 
@@ -319,7 +325,20 @@ impl Shape {
                 "SELECT {} FROM {events} WHERE status = 'failed' AND {} ORDER BY id LIMIT {}",
                 self.candidate_columns(),
                 self.filter(1),
-                p(8)
+                p(11)
+            ),
+            // Completed rows read completed only through the view (the cursor completes
+            // pending rows), in id order from the oldest.
+            Shared::CompletedByFilter => format!(
+                "SELECT {} FROM {rows} WHERE status = 'completed' AND {} ORDER BY id LIMIT {}",
+                self.candidate_columns(),
+                self.filter(1),
+                p(11)
+            ),
+            Shared::Copies => format!(
+                "SELECT {} FROM {rows} WHERE {} ORDER BY id",
+                self.detail_columns("true", false),
+                self.ids(1)
             ),
             Shared::Requeue => self.requeue(),
             Shared::Cancel => self.cancel(),
@@ -413,7 +432,7 @@ impl Shape {
         let (events, rows) = (self.events, self.rows);
         let (t, i8) = (self.text, self.int8);
         let p = |n| self.p(n);
-        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(10));
+        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(13));
         let (pending, walked) = if self.postgres {
             (
                 format!(
@@ -457,7 +476,7 @@ impl Shape {
         let (events, rows, keys) = (self.events, self.rows, self.keys);
         let (t, i8) = (self.text, self.int8);
         let p = |n| self.p(n);
-        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(10));
+        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(13));
         let same_sub = self.same_sub("e", "k");
         let above_cursor = if self.cursor {
             " AND e.id > k.published_through"

@@ -35,6 +35,7 @@ mod pause;
 mod polyglot;
 mod relay;
 mod relay_under_load;
+mod republish;
 mod retention;
 mod schema_compat;
 mod security;

@@ -17,7 +17,7 @@ use crate::pb::time::to_duration;
 use requests::*;
 pub use requests::{
     box_kind, cancel_request, event_filter, event_info, pause_request, pending_query,
-    requeue_request,
+    republish_request, requeue_request,
 };
 
 /// The admin RPCs. Tokens and scopes are checked before a call reaches it
@@ -120,6 +120,32 @@ impl pb::admin_service_server::AdminService for AdminApi {
             dry_run: req.context.dry_run,
             audit_id: out.audit_id.unwrap_or(0),
             replayed: out.replayed,
+        }))
+    }
+
+    async fn republish_events(
+        &self,
+        request: Request<pb::RepublishEventsRequest>,
+    ) -> Result<Response<pb::RepublishEventsResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let context = caller.context(&r.operator);
+        let req = republish_request(r, context)?;
+        let out = self.admin.republish(&req).await?;
+        if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
+            tracing::info!(audit_id = id, count = out.count, actor = %req.context.actor, "republished events");
+        }
+        Ok(Response::new(pb::RepublishEventsResponse {
+            count: out.count,
+            sample_ids: out.sample_ids,
+            dry_run: req.context.dry_run,
+            audit_id: out.audit_id.unwrap_or(0),
+            replayed: out.replayed,
+            copies: out
+                .copies
+                .into_iter()
+                .map(|(original_id, id)| pb::Republished { original_id, id })
+                .collect(),
         }))
     }
 

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 use crate::admin::{decode_token, encode_token};
 use crate::domain::admin::{
     ActionContext, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter,
-    KeyBacklog, MAX_CANCEL, MAX_REQUEUE, PauseRequest, PendingCursor, PendingOrder, PendingQuery,
-    RequeueRequest, Selection, TopicPause,
+    KeyBacklog, MAX_CANCEL, MAX_REPUBLISH, MAX_REQUEUE, PauseRequest, PendingCursor, PendingOrder,
+    PendingQuery, RepublishRequest, RequeueRequest, Selection, TopicPause,
 };
 use crate::domain::{BoxKind, Status as EventStatus, check_topic};
 use crate::error::{Error, FieldViolation};
@@ -94,12 +94,25 @@ pub fn event_filter(
     };
     let updated_after = time(f.updated_after, "updated_after");
     let updated_before = time(f.updated_before, "updated_before");
-    if let (Some(a), Some(b)) = (updated_after, updated_before)
-        && a >= b
-    {
+    let created_after = time(f.created_after, "created_after");
+    let created_before = time(f.created_before, "created_before");
+    for (after, before, n) in [
+        (updated_after, updated_before, "updated"),
+        (created_after, created_before, "created"),
+    ] {
+        if let (Some(a), Some(b)) = (after, before)
+            && a >= b
+        {
+            v.push(FieldViolation::new(
+                name(&format!("{n}_before")),
+                format!("must be later than {n}_after"),
+            ));
+        }
+    }
+    if !f.key.is_empty() && !f.key_prefix.is_empty() {
         v.push(FieldViolation::new(
-            name("updated_before"),
-            "must be later than updated_after",
+            name("key_prefix"),
+            "give either key or key_prefix, not both",
         ));
     }
     if !v.is_empty() {
@@ -113,6 +126,9 @@ pub fn event_filter(
         updated_after,
         updated_before,
         error_contains: non_empty(f.error_contains),
+        key_prefix: non_empty(f.key_prefix),
+        created_after,
+        created_before,
     })
 }
 
@@ -193,38 +209,82 @@ pub fn requeue_request(
         }
         l => l,
     };
-    let selection = if r.ids.is_empty() {
-        // An empty filter is every failed event of the box: only on purpose.
-        if filter_is_empty(&filter) && !r.all && !r.dry_run {
-            return Err(Error::invalid(
-                "all",
-                "an empty filter selects every failed event: set all = true (--all) to mean it",
-            ));
-        }
-        Selection::Filter(filter)
-    } else {
-        if !filter_is_empty(&filter) {
-            return Err(Error::invalid(
-                "ids",
-                "give either ids or a filter, not both",
-            ));
-        }
-        let mut ids = r.ids;
-        ids.sort_unstable();
-        ids.dedup();
-        if ids.len() > limit as usize {
-            return Err(Error::invalid(
-                "ids",
-                format!("{} ids exceed the limit of {limit}", ids.len()),
-            ));
-        }
-        Selection::Ids(ids)
-    };
+    let selection = selection(r.ids, filter, limit, r.all || r.dry_run, "failed")?;
     Ok(RequeueRequest {
         selection,
         limit,
         context: ActionContext {
             dry_run: r.dry_run,
+            request_id: request_id(r.request_id)?,
+            ..context
+        },
+    })
+}
+
+/// Ids or a filter, not both; ids sorted, distinct and at most `limit`. An empty filter
+/// selects every `what` event of the box: only on purpose (`all`, or a dry run).
+fn selection(
+    ids: Vec<i64>,
+    filter: EventFilter,
+    limit: u32,
+    all: bool,
+    what: &str,
+) -> Result<Selection, Error> {
+    if ids.is_empty() {
+        if filter_is_empty(&filter) && !all {
+            return Err(Error::invalid(
+                "all",
+                format!(
+                    "an empty filter selects every {what} event: set all = true (--all) to mean it"
+                ),
+            ));
+        }
+        return Ok(Selection::Filter(filter));
+    }
+    if !filter_is_empty(&filter) {
+        return Err(Error::invalid(
+            "ids",
+            "give either ids or a filter, not both",
+        ));
+    }
+    let mut ids = ids;
+    ids.sort_unstable();
+    ids.dedup();
+    if ids.len() > limit as usize {
+        return Err(Error::invalid(
+            "ids",
+            format!("{} ids exceed the limit of {limit}", ids.len()),
+        ));
+    }
+    Ok(Selection::Ids(ids))
+}
+
+/// Validates a `RepublishEvents` request (outbox only); `context` names the
+/// authenticated caller. Without `confirm` it is a dry run.
+pub fn republish_request(
+    r: pb::RepublishEventsRequest,
+    context: ActionContext,
+) -> Result<RepublishRequest, Error> {
+    let filter = event_filter(BoxKind::Outbox, r.filter, "filter")?;
+    let limit = match r.limit {
+        0 => MAX_REPUBLISH,
+        l if l > MAX_REPUBLISH => {
+            return Err(Error::invalid(
+                "limit",
+                format!(
+                    "must be at most {MAX_REPUBLISH} (republish larger selections in several calls)"
+                ),
+            ));
+        }
+        l => l,
+    };
+    let dry_run = !r.confirm;
+    let selection = selection(r.ids, filter, limit, r.all || dry_run, "completed")?;
+    Ok(RepublishRequest {
+        selection,
+        limit,
+        context: ActionContext {
+            dry_run,
             request_id: request_id(r.request_id)?,
             ..context
         },
@@ -432,6 +492,41 @@ mod tests {
         assert_eq!(bearer("Basic abc"), None);
         assert_eq!(bearer("Bearer "), None);
         assert_eq!(bearer("abc"), None);
+    }
+
+    #[test]
+    fn a_republish_is_a_dry_run_unless_confirmed() {
+        let r = pb::RepublishEventsRequest {
+            ids: vec![3, 1, 3],
+            ..Default::default()
+        };
+        let q = republish_request(r.clone(), ActionContext::by("x")).unwrap();
+        assert!(q.context.dry_run);
+        assert_eq!(q.selection, Selection::Ids(vec![1, 3]));
+        assert_eq!(q.limit, MAX_REPUBLISH);
+        let q = republish_request(
+            pb::RepublishEventsRequest { confirm: true, ..r },
+            ActionContext::by("x"),
+        )
+        .unwrap();
+        assert!(!q.context.dry_run);
+        // An empty filter is every completed event: a dry run may, a real one needs `all`.
+        assert!(republish_request(Default::default(), ActionContext::by("x")).is_ok());
+        let all = pb::RepublishEventsRequest {
+            confirm: true,
+            ..Default::default()
+        };
+        match republish_request(all.clone(), ActionContext::by("x")) {
+            Err(Error::InvalidArgument(v)) => assert_eq!(v[0].field, "all"),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            republish_request(
+                pb::RepublishEventsRequest { all: true, ..all },
+                ActionContext::by("x")
+            )
+            .is_ok()
+        );
     }
 
     #[test]
