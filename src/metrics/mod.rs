@@ -94,6 +94,7 @@ struct Inner {
     duplicates: Family<TopicLabel, Counter>,
     requeued: Counter,
     cancelled: Counter,
+    republished: Counter,
     rpcs: Family<RpcLabel, Counter>,
     rpc_seconds: Family<MethodLabel, Histogram>,
     pending: Family<TopicLabel, Gauge>,
@@ -160,6 +161,11 @@ impl Inner {
             "mailroom_outbox_cancelled",
             "Pending events cancelled (made failed) by operators.",
             self.cancelled.clone(),
+        );
+        r.register(
+            "mailroom_outbox_republished",
+            "Completed events published again as new events by operators (RepublishEvents).",
+            self.republished.clone(),
         );
         r.register(
             "mailroom_grpc_requests",
@@ -248,6 +254,7 @@ impl Metrics {
             duplicates: Family::default(),
             requeued: Counter::default(),
             cancelled: Counter::default(),
+            republished: Counter::default(),
             rpcs: Family::default(),
             rpc_seconds: Family::new_with_constructor(rpc_histogram as fn() -> _),
             pending: Family::default(),
@@ -326,6 +333,11 @@ impl Metrics {
     /// Counts events an operator requeued.
     pub fn requeued(&self, n: u64) {
         self.inner.requeued.inc_by(n);
+    }
+
+    /// Counts events an operator republished.
+    pub fn republished(&self, n: u64) {
+        self.inner.republished.inc_by(n);
     }
 
     /// Counts events an operator cancelled.

@@ -87,6 +87,7 @@ async fn completed_events_are_republished_at_the_end_of_their_keys_lines() {
     let mut c = config(&url);
     kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(5));
     c.tokens = tokens(dir.path());
+    c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
     let mut s = Service::start(c).await;
     let mut a = AdminServiceClient::new(channel(s.app.addr).await);
     let topic = "orders.republish";
@@ -296,6 +297,12 @@ async fn completed_events_are_republished_at_the_end_of_their_keys_lines() {
     let selection: serde_json::Value = serde_json::from_str(&by_filter.selection).unwrap();
     assert_eq!(selection["filter"]["key_prefix"], "a-", "{by_filter:?}");
     assert_eq!(selection["limit"], 1000, "{by_filter:?}");
+    // Dry runs, refusals and the replay count nothing.
+    let metrics = crate::support::probe::scrape(s.app.metrics_addr.unwrap()).await;
+    assert_eq!(
+        crate::support::probe::sample(&metrics, "mailroom_outbox_republished_total"),
+        253.0
+    );
     s.app.stop().await.unwrap();
 }
 

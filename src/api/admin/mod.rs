@@ -134,6 +134,9 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let out = self.admin.republish(&req).await?;
         if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
             tracing::info!(audit_id = id, count = out.count, actor = %req.context.actor, "republished events");
+            if let Some(m) = &self.metrics {
+                m.republished(out.count.max(0) as u64);
+            }
         }
         Ok(Response::new(pb::RepublishEventsResponse {
             count: out.count,
