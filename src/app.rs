@@ -372,7 +372,7 @@ impl App {
             relays: &outbox.stats,
             inbox: &inbox_handles,
         };
-        let console_addr = start_console(&parts, &auth, &mut bg).await?;
+        let console_addr = start_console(&parts, &auth, &outbox.intake, &mut bg).await?;
         let services = Services::new(&parts, health_service, outbox.intake);
         log_serving(&parts, addr, &auth, metrics_addr, console_addr);
         let stack = Stack {
@@ -651,6 +651,7 @@ struct Parts<'a> {
 async fn start_console(
     p: &Parts<'_>,
     auth: &Auth,
+    intake: &Intake,
     bg: &mut Background,
 ) -> anyhow::Result<Option<SocketAddr>> {
     let Some(listen) = p.config.console_listen else {
@@ -658,7 +659,9 @@ async fn start_console(
     };
     let (l, addr) = bind(listen, "console").await?;
     let console = crate::console::Console::new(crate::console::ConsoleParts {
-        admin: Admin::new(p.store.clone(), p.config.relay.lease).with_schema(p.schema.clone()),
+        admin: Admin::new(p.store.clone(), p.config.relay.lease)
+            .with_schema(p.schema.clone())
+            .with_intake(intake.clone()),
         auth: auth.clone(),
         read_only: p.config.console_read_only,
         allowed_hosts: p.config.console_allowed_hosts.clone(),

@@ -379,9 +379,10 @@ pub(super) async fn page_post(
         "requeue" => requeue_action(&c, input, false).await,
         "requeue-filter" => requeue_action(&c, input, true).await,
         "cancel" => cancel_action(&c, input).await,
+        "republish" => republish_action(&c, input).await,
         _ => Err(Error::invalid(
             "action",
-            "requeue, requeue-filter or cancel",
+            "requeue, requeue-filter, cancel or republish",
         )),
     };
     match r {
@@ -515,6 +516,36 @@ async fn requeue_action(
         dry_run: !a.confirm,
         count: out.count,
         ids: out.sample_ids,
+        audit_id: out.audit_id,
+    })
+}
+
+/// A republish of the selected completed outbox events.
+async fn republish_action(c: &Console, a: ActionInput<'_>) -> Result<pages::ActionResult, Error> {
+    if a.target.box_kind() != crate::domain::BoxKind::Outbox {
+        return Err(Error::invalid("action", "republish is for outbox events"));
+    }
+    if a.ids.is_empty() {
+        return Err(Error::invalid("id", "select events first"));
+    }
+    // The gRPC request's own validation (id count, request id).
+    let pb_req = crate::pb::RepublishEventsRequest {
+        ids: a.ids.clone(),
+        confirm: a.confirm,
+        request_id: a.request_id.clone(),
+        ..Default::default()
+    };
+    let req = crate::api::admin::requests::republish_request(pb_req, a.context)?;
+    let out = c.inner.admin.republish(&req).await?;
+    Ok(pages::ActionResult {
+        verb: "republish",
+        dry_run: !a.confirm,
+        count: out.count,
+        ids: if a.confirm {
+            out.copies.iter().map(|(_, copy)| *copy).collect()
+        } else {
+            out.sample_ids
+        },
         audit_id: out.audit_id,
     })
 }

@@ -1268,3 +1268,86 @@ async fn the_session_cookie_is_secure_behind_tls() {
         s.app.stop().await.unwrap();
     }
 }
+
+/// Issue 44, item 1: a completed outbox event is republished from the console, from its
+/// page or the completed list, with a dry run first; the copy names its original and the
+/// resubmitted confirmation acts once. Pending events get no republish button.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_republishes_completed_events() {
+    let url = fresh_pg().await;
+    let out = tempfile::tempdir().unwrap();
+    let mut c = config(&url);
+    c.relays = 1;
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    c.sink = mailroom::sink::SinkConfig::Local {
+        path: Some(out.path().join("sink.jsonl")),
+    };
+    let mut s = Service::start(c).await;
+    let console = s.app.console_addr.unwrap();
+    let id = enqueue(&mut s.client, event("again", "k", b"x")).await;
+    wait_completed(&s.app.store, 1, Duration::from_secs(20)).await;
+    let get = |path: String| async move {
+        http(
+            console,
+            &format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        )
+        .await
+    };
+    let r = get(format!("/outbox/events/{id}")).await;
+    assert!(r.contains("republish-one"), "{r}");
+    let r = get("/outbox/events?status=completed".into()).await;
+    assert!(r.contains("republish-selected"), "{r}");
+    let r = get("/outbox/events?status=pending".into()).await;
+    assert!(!r.contains("republish-selected"), "{r}");
+
+    let post = |form: String| async move {
+        http(
+            console,
+            &format!(
+                "POST /outbox/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+                form.len()
+            ),
+        )
+        .await
+    };
+    let r = post(format!("action=republish&id={id}")).await;
+    assert!(
+        r.starts_with("HTTP/1.1 200") && r.contains("This would <strong>republish</strong>"),
+        "{r}"
+    );
+    assert_eq!(s.outbox_count(None).await, 1, "a dry run stores nothing");
+    let confirm = format!("action=republish&id={id}&confirm=yes&request_id=console-1");
+    for _ in 0..2 {
+        let r = post(confirm.clone()).await;
+        assert!(r.starts_with("HTTP/1.1 200") && r.contains("Done:"), "{r}");
+    }
+    assert_eq!(
+        s.outbox_count(None).await,
+        2,
+        "the resubmitted form acts once"
+    );
+    wait_completed(&s.app.store, 2, Duration::from_secs(20)).await;
+    let copy = s
+        .app
+        .store
+        .list_events(
+            BoxKind::Outbox,
+            &mailroom::domain::admin::EventsQuery {
+                status: None,
+                filter: Default::default(),
+                page_size: 10,
+                before_id: None,
+            },
+        )
+        .await
+        .unwrap()
+        .events[0]
+        .event
+        .clone();
+    assert!(copy.id > id);
+    assert_eq!(
+        copy.headers.get("mailroom-republished-from"),
+        Some(&id.to_string())
+    );
+    s.app.stop().await.unwrap();
+}

@@ -87,6 +87,14 @@ pub fn event(nav: &Nav, t: &Target, d: &EventDetail, line: &[EventDetail]) -> Ma
                     }
                 }
             }
+            @if nav.can_write && e.status == Status::Completed && t.box_kind() == crate::domain::BoxKind::Outbox {
+                form method="post" action={(base) "/events"} {
+                    (csrf(nav))
+                    input type="hidden" name="id" value=(e.id);
+                    input type="hidden" name="status" value="completed";
+                    button.primary type="submit" name="action" value="republish" id="republish-one" { "Republish as a new event…" }
+                }
+            }
             @if !d.attempt_log.is_empty() {
                 h2 { "Attempts" }
                 p.muted { "The last counted attempts, oldest first (failures that spent no attempt are not listed)." }

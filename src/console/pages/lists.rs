@@ -186,6 +186,7 @@ pub fn events(nav: &Nav, t: &Target, f: &EventsFilter, page: &EventsPage) -> Mar
     let status = f.status.map(|s| s.as_str()).unwrap_or("any");
     let failed = f.status == Some(Status::Failed);
     let pending = f.status == Some(Status::Pending);
+    let republishable = f.status == Some(Status::Completed) && matches!(t, Target::Outbox);
     layout(
         Some(nav),
         &format!("{} events", t.title()),
@@ -243,7 +244,10 @@ pub fn events(nav: &Nav, t: &Target, f: &EventsFilter, page: &EventsPage) -> Mar
                             " "
                             button.danger type="submit" name="action" value="cancel" id="cancel-selected" { "Cancel selected…" }
                         }
-                        @if failed || pending { span.muted { " You will see what would happen first." } }
+                        @if republishable {
+                            button.primary type="submit" name="action" value="republish" id="republish-selected" { "Republish selected…" }
+                        }
+                        @if failed || pending || republishable { span.muted { " You will see what would happen first." } }
                     }
                 }
             }
