@@ -117,6 +117,17 @@ pub struct FilterArgs {
     /// Only events created before this RFC 3339 time.
     #[arg(long)]
     pub created_until: Option<DateTime<Utc>>,
+    /// Only events with this header value, as NAME=VALUE (repeatable: every one must match).
+    #[arg(long = "header", value_parser = header_pair)]
+    pub headers: Vec<(String, String)>,
+}
+
+/// A `--header NAME=VALUE` flag.
+fn header_pair(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((n, v)) if !n.is_empty() => Ok((n.to_string(), v.to_string())),
+        _ => Err(format!("{s:?} is not NAME=VALUE")),
+    }
 }
 
 impl FilterArgs {
@@ -132,6 +143,7 @@ impl FilterArgs {
             key_prefix: self.key_prefix.clone().unwrap_or_default(),
             created_after: self.created_since.map(to_timestamp),
             created_before: self.created_until.map(to_timestamp),
+            headers: self.headers.iter().cloned().collect(),
         }
     }
 }

@@ -147,6 +147,9 @@ pub struct EventFilter {
     /// Created strictly before.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub created_before: Option<DateTime<Utc>>,
+    /// Every header named here has exactly this value.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub headers: std::collections::BTreeMap<String, String>,
 }
 
 /// Which failed events a requeue takes.

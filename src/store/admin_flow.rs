@@ -49,8 +49,8 @@ async fn read<E: AdminSql>(
     e.read(how, &batch).await
 }
 
-/// The ten parameters of an event filter, in statement order.
-fn filter_params(f: &EventFilter) -> [Param<'_>; 10] {
+/// The eleven parameters of an event filter, in statement order.
+fn filter_params(f: &EventFilter) -> [Param<'_>; 11] {
     [
         Param::Text(f.topic.as_deref()),
         Param::Text(f.key.as_deref()),
@@ -62,6 +62,7 @@ fn filter_params(f: &EventFilter) -> [Param<'_>; 10] {
         Param::Text(f.key_prefix.as_deref()),
         Param::Time(f.created_after),
         Param::Time(f.created_before),
+        Param::Headers(&f.headers),
     ]
 }
 

@@ -40,9 +40,9 @@ pub(crate) enum Shared {
     AuditOfRequest,
     /// ids: candidates `id, subscription, topic, event_key, status`, in id order.
     CandidatesById,
-    /// the filter (10), limit: failed candidates matching it, in id order.
+    /// the filter (11), limit: failed candidates matching it, in id order.
     FailedByFilter,
-    /// the filter (10), limit: completed candidates matching it, in id order.
+    /// the filter (11), limit: completed candidates matching it, in id order.
     CompletedByFilter,
     /// ids: as `Detail` with payloads, in id order.
     Copies,
@@ -50,7 +50,7 @@ pub(crate) enum Shared {
     Requeue,
     /// ids, reason, now: pending events to failed with `cancelled: <reason>`.
     Cancel,
-    /// status, before id, the filter (10), limit: as `Detail`, newest first, no payload.
+    /// status, before id, the filter (11), limit: as `Detail`, newest first, no payload.
     Events,
     /// before id, limit: `id, at, actor, action, box, selection, count, principal,
     /// request_id`, newest first.
@@ -78,9 +78,16 @@ pub(crate) enum Param<'a> {
     /// A time in microseconds since the epoch, as page tokens carry it.
     Micros(Option<i64>),
     Ids(&'a [EventId]),
+    /// Headers to match, bound as a JSON object (NULL when empty).
+    Headers(&'a std::collections::BTreeMap<String, String>),
     /// The statement's clock, always last: SQLite binds the transaction's (or the
     /// read's) time; PostgreSQL's statements read `now()` and bind nothing.
     Now,
+}
+
+/// A header match as its parameter: a JSON object, or NULL when there is nothing to match.
+pub(crate) fn headers_param(h: &std::collections::BTreeMap<String, String>) -> Option<String> {
+    (!h.is_empty()).then(|| serde_json::to_string(h).expect("a map of strings is JSON"))
 }
 
 /// One statement with its parameters.

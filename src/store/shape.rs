@@ -170,7 +170,7 @@ impl Shape {
         format!("{alias}ready_at < {} AND {alias}pending > 0", self.idle)
     }
 
-    /// The event filter as SQL conditions over parameters `first..first+9`, in the order
+    /// The event filter as SQL conditions over parameters `first..first+10`, in the order
     /// of `admin_flow::filter_params`.
     pub fn filter(&self, first: usize) -> String {
         let p = |i: usize| format!("{}{}", self.mark, first + i);
@@ -184,7 +184,8 @@ impl Shape {
              AND {6}
              AND ({7}{t} IS NULL OR {find}(event_key, {7}) = 1)
              AND ({8}{ts} IS NULL OR created_at >= {8})
-             AND ({9}{ts} IS NULL OR created_at < {9})",
+             AND ({9}{ts} IS NULL OR created_at < {9})
+             AND ({10}{t} IS NULL OR {headers})",
             p(0),
             p(1),
             p(2),
@@ -194,8 +195,23 @@ impl Shape {
             self.sub_filter("subscription", &p(6)),
             p(7),
             p(8),
-            p(9)
+            p(9),
+            p(10),
+            headers = self.headers_match(&p(10)),
         )
+    }
+
+    /// The event's headers hold every pair of the JSON object `param`: containment on
+    /// PostgreSQL's `jsonb`; on SQLite, no pair of `param` missing from the stored text.
+    fn headers_match(&self, param: &str) -> String {
+        if self.postgres {
+            format!("headers @> {param}::jsonb")
+        } else {
+            format!(
+                "NOT EXISTS (SELECT 1 FROM json_each({param}) w WHERE NOT EXISTS (
+                     SELECT 1 FROM json_each(headers) h WHERE h.key = w.key AND h.value = w.value))"
+            )
+        }
     }
 
     /// The columns the flows read of a candidate for requeue or cancel.
@@ -325,7 +341,7 @@ impl Shape {
                 "SELECT {} FROM {events} WHERE status = 'failed' AND {} ORDER BY id LIMIT {}",
                 self.candidate_columns(),
                 self.filter(1),
-                p(11)
+                p(12)
             ),
             // Completed rows read completed only through the view (the cursor completes
             // pending rows), in id order from the oldest.
@@ -333,7 +349,7 @@ impl Shape {
                 "SELECT {} FROM {rows} WHERE status = 'completed' AND {} ORDER BY id LIMIT {}",
                 self.candidate_columns(),
                 self.filter(1),
-                p(11)
+                p(12)
             ),
             Shared::Copies => format!(
                 "SELECT {} FROM {rows} WHERE {} ORDER BY id",
@@ -432,7 +448,7 @@ impl Shape {
         let (events, rows) = (self.events, self.rows);
         let (t, i8) = (self.text, self.int8);
         let p = |n| self.p(n);
-        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(13));
+        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(14));
         let (pending, walked) = if self.postgres {
             (
                 format!(
@@ -476,7 +492,7 @@ impl Shape {
         let (events, rows, keys) = (self.events, self.rows, self.keys);
         let (t, i8) = (self.text, self.int8);
         let p = |n| self.p(n);
-        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(13));
+        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(14));
         let same_sub = self.same_sub("e", "k");
         let above_cursor = if self.cursor {
             " AND e.id > k.published_through"

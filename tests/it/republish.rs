@@ -325,9 +325,40 @@ async fn republish_checks_its_request_and_works_on_both_engines() {
         let mut a = AdminServiceClient::new(channel(s.app.addr).await);
         let mut ids = Vec::new();
         for i in 0..4 {
-            ids.push(enqueue(&mut s.client, event("t", "k", format!("{i}").as_bytes())).await);
+            let mut e = event("t", "k", format!("{i}").as_bytes());
+            if i % 2 == 0 {
+                e.headers.insert("tenant".into(), "a".into());
+            }
+            e.headers.insert("n".into(), format!("{i}"));
+            ids.push(enqueue(&mut s.client, e).await);
         }
         wait_completed(&s.app.store, 4, Duration::from_secs(20)).await;
+
+        // The header match: every pair given must be present with that value.
+        for (pairs, want) in [
+            (vec![("tenant", "a")], vec![ids[0], ids[2]]),
+            (vec![("tenant", "a"), ("n", "2")], vec![ids[2]]),
+            (vec![("tenant", "a"), ("n", "1")], vec![]),
+            (vec![("tenant", "b")], vec![]),
+        ] {
+            let dry = republish(
+                &mut a,
+                OPS,
+                pb::RepublishEventsRequest {
+                    filter: Some(pb::EventFilter {
+                        headers: pairs
+                            .iter()
+                            .map(|(k, v)| (k.to_string(), v.to_string()))
+                            .collect(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+            assert_eq!(dry.sample_ids, want, "{engine:?}: {pairs:?}");
+        }
 
         let bad = [
             (

@@ -129,6 +129,7 @@ pub fn event_filter(
         key_prefix: non_empty(f.key_prefix),
         created_after,
         created_before,
+        headers: f.headers.into_iter().collect(),
     })
 }
 

@@ -131,6 +131,7 @@ fn bind<'q>(sql: &'q str, params: &[Param<'q>]) -> PgQuery<'q> {
             Param::Time(v) => q.bind(v),
             Param::Micros(v) => q.bind(v.and_then(DateTime::from_timestamp_micros)),
             Param::Ids(v) => q.bind(v),
+            Param::Headers(h) => q.bind(crate::store::admin_sql::headers_param(h)),
             Param::Now => q,
         };
     }

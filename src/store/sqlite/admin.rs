@@ -76,6 +76,7 @@ fn bind<'q>(sql: &'q str, params: &[Param<'q>], now: i64) -> LiteQuery<'q> {
         q = match *p {
             Param::Int(v) | Param::Micros(v) => q.bind(v),
             Param::Text(v) => q.bind(v),
+            Param::Headers(h) => q.bind(crate::store::admin_sql::headers_param(h)),
             Param::Flag(v) => q.bind(v),
             Param::Time(v) => q.bind(v.map(micros)),
             Param::Ids(v) => q.bind(json_ids(v)),
