@@ -363,6 +363,7 @@ pub const ADMIN_READS: &[&str] = &[
     "ListAudit",
     "GetStats",
     "ListPausedTopics",
+    "ListPausedSubscriptions",
 ];
 
 /// The scope an RPC path (`/package.Service/Method`) needs; `None`: open to all (health

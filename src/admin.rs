@@ -160,7 +160,7 @@ impl Admin {
     pub async fn list_pending(&self, b: BoxKind, q: &PendingQuery) -> Result<PendingPage, Error> {
         let mut page = self.store.list_pending(b, q).await?;
         if b == BoxKind::Outbox {
-            page.paused = self.store.paused_topics(q.topic.as_deref()).await?;
+            page.paused = self.store.paused(b, q.topic.as_deref()).await?;
             for k in &mut page.keys {
                 k.paused = page.paused.iter().any(|p| p.topic == k.topic);
             }
@@ -168,23 +168,24 @@ impl Admin {
         Ok(page)
     }
 
-    /// Pauses publishing an outbox topic (see `AdminStore::pause_topic`): its events stay
-    /// pending and spend no attempt; lines a relay already claimed finish.
-    pub async fn pause_topic(&self, r: &PauseRequest) -> Result<PauseOutcome, Error> {
+    /// Pauses publishing an outbox topic, or dispatching an inbox subscription (`b`; see
+    /// `AdminStore::pause`): its events stay pending and spend no attempt; lines a relay
+    /// or dispatcher already claimed finish.
+    pub async fn pause(&self, b: BoxKind, r: &PauseRequest) -> Result<PauseOutcome, Error> {
         self.may_write().await?;
-        Ok(self.store.pause_topic(r).await?)
+        Ok(self.store.pause(b, r).await?)
     }
 
-    /// Resumes publishing a paused outbox topic; relays claim its keys at their next
-    /// cycle, in their order.
-    pub async fn resume_topic(&self, r: &PauseRequest) -> Result<PauseOutcome, Error> {
+    /// Lifts a pause; relays (dispatchers) claim its keys at their next cycle, in their
+    /// order.
+    pub async fn resume(&self, b: BoxKind, r: &PauseRequest) -> Result<PauseOutcome, Error> {
         self.may_write().await?;
-        Ok(self.store.resume_topic(r).await?)
+        Ok(self.store.resume(b, r).await?)
     }
 
-    /// The paused outbox topics, by topic.
-    pub async fn paused_topics(&self) -> Result<Vec<TopicPause>, Error> {
-        Ok(self.store.paused_topics(None).await?)
+    /// The paused outbox topics (inbox subscriptions), by name.
+    pub async fn paused(&self, b: BoxKind) -> Result<Vec<TopicPause>, Error> {
+        Ok(self.store.paused(b, None).await?)
     }
 
     /// Puts failed events back in line (see `AdminStore::requeue_failed`), then wakes the
@@ -235,11 +236,17 @@ impl Admin {
 
     /// Counts of a box; `subscription` narrows the inbox to one subscription.
     /// In the outbox, paused topics are marked (listed with zero counts when they hold
-    /// no events).
+    /// no events); in the inbox, the rows of paused subscriptions.
     pub async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> Result<Stats, Error> {
         let mut stats = self.store.stats(b, subscription).await?;
+        if b == BoxKind::Inbox {
+            let paused = self.store.paused(b, None).await?;
+            for t in &mut stats.topics {
+                t.paused = paused.iter().any(|p| p.topic == t.subscription);
+            }
+        }
         if b == BoxKind::Outbox {
-            for p in self.store.paused_topics(None).await? {
+            for p in self.store.paused(b, None).await? {
                 match stats.topics.iter_mut().find(|t| t.topic == p.topic) {
                     Some(t) => t.paused = true,
                     None => stats.topics.push(TopicStats {

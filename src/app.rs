@@ -730,7 +730,15 @@ impl Services {
                 config.max_batch_bytes,
             ),
             admin: crate::api::compressed!(pb::admin_service_server::AdminServiceServer::new(
-                AdminApi::new(admin).with_metrics(p.metrics.clone()),
+                AdminApi::new(admin)
+                    .with_metrics(p.metrics.clone())
+                    .with_subscriptions(
+                        config
+                            .subscriptions
+                            .iter()
+                            .map(|s| s.name.clone())
+                            .collect(),
+                    ),
             )),
             // One message per call, limited as one Enqueue is (tonic's default of 4 MiB
             // would refuse payloads an operator allowed above it).

@@ -294,6 +294,25 @@ async fn actions(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::R
     }
 }
 
+/// What `pause`, `resume` and `paused` act on: "topic", or "subscription" in the inbox.
+fn what(t: &Target) -> &'static str {
+    if t.inbox { "subscription" } else { "topic" }
+}
+
+/// The name a pause or resume acts on: the topic given, or `--subscription` (then no
+/// topic may be given).
+fn pause_target(t: &Target, topic: Option<String>) -> anyhow::Result<String> {
+    match (t.inbox, topic) {
+        (false, Some(topic)) => Ok(topic),
+        (false, None) => anyhow::bail!("name the topic to act on (or --subscription NAME)"),
+        (true, None) if !t.sub.is_empty() => Ok(t.sub.clone()),
+        (true, None) => anyhow::bail!("name the subscription with --subscription NAME"),
+        (true, Some(_)) => {
+            anyhow::bail!("a subscription is paused as a whole: give --subscription NAME, no topic")
+        }
+    }
+}
+
 /// The paused topics: pause, resume, list.
 async fn pauses(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Result<String> {
     match command {
@@ -302,16 +321,30 @@ async fn pauses(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Re
             reason,
             operator: who,
         } => {
-            let req = pb::PauseTopicRequest {
-                topic,
-                reason,
-                operator: operator(who),
+            let name = pause_target(t, topic)?;
+            let (pause, changed, audit_id) = if t.inbox {
+                let req = pb::PauseSubscriptionRequest {
+                    subscription: name,
+                    reason,
+                    operator: operator(who),
+                };
+                let r = answer(c.inner.pause_subscription(c.req(req)).await)?;
+                let p = r.pause.as_ref().map(subscription_as_topic);
+                (p, r.changed, r.audit_id)
+            } else {
+                let req = pb::PauseTopicRequest {
+                    topic: name,
+                    reason,
+                    operator: operator(who),
+                };
+                let r = answer(c.inner.pause_topic(c.req(req)).await)?;
+                (r.pause, r.changed, r.audit_id)
             };
-            let r = answer(c.inner.pause_topic(c.req(req)).await)?;
             Ok(pause_out(
-                r.pause.as_ref(),
-                r.changed,
-                r.audit_id,
+                pause.as_ref(),
+                what(t),
+                changed,
+                audit_id,
                 true,
                 t.json,
             ))
@@ -320,24 +353,44 @@ async fn pauses(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Re
             topic,
             operator: who,
         } => {
-            let req = pb::ResumeTopicRequest {
-                topic: topic.clone(),
-                operator: operator(who),
+            let name = pause_target(t, topic)?;
+            let (lifted, changed, audit_id) = if t.inbox {
+                let req = pb::ResumeSubscriptionRequest {
+                    subscription: name.clone(),
+                    operator: operator(who),
+                };
+                let r = answer(c.inner.resume_subscription(c.req(req)).await)?;
+                let p = r.lifted.as_ref().map(subscription_as_topic);
+                (p, r.changed, r.audit_id)
+            } else {
+                let req = pb::ResumeTopicRequest {
+                    topic: name.clone(),
+                    operator: operator(who),
+                };
+                let r = answer(c.inner.resume_topic(c.req(req)).await)?;
+                (r.lifted, r.changed, r.audit_id)
             };
-            let r = answer(c.inner.resume_topic(c.req(req)).await)?;
-            if !r.changed && !t.json {
+            if !changed && !t.json {
                 return Ok(format!(
                     "{} was not paused: nothing changed\n",
-                    escape(&topic)
+                    escape(&name)
                 ));
             }
             Ok(pause_out(
-                r.lifted.as_ref(),
-                r.changed,
-                r.audit_id,
+                lifted.as_ref(),
+                what(t),
+                changed,
+                audit_id,
                 false,
                 t.json,
             ))
+        }
+        AdminCommand::Paused if t.inbox => {
+            let req = pb::ListPausedSubscriptionsRequest {};
+            let r = answer(c.inner.list_paused_subscriptions(c.req(req)).await)?;
+            let list: Vec<pb::TopicPause> =
+                r.subscriptions.iter().map(subscription_as_topic).collect();
+            Ok(paused_out(&list, "subscription", t.json))
         }
         AdminCommand::Paused => {
             let r = answer(
@@ -345,7 +398,7 @@ async fn pauses(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Re
                     .list_paused_topics(c.req(pb::ListPausedTopicsRequest {}))
                     .await,
             )?;
-            Ok(paused_out(&r.topics, t.json))
+            Ok(paused_out(&r.topics, "topic", t.json))
         }
         _ => unreachable!("dispatched by execute"),
     }

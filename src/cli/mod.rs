@@ -260,8 +260,8 @@ pub enum AdminCommand {
     /// Stop publishing an outbox topic until `resume`: its events stay pending and
     /// spend no attempt; enqueues are still stored.
     Pause {
-        /// The topic.
-        topic: String,
+        /// The outbox topic; with `--subscription`, none (the subscription is paused).
+        topic: Option<String>,
         /// Why (shown with the pause and in the audit log).
         #[arg(long)]
         reason: String,
@@ -269,15 +269,16 @@ pub enum AdminCommand {
         #[arg(long)]
         operator: Option<String>,
     },
-    /// Resume publishing a paused outbox topic.
+    /// Resume publishing a paused outbox topic (with `--subscription`: dispatching a
+    /// paused subscription).
     Resume {
-        /// The topic.
-        topic: String,
+        /// The outbox topic; with `--subscription`, none.
+        topic: Option<String>,
         /// Name recorded in the audit log [default: $USER].
         #[arg(long)]
         operator: Option<String>,
     },
-    /// The paused outbox topics.
+    /// The paused outbox topics (with `--inbox`: the paused subscriptions).
     Paused,
     /// Counts by status and topic, oldest pending age, blocked keys.
     Stats,

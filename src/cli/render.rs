@@ -111,9 +111,21 @@ pub(super) fn cancel_out(r: &pb::CancelEventsResponse, dry_run: bool, json_out: 
     }
 }
 
-fn pause_json(p: &pb::TopicPause) -> Value {
+/// A subscription's pause in the shape of a topic's, for the renderers below (`what`
+/// names the field).
+pub(super) fn subscription_as_topic(p: &pb::SubscriptionPause) -> pb::TopicPause {
+    pb::TopicPause {
+        topic: p.subscription.clone(),
+        reason: p.reason.clone(),
+        actor: p.actor.clone(),
+        principal: p.principal.clone(),
+        paused_at: p.paused_at,
+    }
+}
+
+fn pause_json(p: &pb::TopicPause, what: &str) -> Value {
     json!({
-        "topic": p.topic,
+        what: p.topic,
         "reason": p.reason,
         "actor": p.actor,
         "principal": p.principal,
@@ -123,8 +135,10 @@ fn pause_json(p: &pb::TopicPause) -> Value {
 
 /// What `pause` and `resume` print: the pause in force (or lifted) and whether anything
 /// changed.
+/// `what` is "topic" or "subscription".
 pub(super) fn pause_out(
     p: Option<&pb::TopicPause>,
+    what: &str,
     changed: bool,
     audit_id: i64,
     pausing: bool,
@@ -132,7 +146,7 @@ pub(super) fn pause_out(
 ) -> String {
     if json_out {
         let mut v = json!({ "changed": changed, "audit_id": audit_id });
-        v[if pausing { "pause" } else { "lifted" }] = p.map(pause_json).into();
+        v[if pausing { "pause" } else { "lifted" }] = p.map(|p| pause_json(p, what)).into();
         return lines(&v);
     }
     let Some(p) = p else {
@@ -153,15 +167,17 @@ pub(super) fn pause_out(
     }
 }
 
-/// What `paused` prints.
-pub(super) fn paused_out(topics: &[pb::TopicPause], json_out: bool) -> String {
+/// What `paused` prints; `what` is "topic" or "subscription".
+pub(super) fn paused_out(topics: &[pb::TopicPause], what: &str, json_out: bool) -> String {
     if json_out {
-        return lines(&json!({ "topics": topics.iter().map(pause_json).collect::<Vec<_>>() }));
+        let list: Vec<Value> = topics.iter().map(|p| pause_json(p, what)).collect();
+        return lines(&json!({ format!("{what}s"): list }));
     }
     if topics.is_empty() {
-        return "no topic is paused\n".into();
+        return format!("no {what} is paused\n");
     }
-    let mut t = Table::new(&["TOPIC", "SINCE", "BY", "REASON"]);
+    let header = what.to_uppercase();
+    let mut t = Table::new(&[header.as_str(), "SINCE", "BY", "REASON"]);
     for p in topics {
         t.row(vec![
             p.topic.clone(),
@@ -504,7 +520,7 @@ pub(super) fn pending_json(r: &pb::ListPendingResponse, inbox: bool) -> String {
         "total_pending": r.total_pending,
         "total_keys": r.total_keys,
         "total_blocked_keys": r.total_blocked_keys,
-        "paused_topics": r.paused_topics.iter().map(pause_json).collect::<Vec<_>>(),
+        "paused_topics": r.paused_topics.iter().map(|p| pause_json(p, "topic")).collect::<Vec<_>>(),
         "next_page_token": r.next_page_token,
     }))
 }

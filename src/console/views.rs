@@ -119,9 +119,10 @@ pub(super) async fn page_get(
 
 pub(super) async fn overview(c: &Console, nav: &pages::Nav, t: &Target) -> Result<Response, Error> {
     let stats = c.inner.admin.stats(t.box_kind(), t.subscription()).await?;
-    let paused = match t {
-        Target::Outbox => c.inner.admin.paused_topics().await?,
-        Target::Inbox(_) => Vec::new(),
+    let paused = c.inner.admin.paused(t.box_kind()).await?;
+    let paused: Vec<_> = match t {
+        Target::Outbox => paused,
+        Target::Inbox(s) => paused.into_iter().filter(|p| p.topic == *s).collect(),
     };
     let (rate, covered) = c.rate_per_minute(t);
     Ok(pages::overview(nav, t, &stats, &paused, &rate, covered).into_response())
@@ -343,8 +344,8 @@ pub(super) async fn page_post(
     if let Some(refusal) = refuse_post(&c, &headers, &access, &nav, &fields) {
         return refusal;
     }
-    if let Some((Target::Outbox, Page::Overview)) = route(&c, &path) {
-        return pause_post(&c, &nav, &access, &fields).await;
+    if let Some((target, Page::Overview)) = route(&c, &path) {
+        return pause_post(&c, &nav, &access, &target, &fields).await;
     }
     let Some((target, Page::Events)) = route(&c, &path) else {
         return (
@@ -399,28 +400,44 @@ pub(super) async fn page_post(
     }
 }
 
-/// Pause or resume an outbox topic from the overview's topic table (reversible, so
-/// without a confirmation page), then back to the overview.
-async fn pause_post(c: &Console, nav: &pages::Nav, access: &Access, fields: &Params) -> Response {
+/// Pause or resume an outbox topic from the overview's topic table, or an inbox
+/// subscription from its overview (reversible, so without a confirmation page), then
+/// back to the overview.
+async fn pause_post(
+    c: &Console,
+    nav: &pages::Nav,
+    access: &Access,
+    target: &Target,
+    fields: &Params,
+) -> Response {
     let context = ActionContext {
         principal: access.name.clone(),
         ..ActionContext::by(access.actor())
     };
-    let topic = param(fields, "topic").unwrap_or("").to_string();
     let admin = &c.inner.admin;
     let action = param(fields, "action").unwrap_or("");
+    let reason = match action {
+        "pause" => Some(param(fields, "reason").unwrap_or("").to_string()),
+        _ => None,
+    };
     let r = async {
-        // The gRPC request's own validation (topic, reason), not a copy.
+        // The gRPC request's own validation (name, reason), not a copy.
+        let req = match target {
+            Target::Outbox => {
+                let topic = param(fields, "topic").unwrap_or("").to_string();
+                crate::api::admin::pause_request(topic, reason, context)?
+            }
+            Target::Inbox(s) => crate::api::admin::subscription_pause_request(
+                s.clone(),
+                reason,
+                context,
+                &c.inner.subscriptions,
+            )?,
+        };
+        let b = target.box_kind();
         match action {
-            "pause" => {
-                let reason = param(fields, "reason").unwrap_or("").to_string();
-                let req = crate::api::admin::pause_request(topic, Some(reason), context)?;
-                admin.pause_topic(&req).await
-            }
-            "resume" => {
-                let req = crate::api::admin::pause_request(topic, None, context)?;
-                admin.resume_topic(&req).await
-            }
+            "pause" => admin.pause(b, &req).await,
+            "resume" => admin.resume(b, &req).await,
             _ => Err(Error::invalid("action", "pause or resume")),
         }
     }
@@ -428,9 +445,9 @@ async fn pause_post(c: &Console, nav: &pages::Nav, access: &Access, fields: &Par
     match r {
         Ok(out) => {
             if let (true, Some(p)) = (out.changed, &out.pause) {
-                tracing::info!(audit_id = ?out.audit_id, topic = %p.topic, actor = %access.actor(), action, "console action");
+                tracing::info!(audit_id = ?out.audit_id, name = %p.topic, actor = %access.actor(), action, "console action");
             }
-            axum::response::Redirect::to("/outbox").into_response()
+            axum::response::Redirect::to(&target.base()).into_response()
         }
         Err(e) => error_page(Some(nav), &e),
     }

@@ -420,7 +420,7 @@ pub struct TopicStats {
     pub completed: i64,
     /// Failed events.
     pub failed: i64,
-    /// The topic is paused (outbox).
+    /// The topic is paused (outbox), or its subscription (inbox).
     pub paused: bool,
 }
 

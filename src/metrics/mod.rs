@@ -50,6 +50,11 @@ struct SubTopicLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SubscriptionLabel {
+    subscription: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RpcLabel {
     method: String,
     code: String,
@@ -110,6 +115,8 @@ struct Inner {
     inbox_failed: Family<SubTopicLabel, Gauge>,
     inbox_pending_labels: Mutex<HashSet<SubTopicLabel>>,
     inbox_failed_labels: Mutex<HashSet<SubTopicLabel>>,
+    inbox_paused: Family<SubscriptionLabel, Gauge>,
+    inbox_paused_labels: Mutex<HashSet<SubscriptionLabel>>,
     inbox_oldest_pending_age: Gauge<f64, AtomicU64>,
     blocked_keys: Gauge,
     oldest_pending_age: Gauge<f64, AtomicU64>,
@@ -131,6 +138,11 @@ impl Inner {
             "mailroom_inbox_failed_events",
             "Failed inbox messages kept, by subscription and topic (refreshed every metrics_stats_interval).",
             self.inbox_failed.clone(),
+        );
+        r.register(
+            "mailroom_inbox_subscription_paused",
+            "1 for each paused inbox subscription (PauseSubscription; refreshed every metrics_stats_interval).",
+            self.inbox_paused.clone(),
         );
         r.register(
             "mailroom_inbox_oldest_pending_age_seconds",
@@ -268,6 +280,8 @@ impl Metrics {
             inbox_failed: Family::default(),
             inbox_pending_labels: Mutex::default(),
             inbox_failed_labels: Mutex::default(),
+            inbox_paused: Family::default(),
+            inbox_paused_labels: Mutex::default(),
             inbox_oldest_pending_age: Gauge::default(),
             blocked_keys: Gauge::default(),
             oldest_pending_age: Gauge::default(),
@@ -397,7 +411,7 @@ impl Metrics {
                     *pending.entry(l.clone()).or_default() += t.pending;
                     *failed.entry(l).or_default() += t.failed;
                 }
-                let paused = match store.paused_topics(None).await {
+                let paused = match store.paused(BoxKind::Outbox, None).await {
                     Ok(p) => p.iter().map(|p| (self.topic(&p.topic), 1)).collect(),
                     Err(e) => {
                         self.inner.stats_errors.inc();
@@ -459,6 +473,27 @@ impl Metrics {
             Err(e) => {
                 i.stats_errors.inc();
                 tracing::warn!(error = %e, "refreshing the inbox backlog metrics failed");
+            }
+        }
+        match store.paused(BoxKind::Inbox, None).await {
+            Ok(p) => {
+                let paused = p
+                    .into_iter()
+                    .map(|p| {
+                        (
+                            SubscriptionLabel {
+                                subscription: p.topic,
+                            },
+                            1,
+                        )
+                    })
+                    .collect();
+                let mut labels = i.inbox_paused_labels.lock().expect("labels");
+                replace_series(&i.inbox_paused, &mut labels, paused);
+            }
+            Err(e) => {
+                i.stats_errors.inc();
+                tracing::warn!(error = %e, "reading the paused subscriptions failed");
             }
         }
     }

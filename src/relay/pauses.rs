@@ -7,6 +7,8 @@
 //! (docs/relay.md, "Pausing a topic").
 
 use std::collections::HashSet;
+
+use crate::domain::BoxKind;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,7 +31,7 @@ pub async fn watch(
     // Warned once per run of failures: the store being down is reported elsewhere.
     let mut failing = false;
     loop {
-        match store.paused_topics(None).await {
+        match store.paused(BoxKind::Outbox, None).await {
             Ok(paused) => {
                 failing = false;
                 let topics: HashSet<String> = paused.into_iter().map(|p| p.topic).collect();

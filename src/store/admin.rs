@@ -56,16 +56,18 @@ pub trait AdminStore: Send + Sync {
     /// pending age, blocked keys; `subscription` narrows the inbox to one subscription.
     async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> StoreResult<Stats>;
 
-    /// Pauses an outbox topic and records the audit entry, in one transaction; a topic
-    /// already paused keeps its pause (`changed` false, no entry).
-    async fn pause_topic(&self, r: &PauseRequest) -> StoreResult<PauseOutcome>;
+    /// Pauses an outbox topic (`Outbox`) or an inbox subscription (`Inbox`; its name in
+    /// `r.topic`) and records the audit entry, in one transaction; one already paused
+    /// keeps its pause (`changed` false, no entry).
+    async fn pause(&self, b: BoxKind, r: &PauseRequest) -> StoreResult<PauseOutcome>;
 
-    /// Lifts a topic's pause and records the audit entry, in one transaction; a topic
-    /// not paused is left as it is (`changed` false, no entry).
-    async fn resume_topic(&self, r: &PauseRequest) -> StoreResult<PauseOutcome>;
+    /// Lifts a topic's or subscription's pause and records the audit entry, in one
+    /// transaction; one not paused is left as it is (`changed` false, no entry).
+    async fn resume(&self, b: BoxKind, r: &PauseRequest) -> StoreResult<PauseOutcome>;
 
-    /// The paused topics (only `topic`'s, if given), by topic.
-    async fn paused_topics(&self, topic: Option<&str>) -> StoreResult<Vec<TopicPause>>;
+    /// The paused topics (`Outbox`) or subscriptions (`Inbox`; the name in `topic`), only
+    /// `name`'s if given, by name.
+    async fn paused(&self, b: BoxKind, name: Option<&str>) -> StoreResult<Vec<TopicPause>>;
 
     /// Makes the given keys ready now if no relay holds them (and they have pending
     /// events); returns the keys still held.

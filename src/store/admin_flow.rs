@@ -444,10 +444,10 @@ async fn record_republish<E: AdminSql>(
 /// the topic paused answers with the pause in force.
 async fn pause_or_resume<E: AdminSql>(
     e: &E,
+    b: BoxKind,
     r: &PauseRequest,
     change: Shared,
 ) -> StoreResult<PauseOutcome> {
-    let b = BoxKind::Outbox;
     let ctx = &r.context;
     let mut tx = e.begin().await?;
     let params = match change {
@@ -480,12 +480,16 @@ async fn pause_or_resume<E: AdminSql>(
         });
     };
     let pause = decode_pause(row)?;
+    let what = match b {
+        BoxKind::Outbox => "topic",
+        BoxKind::Inbox => "subscription",
+    };
     let (action, selection) = match change {
         Shared::Pause => (
             "pause",
-            serde_json::json!({ "topic": r.topic, "reason": r.reason }),
+            serde_json::json!({ what: r.topic, "reason": r.reason }),
         ),
-        _ => ("resume", serde_json::json!({ "topic": r.topic })),
+        _ => ("resume", serde_json::json!({ what: r.topic })),
     };
     let audit = NewAudit {
         context: ctx,
@@ -708,21 +712,18 @@ impl<E: AdminSql> AdminStore for E {
         })
     }
 
-    async fn pause_topic(&self, r: &PauseRequest) -> StoreResult<PauseOutcome> {
-        pause_or_resume(self, r, Shared::Pause).await
+    async fn pause(&self, b: BoxKind, r: &PauseRequest) -> StoreResult<PauseOutcome> {
+        pause_or_resume(self, b, r, Shared::Pause).await
     }
 
-    async fn resume_topic(&self, r: &PauseRequest) -> StoreResult<PauseOutcome> {
-        pause_or_resume(self, r, Shared::Resume).await
+    async fn resume(&self, b: BoxKind, r: &PauseRequest) -> StoreResult<PauseOutcome> {
+        pause_or_resume(self, b, r, Shared::Resume).await
     }
 
-    async fn paused_topics(&self, topic: Option<&str>) -> StoreResult<Vec<TopicPause>> {
-        let reads = [query(
-            Stmt::Shared(Shared::Paused),
-            vec![Param::Text(topic)],
-        )];
-        let rows = read(self, Read::Plain, BoxKind::Outbox, &reads).await?;
-        decode_all(&one(rows, "paused topics")?, decode_pause)
+    async fn paused(&self, b: BoxKind, name: Option<&str>) -> StoreResult<Vec<TopicPause>> {
+        let reads = [query(Stmt::Shared(Shared::Paused), vec![Param::Text(name)])];
+        let rows = read(self, Read::Plain, b, &reads).await?;
+        decode_all(&one(rows, "pauses")?, decode_pause)
     }
 
     async fn wake_released_keys(

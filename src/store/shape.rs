@@ -8,7 +8,7 @@ use super::admin_sql::Shared;
 use crate::domain::BoxKind;
 use crate::domain::admin::PendingOrder;
 
-/// The columns of a paused topic (`decode_pause`).
+/// The columns of a paused topic (`decode_pause`; a subscription's name comes as `topic`).
 const PAUSE_COLUMNS: &str = "topic, reason, actor, principal, paused_at";
 
 /// A box's tables and how its statements name the subscription.
@@ -379,15 +379,21 @@ impl Shape {
                  WHERE status = 'pending' AND event_key IS NULL AND {filter}"
             ),
             Shared::Pause => self.pause(),
-            Shared::Resume => format!(
-                "DELETE FROM outbox_paused_topics WHERE topic = {} RETURNING {PAUSE_COLUMNS}",
-                p(1)
-            ),
-            Shared::Paused => format!(
-                "SELECT {PAUSE_COLUMNS} FROM outbox_paused_topics
-                 WHERE {0}{t} IS NULL OR topic = {0} ORDER BY topic",
-                p(1)
-            ),
+            Shared::Resume => {
+                let (table, name, cols) = self.pauses();
+                format!(
+                    "DELETE FROM {table} WHERE {name} = {} RETURNING {cols}",
+                    p(1)
+                )
+            }
+            Shared::Paused => {
+                let (table, name, cols) = self.pauses();
+                format!(
+                    "SELECT {cols} FROM {table}
+                     WHERE {0}{t} IS NULL OR {name} = {0} ORDER BY {name}",
+                    p(1)
+                )
+            }
         }
     }
 
@@ -427,12 +433,28 @@ impl Shape {
         )
     }
 
-    /// A topic's pause; a second pause keeps the first (`Shared::Pause`).
+    /// The pauses of the box: the outbox's topics (migration 0017) or the inbox's
+    /// subscriptions (0022), as (table, name column, the columns `decode_pause` reads).
+    fn pauses(&self) -> (&'static str, &'static str, &'static str) {
+        if self.inbox {
+            (
+                "inbox_paused_subscriptions",
+                "subscription",
+                "subscription AS topic, reason, actor, principal, paused_at",
+            )
+        } else {
+            ("outbox_paused_topics", "topic", PAUSE_COLUMNS)
+        }
+    }
+
+    /// A topic's (or subscription's) pause; a second pause keeps the first
+    /// (`Shared::Pause`).
     fn pause(&self) -> String {
+        let (table, name, cols) = self.pauses();
         format!(
-            "INSERT INTO outbox_paused_topics (topic, reason, actor, principal, paused_at)
-             VALUES ({}, {}, {}, {}, {}) ON CONFLICT (topic) DO NOTHING
-             RETURNING {PAUSE_COLUMNS}",
+            "INSERT INTO {table} ({name}, reason, actor, principal, paused_at)
+             VALUES ({}, {}, {}, {}, {}) ON CONFLICT ({name}) DO NOTHING
+             RETURNING {cols}",
             self.p(1),
             self.p(2),
             self.p(3),

@@ -827,3 +827,169 @@ async fn cli_ok_open(addr: std::net::SocketAddr, args: &[&str]) -> String {
 async fn cli_json(addr: std::net::SocketAddr, args: &[&str]) -> serde_json::Value {
     admin_cli_json(addr, Some("tok"), args).await
 }
+
+/// Issue 44, item 2: on both engines, a paused subscription's messages are stored but
+/// not handed to its handler, spend no attempt, and are handed over in key order after
+/// the resume, while another subscription goes on; the pause shows in
+/// ListPausedSubscriptions, GetStats, the metric and the audit log; a pause of a
+/// subscription that is not configured is NOT_FOUND, one without a reason
+/// INVALID_ARGUMENT; pausing twice and resuming twice change nothing the second time;
+/// the CLI lists and resumes.
+#[tokio::test]
+async fn a_paused_subscription_hands_nothing_over_until_it_is_resumed() {
+    for engine in &ENGINES {
+        let handler = Handler::default();
+        let url = handler.serve().await;
+        let (db, _dir) = fresh_db(engine).await;
+        let mut c: Config = quiet_config(&db);
+        c.subscriptions = vec![subscription("orders", &url), subscription("other", &url)];
+        c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+        c.metrics_stats_interval = Duration::from_millis(100);
+        let s = Service::start(c).await;
+        let mut a = admin(&s).await;
+        let pause = |sub: &str, reason: &str| pb::PauseSubscriptionRequest {
+            subscription: sub.into(),
+            reason: reason.into(),
+            operator: "erin".into(),
+        };
+
+        let e = a.pause_subscription(pause("nope", "x")).await.unwrap_err();
+        assert_eq!(e.code(), Code::NotFound, "{engine:?}: {e:?}");
+        let e = a
+            .pause_subscription(pause("orders", " "))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            (e.code(), field_of(&e)),
+            (Code::InvalidArgument, "reason".into()),
+            "{engine:?}"
+        );
+        let p = a
+            .pause_subscription(pause("orders", "handler deploy"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(p.changed && p.audit_id > 0, "{engine:?}: {p:?}");
+        let again = a
+            .pause_subscription(pause("orders", "other reason"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!again.changed && again.audit_id == 0, "{engine:?}");
+        assert_eq!(again.pause.unwrap().reason, "handler deploy");
+
+        let mut ic = inbox(&s).await;
+        let mut held = Vec::new();
+        for i in 0..3 {
+            held.push(receive(&mut ic, "orders", &format!("p-{i}"), "held", "fine").await);
+        }
+        let open = receive(&mut ic, "other", "o-0", "open", "fine").await;
+        eventually(
+            Duration::from_secs(20),
+            "the other subscription handled",
+            || {
+                let s = &s;
+                async move { status(s, open).await.0 == Status::Completed }
+            },
+        )
+        .await;
+        // Many dispatch polls later: nothing of the paused subscription was handed over.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(ids_for(&handler, "held").is_empty(), "{engine:?}");
+        for id in &held {
+            assert_eq!(status(&s, *id).await.0, Status::Pending, "{engine:?}");
+            assert_eq!(status(&s, *id).await.1, 0, "{engine:?}: no attempt spent");
+        }
+
+        let listed = a
+            .list_paused_subscriptions(pb::ListPausedSubscriptionsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(listed.subscriptions.len(), 1, "{engine:?}");
+        assert_eq!(listed.subscriptions[0].subscription, "orders");
+        assert_eq!(listed.subscriptions[0].actor, "erin");
+        let st = a
+            .get_stats(pb::GetStatsRequest {
+                r#box: INBOX,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let paused: HashMap<&str, bool> = st
+            .topics
+            .iter()
+            .map(|t| (t.subscription.as_str(), t.paused))
+            .collect();
+        assert_eq!(paused.get("orders"), Some(&true), "{engine:?}: {st:?}");
+        assert_eq!(paused.get("other"), Some(&false), "{engine:?}: {st:?}");
+        let maddr = s.app.metrics_addr.unwrap();
+        eventually(Duration::from_secs(10), "the pause metric", || async move {
+            let text = crate::support::probe::scrape(maddr).await;
+            crate::support::probe::sample_opt(
+                &text,
+                "mailroom_inbox_subscription_paused{subscription=\"orders\"}",
+            ) == Some(1.0)
+        })
+        .await;
+        let out = cli_json(s.app.addr, &["--inbox", "paused"]).await;
+        assert_eq!(out["subscriptions"][0]["subscription"], "orders", "{out}");
+
+        let out = cli_json(s.app.addr, &["--subscription", "orders", "resume"]).await;
+        assert_eq!(out["changed"], true, "{engine:?}: {out}");
+        let r = a
+            .resume_subscription(pb::ResumeSubscriptionRequest {
+                subscription: "orders".into(),
+                operator: "erin".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!r.changed, "{engine:?}: no longer paused");
+        eventually(
+            Duration::from_secs(20),
+            "the resumed messages handled",
+            || {
+                let h = &handler;
+                async move { ids_for(h, "held").len() == 3 }
+            },
+        )
+        .await;
+        assert_eq!(
+            ids_for(&handler, "held"),
+            ["p-0", "p-1", "p-2"],
+            "{engine:?}"
+        );
+        eventually(
+            Duration::from_secs(10),
+            "the pause metric gone",
+            || async move {
+                let text = crate::support::probe::scrape(maddr).await;
+                crate::support::probe::sample_opt(
+                    &text,
+                    "mailroom_inbox_subscription_paused{subscription=\"orders\"}",
+                )
+                .is_none()
+            },
+        )
+        .await;
+
+        let audit = a
+            .list_audit(pb::ListAuditRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        let entries: Vec<(&str, i32)> = audit
+            .entries
+            .iter()
+            .map(|e| (e.action.as_str(), e.r#box))
+            .collect();
+        assert_eq!(
+            entries,
+            [("resume", INBOX), ("pause", INBOX)],
+            "{engine:?}: newest first"
+        );
+        s.app.stop().await.unwrap();
+    }
+}

@@ -1351,3 +1351,60 @@ async fn the_console_republishes_completed_events() {
     );
     s.app.stop().await.unwrap();
 }
+
+/// Issue 44, item 2: an inbox subscription is paused and resumed from its console page;
+/// the page shows the pause, and the pause is the same one the RPCs see.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_pauses_and_resumes_a_subscription() {
+    let url = fresh_pg().await;
+    let mut c = config(&url);
+    c.relays = 0;
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    let handler = format!("http://127.0.0.1:{}", free_port());
+    c.subscriptions = vec![crate::support::subscription("billing", &[], &handler)];
+    let s = Service::start(c).await;
+    let console = s.app.console_addr.unwrap();
+    let get = || async move {
+        http(
+            console,
+            "GET /inbox/billing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await
+    };
+    let post = |form: &'static str| async move {
+        http(
+            console,
+            &format!(
+                "POST /inbox/billing HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+                form.len()
+            ),
+        )
+        .await
+    };
+    let r = get().await;
+    assert!(
+        r.contains("pause-subscription") && !r.contains("is paused"),
+        "{r}"
+    );
+    let r = post("action=pause&reason=handler+deploy").await;
+    assert!(r.starts_with("HTTP/1.1 303"), "{r}");
+    let r = get().await;
+    assert!(
+        r.contains("This subscription is paused") && r.contains("handler deploy"),
+        "{r}"
+    );
+    assert!(r.contains("resume-subscription"), "{r}");
+    let mut a = pb::admin_service_client::AdminServiceClient::new(channel(s.app.addr).await);
+    let listed = a
+        .list_paused_subscriptions(pb::ListPausedSubscriptionsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.subscriptions.len(), 1);
+    assert_eq!(listed.subscriptions[0].reason, "handler deploy");
+    let r = post("action=resume").await;
+    assert!(r.starts_with("HTTP/1.1 303"), "{r}");
+    let r = get().await;
+    assert!(!r.contains("This subscription is paused"), "{r}");
+    s.app.stop().await.unwrap();
+}

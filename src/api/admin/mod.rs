@@ -9,6 +9,7 @@ use tonic::{Request, Response, Status};
 
 use crate::access::{LEGACY_ADMIN_TOKEN, Principal, Scope};
 use crate::admin::{Admin, encode_token};
+use crate::domain::BoxKind;
 use crate::domain::admin::{ActionContext, EventsQuery};
 use crate::error::Error;
 use crate::metrics::Metrics;
@@ -17,7 +18,7 @@ use crate::pb::time::to_duration;
 use requests::*;
 pub use requests::{
     box_kind, cancel_request, event_filter, event_info, pause_request, pending_query,
-    republish_request, requeue_request,
+    republish_request, requeue_request, subscription_pause_request,
 };
 
 /// The admin RPCs. Tokens and scopes are checked before a call reaches it
@@ -25,6 +26,8 @@ pub use requests::{
 pub struct AdminApi {
     admin: Admin,
     metrics: Option<Metrics>,
+    /// The inbox subscriptions this service is configured with (pauses name one).
+    subscriptions: Vec<String>,
 }
 
 /// Who made a call, for the audit log.
@@ -61,7 +64,14 @@ impl AdminApi {
         AdminApi {
             admin,
             metrics: None,
+            subscriptions: Vec::new(),
         }
+    }
+
+    /// The inbox subscriptions this service is configured with.
+    pub fn with_subscriptions(mut self, names: Vec<String>) -> Self {
+        self.subscriptions = names;
+        self
     }
 
     /// Counts requeues and cancels in `metrics`.
@@ -271,7 +281,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let caller = self.authorize(request.extensions())?;
         let r = request.into_inner();
         let req = pause_request(r.topic, Some(r.reason), caller.context(&r.operator))?;
-        let out = self.admin.pause_topic(&req).await?;
+        let out = self.admin.pause(BoxKind::Outbox, &req).await?;
         if out.changed {
             tracing::warn!(topic = %req.topic, reason = %req.reason, actor = %req.context.actor, "topic paused: its events are not published until it is resumed");
         }
@@ -289,7 +299,7 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let caller = self.authorize(request.extensions())?;
         let r = request.into_inner();
         let req = pause_request(r.topic, None, caller.context(&r.operator))?;
-        let out = self.admin.resume_topic(&req).await?;
+        let out = self.admin.resume(BoxKind::Outbox, &req).await?;
         if out.changed {
             tracing::info!(topic = %req.topic, actor = %req.context.actor, "topic resumed");
         }
@@ -305,9 +315,66 @@ impl pb::admin_service_server::AdminService for AdminApi {
         request: Request<pb::ListPausedTopicsRequest>,
     ) -> Result<Response<pb::ListPausedTopicsResponse>, Status> {
         self.authorize(request.extensions())?;
-        let topics = self.admin.paused_topics().await?;
+        let topics = self.admin.paused(BoxKind::Outbox).await?;
         Ok(Response::new(pb::ListPausedTopicsResponse {
             topics: topics.into_iter().map(topic_pause).collect(),
+        }))
+    }
+
+    async fn pause_subscription(
+        &self,
+        request: Request<pb::PauseSubscriptionRequest>,
+    ) -> Result<Response<pb::PauseSubscriptionResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let req = subscription_pause_request(
+            r.subscription,
+            Some(r.reason),
+            caller.context(&r.operator),
+            &self.subscriptions,
+        )?;
+        let out = self.admin.pause(BoxKind::Inbox, &req).await?;
+        if out.changed {
+            tracing::warn!(subscription = %req.topic, reason = %req.reason, actor = %req.context.actor, "subscription paused: its messages are not handed to the handler until it is resumed");
+        }
+        Ok(Response::new(pb::PauseSubscriptionResponse {
+            pause: out.pause.map(subscription_pause),
+            changed: out.changed,
+            audit_id: out.audit_id.unwrap_or(0),
+        }))
+    }
+
+    async fn resume_subscription(
+        &self,
+        request: Request<pb::ResumeSubscriptionRequest>,
+    ) -> Result<Response<pb::ResumeSubscriptionResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let req = subscription_pause_request(
+            r.subscription,
+            None,
+            caller.context(&r.operator),
+            &self.subscriptions,
+        )?;
+        let out = self.admin.resume(BoxKind::Inbox, &req).await?;
+        if out.changed {
+            tracing::info!(subscription = %req.topic, actor = %req.context.actor, "subscription resumed");
+        }
+        Ok(Response::new(pb::ResumeSubscriptionResponse {
+            lifted: out.pause.map(subscription_pause),
+            changed: out.changed,
+            audit_id: out.audit_id.unwrap_or(0),
+        }))
+    }
+
+    async fn list_paused_subscriptions(
+        &self,
+        request: Request<pb::ListPausedSubscriptionsRequest>,
+    ) -> Result<Response<pb::ListPausedSubscriptionsResponse>, Status> {
+        self.authorize(request.extensions())?;
+        let subs = self.admin.paused(BoxKind::Inbox).await?;
+        Ok(Response::new(pb::ListPausedSubscriptionsResponse {
+            subscriptions: subs.into_iter().map(subscription_pause).collect(),
         }))
     }
 }

@@ -435,6 +435,43 @@ pub(super) fn topic_pause(p: TopicPause) -> pb::TopicPause {
     }
 }
 
+pub(super) fn subscription_pause(p: TopicPause) -> pb::SubscriptionPause {
+    pb::SubscriptionPause {
+        subscription: p.topic,
+        reason: p.reason,
+        actor: p.actor,
+        principal: p.principal.unwrap_or_default(),
+        paused_at: Some(to_timestamp(p.paused_at)),
+    }
+}
+
+/// Validates a `PauseSubscription` (`reason` required; the subscription one of
+/// `configured`, else `NOT_FOUND`: a typo must not pause nothing silently) or a
+/// `ResumeSubscription` (`reason` None; any name, so that a pause left on a subscription
+/// no longer configured can be lifted). The name goes in `PauseRequest::topic`.
+pub fn subscription_pause_request(
+    subscription: String,
+    reason: Option<String>,
+    context: ActionContext,
+    configured: &[String],
+) -> Result<PauseRequest, Error> {
+    if subscription.trim().is_empty() {
+        return Err(Error::invalid("subscription", "is required"));
+    }
+    if subscription.len() > 1000 {
+        return Err(Error::invalid("subscription", "must be at most 1000 bytes"));
+    }
+    let pausing = reason.is_some();
+    let mut r = pause_request("placeholder".into(), reason, context)?;
+    if pausing && !configured.iter().any(|s| *s == subscription) {
+        return Err(Error::NotFound(format!(
+            "no subscription named {subscription:?} is configured on this service"
+        )));
+    }
+    r.topic = subscription;
+    Ok(r)
+}
+
 /// Validates a `PauseTopic` (`reason` required) or `ResumeTopic` (`reason` None)
 /// request's topic and reason; `context` names the authenticated caller.
 pub fn pause_request(

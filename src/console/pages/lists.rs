@@ -34,8 +34,23 @@ pub fn overview(
             }
             @for p in paused {
                 div.notice.warn.paused data-topic=(p.topic) {
-                    strong { (p.topic) } " is paused: nothing of it is published until it is resumed. Paused "
+                    @if outbox {
+                        strong { (p.topic) } " is paused: nothing of it is published until it is resumed. Paused "
+                    } @else {
+                        "This subscription is paused: nothing is handed to its handler until it is resumed (messages are still stored). Paused "
+                    }
                     (ago(p.paused_at)) " by " (p.actor) ": " (p.reason)
+                }
+            }
+            @if !outbox && nav.can_write {
+                form.pause #subscription-pause method="post" action=(base) {
+                    (csrf(nav))
+                    @if paused.is_empty() {
+                        input name="reason" placeholder="reason" required maxlength="1000";
+                        button.danger type="submit" name="action" value="pause" id="pause-subscription" { "Pause dispatching" }
+                    } @else {
+                        button type="submit" name="action" value="resume" id="resume-subscription" { "Resume dispatching" }
+                    }
                 }
             }
             h2 { "Rate" }

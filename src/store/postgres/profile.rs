@@ -143,6 +143,7 @@ pub const OBJECTS: &[&str] = &[
     "admin_audit",
     "inbox_events",
     "inbox_keys",
+    "inbox_paused_subscriptions",
     "mailroom_fold_turn",
     "mailroom_installation",
     "mailroom_order_lock",

@@ -252,6 +252,11 @@ fn continue_line() -> String {
     )
 }
 
+/// The inbox's claims take nothing of a paused subscription (migration 0022): one probe of
+/// the pause table's key, a one-time filter since it reads only the parameter.
+const SUBSCRIPTION_NOT_PAUSED: &str = " AND NOT EXISTS (SELECT 1 FROM inbox_paused_subscriptions ps
+                                            WHERE ps.subscription = $S)";
+
 /// The outbox's claims skip paused topics (migration 0017): their events stay pending and
 /// spend no attempt. The table is small (one row per paused topic), so the anti-join is a
 /// hashed subplan; a paused topic's ready keys are still walked past in ready order.
@@ -279,7 +284,7 @@ impl Tables<'_> {
     /// `scope` takes it), or in the outbox, topics not paused (on `alias`'s `topic`).
     fn claim_scope(&self, frag: &str, n: u8, alias: &str) -> String {
         if self.scoped {
-            self.scope(frag, n)
+            self.scope(&format!("{frag}{SUBSCRIPTION_NOT_PAUSED}"), n)
         } else {
             format!(" AND {alias}{NOT_PAUSED}")
         }

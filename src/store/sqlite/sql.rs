@@ -99,7 +99,10 @@ impl Tables<'_> {
     /// spend no attempt).
     fn claim_scope(&self, frag: &str) -> String {
         if self.scoped {
+            // A paused subscription (migration 0022) claims nothing.
             self.scope(frag)
+                + " AND NOT EXISTS (SELECT 1 FROM inbox_paused_subscriptions ps
+                                    WHERE ps.subscription = ?5)"
         } else {
             format!(" AND {NOT_PAUSED}")
         }
