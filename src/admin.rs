@@ -13,14 +13,14 @@ use serde::{Deserialize, Serialize};
 use crate::domain::admin::{
     AdminKey, AuditPage, CancelOutcome, CancelRequest, EventCopy, EventDetail, EventsPage,
     EventsQuery, MAX_REPUBLISH_BYTES, PauseOutcome, PauseRequest, PendingPage, PendingQuery,
-    REPUBLISHED_FROM, RepublishOutcome, RepublishRequest, RepublishSelection, RequeueOutcome,
-    RequeueRequest, SAMPLE_IDS, Stats, TopicPause, TopicStats,
+    REDELIVERED_FROM, REPUBLISHED_FROM, RepublishOutcome, RepublishRequest, RepublishSelection,
+    RequeueOutcome, RequeueRequest, SAMPLE_IDS, Stats, TopicPause, TopicStats,
 };
-use crate::domain::{BoxKind, Enqueued, EventId, NewEvent};
+use crate::domain::{BoxKind, Enqueued, EventId, InboundMessage, NewEvent};
 use crate::error::Error;
 use crate::intake::Intake;
 use crate::schema::SchemaGate;
-use crate::store::Store;
+use crate::store::{Admission, Store};
 
 /// An opaque page token for any cursor.
 pub fn encode_token<T: Serialize>(cursor: &T) -> String {
@@ -98,10 +98,24 @@ impl Admin {
     /// audit entry was (a crash between the two) stores no second copy. Without a
     /// request id a random one is used.
     pub async fn republish(&self, r: &RepublishRequest) -> Result<RepublishOutcome, Error> {
+        self.copy(BoxKind::Outbox, r).await
+    }
+
+    /// Hands handled inbox messages to their handler again (or, on dry run, counts and
+    /// samples them). Each copy is a new inbox message stored as a received one is: at
+    /// the end of its key's line in its subscription, its own attempts, the message id
+    /// `redeliver:<request id>:<original id>` (so a retried call stores no second copy)
+    /// and the original's id in the header `mailroom-redelivered-from`.
+    pub async fn redeliver(&self, r: &RepublishRequest) -> Result<RepublishOutcome, Error> {
+        self.copy(BoxKind::Inbox, r).await
+    }
+
+    /// Republish (outbox) or redeliver (inbox): select, copy, record.
+    async fn copy(&self, b: BoxKind, r: &RepublishRequest) -> Result<RepublishOutcome, Error> {
         if !r.context.dry_run {
             self.may_write().await?;
         }
-        let (ids, originals) = match self.store.republish_selection(r).await? {
+        let (ids, originals) = match self.store.copy_selection(b, r).await? {
             RepublishSelection::Replayed { audit_id, count } => {
                 return Ok(RepublishOutcome {
                     count,
@@ -123,16 +137,13 @@ impl Admin {
         if r.context.dry_run || ids.is_empty() {
             return Ok(out);
         }
-        let intake = self.intake.as_ref().ok_or_else(|| {
-            Error::FailedPrecondition("republish is served by the gRPC AdminService only".into())
-        })?;
         let bytes: usize = originals.iter().map(copy_bytes).sum();
         if bytes > MAX_REPUBLISH_BYTES {
             return Err(Error::invalid(
                 "limit",
                 format!(
                     "the {} selected events hold {bytes} bytes, over the {MAX_REPUBLISH_BYTES} \
-                     one republish copies: lower the limit or narrow the filter",
+                     one call copies: lower the limit or narrow the filter",
                     ids.len()
                 ),
             ));
@@ -142,17 +153,66 @@ impl Admin {
             .request_id
             .clone()
             .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()));
-        let events: Vec<NewEvent> = originals.into_iter().map(|o| copy_of(o, &rid)).collect();
-        let stored = intake.submit(events, true).await?;
-        out.copies = ids
-            .iter()
-            .zip(stored)
-            .map(|(o, e)| match e {
-                Enqueued::Inserted(id) | Enqueued::Duplicate(id) => (*o, id),
-            })
-            .collect();
-        out.audit_id = Some(self.store.record_republish(r, out.count).await?);
+        let copies = match b {
+            BoxKind::Outbox => self.republish_copies(originals, &rid).await?,
+            BoxKind::Inbox => self.redeliver_copies(originals, &rid).await?,
+        };
+        out.copies = ids.iter().copied().zip(copies).collect();
+        out.audit_id = Some(self.store.record_copies(b, r, out.count).await?);
         Ok(out)
+    }
+
+    /// Stores the outbox copies through the intake, in one transaction; their ids.
+    async fn republish_copies(
+        &self,
+        originals: Vec<EventCopy>,
+        rid: &str,
+    ) -> Result<Vec<EventId>, Error> {
+        let intake = self.intake.as_ref().ok_or_else(|| {
+            Error::FailedPrecondition("republish is served by the gRPC AdminService only".into())
+        })?;
+        let events: Vec<NewEvent> = originals.into_iter().map(|o| copy_of(o, rid)).collect();
+        let stored = intake.submit(events, true).await?;
+        Ok(stored
+            .into_iter()
+            .map(|e| match e {
+                Enqueued::Inserted(id) | Enqueued::Duplicate(id) => id,
+            })
+            .collect())
+    }
+
+    /// Stores the inbox copies as received messages, one transaction per subscription;
+    /// their ids, in the originals' order.
+    async fn redeliver_copies(
+        &self,
+        originals: Vec<EventCopy>,
+        rid: &str,
+    ) -> Result<Vec<EventId>, Error> {
+        let mut by_sub: std::collections::BTreeMap<String, Vec<(usize, InboundMessage)>> =
+            Default::default();
+        let n = originals.len();
+        for (i, o) in originals.into_iter().enumerate() {
+            by_sub
+                .entry(o.subscription.clone())
+                .or_default()
+                .push((i, redelivery_of(o, rid)));
+        }
+        let mut ids = vec![0; n];
+        for (sub, items) in by_sub {
+            let (at, messages): (Vec<usize>, Vec<InboundMessage>) = items.into_iter().unzip();
+            let stored = self.store.receive(&sub, &messages).await?;
+            for (i, a) in at.into_iter().zip(stored) {
+                ids[i] = match a {
+                    Admission::Inserted(id) | Admission::Duplicate(id) => id,
+                    Admission::Conflict => {
+                        return Err(Error::Internal(
+                            "a redelivery's message id conflicted".into(),
+                        ));
+                    }
+                };
+            }
+        }
+        Ok(ids)
     }
 
     /// One page of a box's backlog, grouped by key; in the outbox, with the paused topics
@@ -293,6 +353,22 @@ fn copy_bytes(c: &EventCopy) -> usize {
             .sum::<usize>()
 }
 
+/// The inbox message that hands `o` to its handler again under request id `rid`.
+fn redelivery_of(o: EventCopy, rid: &str) -> InboundMessage {
+    let mut headers = o.headers;
+    headers.insert(REDELIVERED_FROM.to_string(), o.id.to_string());
+    InboundMessage {
+        message_id: format!("redeliver:{rid}:{}", o.id),
+        topic: o.topic,
+        key: o.key,
+        payload: o.payload,
+        headers,
+        event_type: o.event_type,
+        max_attempts: o.max_attempts,
+        failure: None,
+    }
+}
+
 /// The new event that republishes `o` under request id `rid`.
 fn copy_of(o: EventCopy, rid: &str) -> NewEvent {
     let mut headers = o.headers;
@@ -320,6 +396,8 @@ mod tests {
         headers.insert(REPUBLISHED_FROM.to_string(), "3".to_string());
         let o = EventCopy {
             id: 17,
+            subscription: String::new(),
+            message_id: None,
             topic: "orders".into(),
             key: Some("k".into()),
             payload: b"p".to_vec(),

@@ -275,7 +275,25 @@ async fn actions(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::R
             operator: who,
         } => {
             if t.inbox {
-                anyhow::bail!("republish acts on the outbox only");
+                let req = pb::RedeliverMessagesRequest {
+                    filter: ids.is_empty().then(|| filter.to_pb(&t.sub)),
+                    ids,
+                    limit: limit.unwrap_or(0),
+                    confirm: yes,
+                    operator: operator(who),
+                    all,
+                    request_id: request_id(rid),
+                };
+                let r = answer(c.inner.redeliver_messages(c.req(req)).await)?;
+                let as_republish = pb::RepublishEventsResponse {
+                    count: r.count,
+                    sample_ids: r.sample_ids,
+                    dry_run: r.dry_run,
+                    audit_id: r.audit_id,
+                    replayed: r.replayed,
+                    copies: r.copies,
+                };
+                return Ok(republish_out(&as_republish, "redeliver", t.json));
             }
             let req = pb::RepublishEventsRequest {
                 // Ids name events exactly: the filter flags are not sent with them.
@@ -288,7 +306,7 @@ async fn actions(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::R
                 request_id: request_id(rid),
             };
             let r = answer(c.inner.republish_events(c.req(req)).await)?;
-            Ok(republish_out(&r, t.json))
+            Ok(republish_out(&r, "republish", t.json))
         }
         _ => unreachable!("dispatched by execute"),
     }

@@ -216,14 +216,17 @@ pub enum AdminCommand {
         operator: Option<String>,
     },
     /// Publish completed outbox events again as new events, by ids or by filter (dry run
-    /// unless --yes). `--since`/`--until` bound the publication time.
+    /// unless --yes). `--since`/`--until` bound the publication time. With `--inbox` or
+    /// `--subscription` (or as `redeliver`): hand handled inbox messages to their
+    /// handler again.
+    #[command(alias = "redeliver")]
     Republish {
         /// Completed event ids; when given, no filter flags.
         ids: Vec<i64>,
         /// Which completed events.
         #[command(flatten)]
         filter: FilterArgs,
-        /// At most this many events, oldest first [server default and max: 1000].
+        /// At most this many events (messages), oldest first [server default and max: 1000].
         #[arg(long)]
         limit: Option<u32>,
         /// Act; without it only show what would be republished.

@@ -36,8 +36,8 @@ pub(super) fn requeue_out(r: &pb::RequeueFailedResponse, json_out: bool) -> Stri
     }
 }
 
-/// What `republish` prints.
-pub(super) fn republish_out(r: &pb::RepublishEventsResponse, json_out: bool) -> String {
+/// What `republish` (`verb`: "republish" or "redeliver") prints.
+pub(super) fn republish_out(r: &pb::RepublishEventsResponse, verb: &str, json_out: bool) -> String {
     if json_out {
         let copies: Vec<_> = r
             .copies
@@ -54,7 +54,7 @@ pub(super) fn republish_out(r: &pb::RepublishEventsResponse, json_out: bool) -> 
         }))
     } else if r.dry_run {
         format!(
-            "dry run: would republish {} completed event(s){}\nrun again with --yes to republish them\n",
+            "dry run: would {verb} {} event(s){}\nrun again with --yes to {verb} them\n",
             r.count,
             sample(&r.sample_ids, r.count)
         )
@@ -65,7 +65,7 @@ pub(super) fn republish_out(r: &pb::RepublishEventsResponse, json_out: bool) -> 
             .map(|c| format!("; first copy {} of {}", c.id, c.original_id))
             .unwrap_or_default();
         format!(
-            "republished {} event(s){}{first} (audit entry {}){}\n",
+            "{verb}ed {} event(s){}{first} (audit entry {}){}\n",
             r.count,
             sample(&r.sample_ids, r.count),
             r.audit_id,

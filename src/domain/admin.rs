@@ -170,11 +170,13 @@ pub const MAX_REPUBLISH: u32 = 1000;
 pub const MAX_REPUBLISH_BYTES: usize = 64 * 1024 * 1024;
 /// The header a republished copy carries: its original's id.
 pub const REPUBLISHED_FROM: &str = "mailroom-republished-from";
+/// The header a redelivered inbox message carries: its original's id.
+pub const REDELIVERED_FROM: &str = "mailroom-redelivered-from";
 
-/// A validated RepublishEvents request.
+/// A validated RepublishEvents (outbox) or RedeliverMessages (inbox) request.
 #[derive(Debug, Clone)]
 pub struct RepublishRequest {
-    /// The completed outbox events to publish again.
+    /// The completed events (outbox) or handled messages (inbox) to send again.
     pub selection: Selection,
     /// Most events a filter takes (1..=`MAX_REPUBLISH`); a list of ids may not be longer.
     pub limit: u32,
@@ -187,6 +189,10 @@ pub struct RepublishRequest {
 pub struct EventCopy {
     /// The original's id.
     pub id: EventId,
+    /// Inbox: the original's subscription and message id; `""`/`None` in the outbox.
+    pub subscription: String,
+    #[allow(missing_docs)]
+    pub message_id: Option<String>,
     /// The original's topic, key, payload, headers, type and attempt budget, copied.
     pub topic: String,
     #[allow(missing_docs)]

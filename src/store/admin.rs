@@ -29,14 +29,20 @@ pub trait AdminStore: Send + Sync {
     /// records the audit entry, in one transaction; same id checks as a requeue.
     async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> StoreResult<CancelOutcome>;
 
-    /// The completed outbox events a republish selects, in id order, with their content
-    /// unless on dry run; or, when the request id names a republish already recorded,
-    /// that one (and nothing is read). Explicit ids: all must exist (`NotFound`) and be
-    /// completed (`FailedPrecondition`).
-    async fn republish_selection(&self, r: &RepublishRequest) -> StoreResult<RepublishSelection>;
+    /// The completed events a republish (outbox) or redelivery (inbox) selects, in id
+    /// order, with their content unless on dry run; or, when the request id names such
+    /// an action already recorded, that one (and nothing is read). Explicit ids: all
+    /// must exist (`NotFound`) and be completed (`FailedPrecondition`).
+    async fn copy_selection(
+        &self,
+        b: BoxKind,
+        r: &RepublishRequest,
+    ) -> StoreResult<RepublishSelection>;
 
-    /// Records the audit entry of a republish whose copies are stored: `count` events.
-    async fn record_republish(&self, r: &RepublishRequest, count: i64) -> StoreResult<i64>;
+    /// Records the audit entry (`republish` or `redeliver`) of an action whose copies are
+    /// stored: `count` events.
+    async fn record_copies(&self, b: BoxKind, r: &RepublishRequest, count: i64)
+    -> StoreResult<i64>;
 
     /// One event; the payload is left empty unless asked for.
     async fn event_detail(

@@ -351,15 +351,29 @@ async fn cancel<E: AdminSql>(e: &E, b: BoxKind, r: &CancelRequest) -> StoreResul
     })
 }
 
-async fn republish_selection<E: AdminSql>(
+/// The audit action of copying a box's completed events.
+fn copy_action(b: BoxKind) -> &'static str {
+    match b {
+        BoxKind::Outbox => "republish",
+        BoxKind::Inbox => "redeliver",
+    }
+}
+
+async fn copy_selection<E: AdminSql>(
     e: &E,
+    b: BoxKind,
     r: &RepublishRequest,
 ) -> StoreResult<RepublishSelection> {
-    let b = BoxKind::Outbox;
     let mut tx = e.begin().await?;
     if !r.context.dry_run
-        && let Some(rep) =
-            replayed(e, &mut tx, "republish", b, r.context.request_id.as_deref()).await?
+        && let Some(rep) = replayed(
+            e,
+            &mut tx,
+            copy_action(b),
+            b,
+            r.context.request_id.as_deref(),
+        )
+        .await?
     {
         e.rollback(tx).await?;
         return Ok(RepublishSelection::Replayed {
@@ -374,7 +388,11 @@ async fn republish_selection<E: AdminSql>(
             let found = decode_all(&rows, decode_detail)?;
             let status: Vec<(EventId, Status)> =
                 found.iter().map(|d| (d.event.id, d.event.status)).collect();
-            check_ids(ids, &status, Status::Completed, "republished")?;
+            let action = match b {
+                BoxKind::Outbox => "republished",
+                BoxKind::Inbox => "redelivered",
+            };
+            check_ids(ids, &status, Status::Completed, action)?;
             (ids.clone(), found)
         }
         Selection::Filter(f) => {
@@ -405,6 +423,8 @@ async fn republish_selection<E: AdminSql>(
             .into_iter()
             .map(|d| EventCopy {
                 id: d.event.id,
+                subscription: d.subscription.unwrap_or_default(),
+                message_id: d.message_id,
                 topic: d.event.topic,
                 key: d.event.key,
                 payload: d.event.payload,
@@ -417,8 +437,9 @@ async fn republish_selection<E: AdminSql>(
     Ok(RepublishSelection::Selected { ids, copies })
 }
 
-async fn record_republish<E: AdminSql>(
+async fn record_copies<E: AdminSql>(
     e: &E,
+    b: BoxKind,
     r: &RepublishRequest,
     count: i64,
 ) -> StoreResult<i64> {
@@ -429,8 +450,8 @@ async fn record_republish<E: AdminSql>(
     };
     let audit = NewAudit {
         context: &r.context,
-        action: "republish",
-        box_kind: BoxKind::Outbox,
+        action: copy_action(b),
+        box_kind: b,
         selection,
         count,
     };
@@ -637,12 +658,21 @@ impl<E: AdminSql> AdminStore for E {
         cancel(self, b, r).await
     }
 
-    async fn republish_selection(&self, r: &RepublishRequest) -> StoreResult<RepublishSelection> {
-        republish_selection(self, r).await
+    async fn copy_selection(
+        &self,
+        b: BoxKind,
+        r: &RepublishRequest,
+    ) -> StoreResult<RepublishSelection> {
+        copy_selection(self, b, r).await
     }
 
-    async fn record_republish(&self, r: &RepublishRequest, count: i64) -> StoreResult<i64> {
-        record_republish(self, r, count).await
+    async fn record_copies(
+        &self,
+        b: BoxKind,
+        r: &RepublishRequest,
+        count: i64,
+    ) -> StoreResult<i64> {
+        record_copies(self, b, r, count).await
     }
 
     async fn event_detail(

@@ -993,3 +993,153 @@ async fn a_paused_subscription_hands_nothing_over_until_it_is_resumed() {
         s.app.stop().await.unwrap();
     }
 }
+
+/// Issue 44, item 2: on both engines, handled messages are handed to the handler again
+/// by filter: a dry run counts and stores nothing; the real call stores copies at the
+/// end of their keys' lines, with the message id `redeliver:<request id>:<original id>`
+/// and the header `mailroom-redelivered-from`; the handler gets them after the key's
+/// earlier messages, in the originals' order; the same request id again does nothing;
+/// the CLI redelivers by id; an unknown id is NOT_FOUND.
+#[tokio::test]
+async fn handled_messages_are_redelivered_at_the_end_of_their_keys_lines() {
+    for engine in &ENGINES {
+        let handler = Recorder::<crate::support::handler::Accept>::default();
+        let url = handler.serve().await;
+        let (s, _url, _dir) = service(engine, vec![subscription("orders", &url)]).await;
+        let mut ic = inbox(&s).await;
+        let mut ids = Vec::new();
+        for i in 0..4 {
+            ids.push(receive(&mut ic, "orders", &format!("m-{i}"), "k", &format!("p{i}")).await);
+        }
+        let other = receive(&mut ic, "orders", "j-0", "j", "pj").await;
+        eventually(Duration::from_secs(20), "all handled", || {
+            let h = &handler;
+            async move { h.calls().len() == 5 }
+        })
+        .await;
+        wait_inbox_completed(&s, 5).await;
+
+        let mut a = admin(&s).await;
+        let filter = pb::EventFilter {
+            subscription: "orders".into(),
+            key: "k".into(),
+            ..Default::default()
+        };
+        let dry = a
+            .redeliver_messages(pb::RedeliverMessagesRequest {
+                filter: Some(filter.clone()),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(dry.dry_run, "{engine:?}");
+        assert_eq!(dry.count, 4, "{engine:?}");
+        assert_eq!(dry.sample_ids, ids, "{engine:?}");
+        let real = pb::RedeliverMessagesRequest {
+            filter: Some(filter),
+            limit: 2,
+            confirm: true,
+            operator: "fay".into(),
+            request_id: "rd-1".into(),
+            ..Default::default()
+        };
+        let done = a
+            .redeliver_messages(real.clone())
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(done.count, 2, "{engine:?}");
+        let originals: Vec<i64> = done.copies.iter().map(|c| c.original_id).collect();
+        assert_eq!(originals, ids[..2], "{engine:?}: the oldest first");
+        let again = a.redeliver_messages(real).await.unwrap().into_inner();
+        assert!(again.replayed && again.copies.is_empty(), "{engine:?}");
+        assert_eq!(again.audit_id, done.audit_id);
+
+        // By id, through the CLI (the inbox's `republish`, spelled `redeliver`).
+        let out = cli_json(
+            s.app.addr,
+            &["--inbox", "redeliver", &other.to_string(), "--yes"],
+        )
+        .await;
+        assert_eq!(out["count"], 1, "{engine:?}: {out}");
+        // An unknown id: NOT_FOUND, nothing stored.
+        let e = a
+            .redeliver_messages(pb::RedeliverMessagesRequest {
+                ids: vec![ids[0], 999_999],
+                confirm: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::NotFound, "{engine:?}: {e:?}");
+
+        eventually(Duration::from_secs(20), "the copies handled", || {
+            let h = &handler;
+            async move { h.calls().len() == 8 }
+        })
+        .await;
+        let k: Vec<String> = handler
+            .calls()
+            .into_iter()
+            .filter(|c| c.key == "k")
+            .map(|c| c.message_id)
+            .collect();
+        assert_eq!(
+            k,
+            [
+                "rpc:m-0".to_string(),
+                "rpc:m-1".into(),
+                "rpc:m-2".into(),
+                "rpc:m-3".into(),
+                format!("redeliver:rd-1:{}", ids[0]),
+                format!("redeliver:rd-1:{}", ids[1]),
+            ],
+            "{engine:?}"
+        );
+        let payloads: Vec<String> = handler
+            .calls()
+            .into_iter()
+            .filter(|c| c.message_id.starts_with("redeliver:rd-1:"))
+            .map(|c| c.payload)
+            .collect();
+        assert_eq!(payloads, ["p0", "p1"], "{engine:?}");
+        let copy = s.stored(BoxKind::Inbox, done.copies[0].id).await;
+        assert_eq!(
+            copy.headers.get("mailroom-redelivered-from"),
+            Some(&ids[0].to_string()),
+            "{engine:?}"
+        );
+        let audit = a
+            .list_audit(pb::ListAuditRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        let redeliveries: Vec<(i64, i32, &str)> = audit
+            .entries
+            .iter()
+            .filter(|e| e.action == "redeliver")
+            .map(|e| (e.count, e.r#box, e.actor.as_str()))
+            .collect();
+        assert_eq!(redeliveries.len(), 2, "{engine:?}: {redeliveries:?}");
+        assert!(redeliveries.contains(&(2, INBOX, "fay")), "{engine:?}");
+        s.app.stop().await.unwrap();
+    }
+}
+
+/// Waits until `n` inbox messages are completed.
+async fn wait_inbox_completed(s: &Service, n: i64) {
+    let store = &s.app.store;
+    eventually(
+        Duration::from_secs(20),
+        "inbox messages completed",
+        || async move {
+            store
+                .count_events(BoxKind::Inbox, Some(Status::Completed))
+                .await
+                .unwrap()
+                == n
+        },
+    )
+    .await;
+}

@@ -18,7 +18,7 @@ use crate::pb::time::to_duration;
 use requests::*;
 pub use requests::{
     box_kind, cancel_request, event_filter, event_info, pause_request, pending_query,
-    republish_request, requeue_request, subscription_pause_request,
+    redeliver_request, republish_request, requeue_request, subscription_pause_request,
 };
 
 /// The admin RPCs. Tokens and scopes are checked before a call reaches it
@@ -157,7 +157,33 @@ impl pb::admin_service_server::AdminService for AdminApi {
             copies: out
                 .copies
                 .into_iter()
-                .map(|(original_id, id)| pb::Republished { original_id, id })
+                .map(|(original_id, id)| pb::CopiedEvent { original_id, id })
+                .collect(),
+        }))
+    }
+
+    async fn redeliver_messages(
+        &self,
+        request: Request<pb::RedeliverMessagesRequest>,
+    ) -> Result<Response<pb::RedeliverMessagesResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let context = caller.context(&r.operator);
+        let req = redeliver_request(r, context)?;
+        let out = self.admin.redeliver(&req).await?;
+        if let Some(id) = out.audit_id.filter(|_| !out.replayed) {
+            tracing::info!(audit_id = id, count = out.count, actor = %req.context.actor, "redelivered inbox messages");
+        }
+        Ok(Response::new(pb::RedeliverMessagesResponse {
+            count: out.count,
+            sample_ids: out.sample_ids,
+            dry_run: req.context.dry_run,
+            audit_id: out.audit_id.unwrap_or(0),
+            replayed: out.replayed,
+            copies: out
+                .copies
+                .into_iter()
+                .map(|(original_id, id)| pb::CopiedEvent { original_id, id })
                 .collect(),
         }))
     }

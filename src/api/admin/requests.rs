@@ -266,7 +266,55 @@ pub fn republish_request(
     r: pb::RepublishEventsRequest,
     context: ActionContext,
 ) -> Result<RepublishRequest, Error> {
-    let filter = event_filter(BoxKind::Outbox, r.filter, "filter")?;
+    copy_request(
+        BoxKind::Outbox,
+        CopyFields {
+            ids: r.ids,
+            filter: r.filter,
+            limit: r.limit,
+            confirm: r.confirm,
+            all: r.all,
+            request_id: r.request_id,
+        },
+        context,
+    )
+}
+
+/// Validates a `RedeliverMessages` request (inbox); without `confirm` it is a dry run.
+pub fn redeliver_request(
+    r: pb::RedeliverMessagesRequest,
+    context: ActionContext,
+) -> Result<RepublishRequest, Error> {
+    copy_request(
+        BoxKind::Inbox,
+        CopyFields {
+            ids: r.ids,
+            filter: r.filter,
+            limit: r.limit,
+            confirm: r.confirm,
+            all: r.all,
+            request_id: r.request_id,
+        },
+        context,
+    )
+}
+
+/// The fields `RepublishEvents` and `RedeliverMessages` share.
+struct CopyFields {
+    ids: Vec<i64>,
+    filter: Option<pb::EventFilter>,
+    limit: u32,
+    confirm: bool,
+    all: bool,
+    request_id: String,
+}
+
+fn copy_request(
+    b: BoxKind,
+    r: CopyFields,
+    context: ActionContext,
+) -> Result<RepublishRequest, Error> {
+    let filter = event_filter(b, r.filter, "filter")?;
     let limit = match r.limit {
         0 => MAX_REPUBLISH,
         l if l > MAX_REPUBLISH => {
@@ -280,7 +328,11 @@ pub fn republish_request(
         l => l,
     };
     let dry_run = !r.confirm;
-    let selection = selection(r.ids, filter, limit, r.all || dry_run, "completed")?;
+    let what = match b {
+        BoxKind::Outbox => "completed",
+        BoxKind::Inbox => "handled",
+    };
+    let selection = selection(r.ids, filter, limit, r.all || dry_run, what)?;
     Ok(RepublishRequest {
         selection,
         limit,
@@ -463,7 +515,7 @@ pub fn subscription_pause_request(
     }
     let pausing = reason.is_some();
     let mut r = pause_request("placeholder".into(), reason, context)?;
-    if pausing && !configured.iter().any(|s| *s == subscription) {
+    if pausing && !configured.contains(&subscription) {
         return Err(Error::NotFound(format!(
             "no subscription named {subscription:?} is configured on this service"
         )));
