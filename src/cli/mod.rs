@@ -120,6 +120,12 @@ pub struct FilterArgs {
     /// Only events with this header value, as NAME=VALUE (repeatable: every one must match).
     #[arg(long = "header", value_parser = header_pair)]
     pub headers: Vec<(String, String)>,
+    /// Only the event with this idempotency key.
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
+    /// Inbox only: the message with this message id (e.g. `ce:1:<source>:<id>`).
+    #[arg(long)]
+    pub message_id: Option<String>,
 }
 
 /// A `--header NAME=VALUE` flag.
@@ -144,6 +150,8 @@ impl FilterArgs {
             created_after: self.created_since.map(to_timestamp),
             created_before: self.created_until.map(to_timestamp),
             headers: self.headers.iter().cloned().collect(),
+            idempotency_key: self.idempotency_key.clone().unwrap_or_default(),
+            message_id: self.message_id.clone().unwrap_or_default(),
         }
     }
 }

@@ -209,6 +209,12 @@ pub struct EventsFilter {
     pub key: String,
     pub event_type: String,
     pub error_contains: String,
+    /// The producer's idempotency key (exact).
+    pub idempotency_key: String,
+    /// Inbox: the message id (exact).
+    pub message_id: String,
+    /// A header match, `NAME=VALUE`.
+    pub header: String,
 }
 
 impl EventsFilter {
@@ -223,6 +229,9 @@ impl EventsFilter {
             key: param(q, "key").unwrap_or("").to_string(),
             event_type: param(q, "type").unwrap_or("").to_string(),
             error_contains: param(q, "error_contains").unwrap_or("").to_string(),
+            idempotency_key: param(q, "idempotency_key").unwrap_or("").to_string(),
+            message_id: param(q, "message_id").unwrap_or("").to_string(),
+            header: param(q, "header").unwrap_or("").to_string(),
         }
     }
 
@@ -231,12 +240,25 @@ impl EventsFilter {
             crate::domain::check_topic(&self.topic).map_err(|why| Error::invalid("topic", why))?;
         }
         let s = |v: &String| Some(v.clone()).filter(|v| !v.is_empty());
+        let mut headers = std::collections::BTreeMap::new();
+        if !self.header.is_empty() {
+            let Some((n, v)) = self.header.split_once('=').filter(|(n, _)| !n.is_empty()) else {
+                return Err(Error::invalid("header", "write it as NAME=VALUE"));
+            };
+            headers.insert(n.to_string(), v.to_string());
+        }
+        if !self.message_id.is_empty() && t.subscription().is_none() {
+            return Err(Error::invalid("message_id", "applies to the inbox only"));
+        }
         Ok(EventFilter {
             subscription: t.subscription().map(str::to_string),
             topic: s(&self.topic),
             key: s(&self.key),
             event_type: s(&self.event_type),
             error_contains: s(&self.error_contains),
+            idempotency_key: s(&self.idempotency_key),
+            message_id: s(&self.message_id),
+            headers,
             ..Default::default()
         })
     }
@@ -250,6 +272,9 @@ impl EventsFilter {
             ("key", &self.key),
             ("type", &self.event_type),
             ("error_contains", &self.error_contains),
+            ("idempotency_key", &self.idempotency_key),
+            ("message_id", &self.message_id),
+            ("header", &self.header),
         ] {
             if !v.is_empty() {
                 q.push(format!("{k}={}", pages::url_escape(v)));

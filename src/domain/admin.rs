@@ -150,6 +150,12 @@ pub struct EventFilter {
     /// Every header named here has exactly this value.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub headers: std::collections::BTreeMap<String, String>,
+    /// The producer's idempotency key, exact.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    /// Inbox only: the message id, exact.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message_id: Option<String>,
 }
 
 /// Which failed events a requeue takes.

@@ -49,8 +49,8 @@ async fn read<E: AdminSql>(
     e.read(how, &batch).await
 }
 
-/// The eleven parameters of an event filter, in statement order.
-fn filter_params(f: &EventFilter) -> [Param<'_>; 11] {
+/// The thirteen parameters of an event filter, in statement order.
+fn filter_params(f: &EventFilter) -> [Param<'_>; 13] {
     [
         Param::Text(f.topic.as_deref()),
         Param::Text(f.key.as_deref()),
@@ -63,6 +63,8 @@ fn filter_params(f: &EventFilter) -> [Param<'_>; 11] {
         Param::Time(f.created_after),
         Param::Time(f.created_before),
         Param::Headers(&f.headers),
+        Param::Text(f.idempotency_key.as_deref()),
+        Param::Text(f.message_id.as_deref()),
     ]
 }
 

@@ -40,9 +40,9 @@ pub(crate) enum Shared {
     AuditOfRequest,
     /// ids: candidates `id, subscription, topic, event_key, status`, in id order.
     CandidatesById,
-    /// the filter (11), limit: failed candidates matching it, in id order.
+    /// the filter (13), limit: failed candidates matching it, in id order.
     FailedByFilter,
-    /// the filter (11), limit: completed candidates matching it, in id order.
+    /// the filter (13), limit: completed candidates matching it, in id order.
     CompletedByFilter,
     /// ids: as `Detail` with payloads, in id order.
     Copies,
@@ -50,7 +50,7 @@ pub(crate) enum Shared {
     Requeue,
     /// ids, reason, now: pending events to failed with `cancelled: <reason>`.
     Cancel,
-    /// status, before id, the filter (11), limit: as `Detail`, newest first, no payload.
+    /// status, before id, the filter (13), limit: as `Detail`, newest first, no payload.
     Events,
     /// before id, limit: `id, at, actor, action, box, selection, count, principal,
     /// request_id`, newest first.

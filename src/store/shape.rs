@@ -170,7 +170,7 @@ impl Shape {
         format!("{alias}ready_at < {} AND {alias}pending > 0", self.idle)
     }
 
-    /// The event filter as SQL conditions over parameters `first..first+10`, in the order
+    /// The event filter as SQL conditions over parameters `first..first+12`, in the order
     /// of `admin_flow::filter_params`.
     pub fn filter(&self, first: usize) -> String {
         let p = |i: usize| format!("{}{}", self.mark, first + i);
@@ -185,7 +185,8 @@ impl Shape {
              AND ({7}{t} IS NULL OR {find}(event_key, {7}) = 1)
              AND ({8}{ts} IS NULL OR created_at >= {8})
              AND ({9}{ts} IS NULL OR created_at < {9})
-             AND ({10}{t} IS NULL OR {headers})",
+             AND ({10}{t} IS NULL OR {headers})
+             AND ({11}{t} IS NULL OR idempotency_key = {11}) AND {message_id}",
             p(0),
             p(1),
             p(2),
@@ -197,7 +198,9 @@ impl Shape {
             p(8),
             p(9),
             p(10),
+            p(11),
             headers = self.headers_match(&p(10)),
+            message_id = self.sub_filter("message_id", &p(12)),
         )
     }
 
@@ -341,7 +344,7 @@ impl Shape {
                 "SELECT {} FROM {events} WHERE status = 'failed' AND {} ORDER BY id LIMIT {}",
                 self.candidate_columns(),
                 self.filter(1),
-                p(12)
+                p(14)
             ),
             // Completed rows read completed only through the view (the cursor completes
             // pending rows), in id order from the oldest.
@@ -349,7 +352,7 @@ impl Shape {
                 "SELECT {} FROM {rows} WHERE status = 'completed' AND {} ORDER BY id LIMIT {}",
                 self.candidate_columns(),
                 self.filter(1),
-                p(12)
+                p(14)
             ),
             Shared::Copies => format!(
                 "SELECT {} FROM {rows} WHERE {} ORDER BY id",
@@ -470,7 +473,7 @@ impl Shape {
         let (events, rows) = (self.events, self.rows);
         let (t, i8) = (self.text, self.int8);
         let p = |n| self.p(n);
-        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(14));
+        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(16));
         let (pending, walked) = if self.postgres {
             (
                 format!(
@@ -514,7 +517,7 @@ impl Shape {
         let (events, rows, keys) = (self.events, self.rows, self.keys);
         let (t, i8) = (self.text, self.int8);
         let p = |n| self.p(n);
-        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(14));
+        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(16));
         let same_sub = self.same_sub("e", "k");
         let above_cursor = if self.cursor {
             " AND e.id > k.published_through"

@@ -1020,6 +1020,21 @@ async fn handled_messages_are_redelivered_at_the_end_of_their_keys_lines() {
         wait_inbox_completed(&s, 5).await;
 
         let mut a = admin(&s).await;
+        // Finding a message by its message id (issue 44, item 5).
+        let found = a
+            .list_events(pb::ListEventsRequest {
+                r#box: INBOX,
+                filter: Some(pb::EventFilter {
+                    message_id: "rpc:m-2".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let found: Vec<i64> = found.events.iter().map(|e| e.id).collect();
+        assert_eq!(found, [ids[2]], "{engine:?}");
         let filter = pb::EventFilter {
             subscription: "orders".into(),
             key: "k".into(),

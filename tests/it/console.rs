@@ -1284,7 +1284,9 @@ async fn the_console_republishes_completed_events() {
     };
     let mut s = Service::start(c).await;
     let console = s.app.console_addr.unwrap();
-    let id = enqueue(&mut s.client, event("again", "k", b"x")).await;
+    let mut e = event("again", "k", b"x");
+    e.headers.insert("trace".into(), "t-1".into());
+    let id = enqueue(&mut s.client, e).await;
     wait_completed(&s.app.store, 1, Duration::from_secs(20)).await;
     let get = |path: String| async move {
         http(
@@ -1299,6 +1301,11 @@ async fn the_console_republishes_completed_events() {
     assert!(r.contains("republish-selected"), "{r}");
     let r = get("/outbox/events?status=pending".into()).await;
     assert!(!r.contains("republish-selected"), "{r}");
+    // The events page finds an event by a header (issue 44, item 5).
+    let r = get("/outbox/events?status=any&header=trace%3Dt-1".into()).await;
+    assert!(r.contains(&format!("sel-{id}")), "{r}");
+    let r = get("/outbox/events?status=any&header=trace%3Dt-2".into()).await;
+    assert!(!r.contains(&format!("sel-{id}")), "{r}");
 
     let post = |form: String| async move {
         http(

@@ -422,6 +422,46 @@ async fn republish_checks_its_request_and_works_on_both_engines() {
         }
         assert_eq!(s.outbox_count(None).await, 4);
 
+        // Finding an event by its idempotency key (issue 44, item 5), on both engines.
+        let mut keyed = event("t", "other", b"i");
+        keyed.idempotency_key = "order-7/created".into();
+        let keyed = enqueue(&mut s.client, keyed).await;
+        let found = a
+            .list_events(with_token(
+                pb::ListEventsRequest {
+                    filter: Some(pb::EventFilter {
+                        idempotency_key: "order-7/created".into(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                Some(OPS),
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        let found: Vec<i64> = found.events.iter().map(|e| e.id).collect();
+        assert_eq!(found, [keyed], "{engine:?}");
+        let e = a
+            .list_events(with_token(
+                pb::ListEventsRequest {
+                    filter: Some(pb::EventFilter {
+                        message_id: "rpc:x".into(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                Some(OPS),
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            (e.code(), field_of(&e)),
+            (Code::InvalidArgument, "filter.message_id".into()),
+            "{engine:?}"
+        );
+        wait_completed(&s.app.store, 5, Duration::from_secs(20)).await;
+
         // A pending (delayed) event is not completed: FAILED_PRECONDITION, nothing stored.
         let delayed = enqueue(&mut s.client, {
             let mut e = event("t", "", b"f");
@@ -443,7 +483,7 @@ async fn republish_checks_its_request_and_works_on_both_engines() {
         .await
         .unwrap_err();
         assert_eq!(e.code(), Code::FailedPrecondition, "{engine:?}: {e:?}");
-        assert_eq!(s.outbox_count(None).await, 5);
+        assert_eq!(s.outbox_count(None).await, 6);
 
         // By filter (key and a creation range), then a copy of the copy.
         let r = republish(
@@ -472,7 +512,7 @@ async fn republish_checks_its_request_and_works_on_both_engines() {
             "{engine:?}: the oldest first"
         );
         let copy = pairs[0].1;
-        wait_completed(&s.app.store, 6, Duration::from_secs(20)).await;
+        wait_completed(&s.app.store, 7, Duration::from_secs(20)).await;
         let r2 = republish(
             &mut a,
             OPS,
@@ -485,7 +525,7 @@ async fn republish_checks_its_request_and_works_on_both_engines() {
         .await
         .unwrap();
         let copy2 = r2.copies[0].id;
-        wait_completed(&s.app.store, 7, Duration::from_secs(20)).await;
+        wait_completed(&s.app.store, 8, Duration::from_secs(20)).await;
         let e = s.stored(BoxKind::Outbox, copy2).await;
         let headers: BTreeMap<String, String> = e.headers.into_iter().collect();
         assert_eq!(headers.get(HEADER), Some(&copy.to_string()), "{engine:?}");

@@ -71,11 +71,16 @@ pub fn event_filter(
     let f = f.unwrap_or_default();
     let mut v = Vec::new();
     let name = |n: &str| format!("{field}.{n}");
-    if b == BoxKind::Outbox && !f.subscription.is_empty() {
-        v.push(FieldViolation::new(
-            name("subscription"),
-            "applies to the inbox only (box = BOX_INBOX)",
-        ));
+    for (value, field) in [
+        (&f.subscription, "subscription"),
+        (&f.message_id, "message_id"),
+    ] {
+        if b == BoxKind::Outbox && !value.is_empty() {
+            v.push(FieldViolation::new(
+                name(field),
+                "applies to the inbox only (box = BOX_INBOX)",
+            ));
+        }
     }
     if !f.topic.is_empty()
         && let Err(why) = check_topic(&f.topic)
@@ -130,6 +135,8 @@ pub fn event_filter(
         created_after,
         created_before,
         headers: f.headers.into_iter().collect(),
+        idempotency_key: non_empty(f.idempotency_key),
+        message_id: non_empty(f.message_id),
     })
 }
 

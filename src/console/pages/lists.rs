@@ -190,7 +190,8 @@ pub fn backlog(
 pub(super) fn filter_fields(f: &EventsFilter) -> Markup {
     html! {
         input type="hidden" name="status" value=(f.status.map(|s| s.as_str()).unwrap_or("any"));
-        @for (k, v) in [("topic", &f.topic), ("key", &f.key), ("type", &f.event_type), ("error_contains", &f.error_contains)] {
+        @for (k, v) in [("topic", &f.topic), ("key", &f.key), ("type", &f.event_type), ("error_contains", &f.error_contains),
+                        ("idempotency_key", &f.idempotency_key), ("message_id", &f.message_id), ("header", &f.header)] {
             @if !v.is_empty() { input type="hidden" name=(k) value=(v); }
         }
     }
@@ -218,6 +219,9 @@ pub fn events(nav: &Nav, t: &Target, f: &EventsFilter, page: &EventsPage) -> Mar
                 label { "key" input name="key" id="e-key" value=(f.key); }
                 label { "type" input name="type" value=(f.event_type); }
                 label { "error contains" input name="error_contains" id="e-error" value=(f.error_contains); }
+                label { "idempotency key" input name="idempotency_key" id="e-idem" value=(f.idempotency_key); }
+                @if !matches!(t, Target::Outbox) { label { "message id" input name="message_id" id="e-message-id" value=(f.message_id); } }
+                label { "header" input name="header" id="e-header" placeholder="name=value" value=(f.header); }
                 button.primary type="submit" id="e-apply" { "Filter" }
             }
             form method="post" action={(base) "/events"} #select {
