@@ -161,6 +161,8 @@ pub struct EventFilter {
 /// Which failed events a requeue takes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+// One per admin request: the filter's size costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum Selection {
     /// These events, by id: each must exist and be failed, else nothing changes.
     Ids(Vec<EventId>),
