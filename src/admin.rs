@@ -115,7 +115,8 @@ impl Admin {
         if !r.context.dry_run {
             self.may_write().await?;
         }
-        let (ids, originals) = match self.store.copy_selection(b, r).await? {
+        let max_bytes = MAX_REPUBLISH_BYTES as i64;
+        let (ids, originals, bytes) = match self.store.copy_selection(b, r, max_bytes).await? {
             RepublishSelection::Replayed { audit_id, count } => {
                 return Ok(RepublishOutcome {
                     count,
@@ -125,7 +126,7 @@ impl Admin {
                     copies: Vec::new(),
                 });
             }
-            RepublishSelection::Selected { ids, copies } => (ids, copies),
+            RepublishSelection::Selected { ids, copies, bytes } => (ids, copies, bytes),
         };
         let mut out = RepublishOutcome {
             count: ids.len() as i64,
@@ -137,8 +138,7 @@ impl Admin {
         if r.context.dry_run || ids.is_empty() {
             return Ok(out);
         }
-        let bytes: usize = originals.iter().map(copy_bytes).sum();
-        if bytes > MAX_REPUBLISH_BYTES {
+        if bytes > max_bytes {
             return Err(Error::invalid(
                 "limit",
                 format!(
@@ -342,17 +342,6 @@ impl Admin {
     }
 }
 
-/// Bytes a copy holds in memory.
-fn copy_bytes(c: &EventCopy) -> usize {
-    c.payload.len()
-        + c.topic.len()
-        + c.key.as_ref().map_or(0, String::len)
-        + c.headers
-            .iter()
-            .map(|(k, v)| k.len() + v.len())
-            .sum::<usize>()
-}
-
 /// The inbox message that hands `o` to its handler again under request id `rid`.
 fn redelivery_of(o: EventCopy, rid: &str) -> InboundMessage {
     let mut headers = o.headers;
@@ -405,10 +394,6 @@ mod tests {
             event_type: Some("order.placed".into()),
             max_attempts: 9,
         };
-        assert_eq!(
-            copy_bytes(&o),
-            1 + 6 + 1 + (5 + 2) + (REPUBLISHED_FROM.len() + 1)
-        );
         let e = copy_of(o, "r1");
         assert_eq!(e.headers[REPUBLISHED_FROM], "17", "the immediate original");
         assert_eq!(e.headers["trace"], "t1");

@@ -229,8 +229,10 @@ pub enum RepublishSelection {
     Selected {
         /// Their ids, in id order.
         ids: Vec<EventId>,
-        /// Their content, in id order; empty on dry run.
+        /// Their content, in id order; empty on dry run and over the byte limit.
         copies: Vec<EventCopy>,
+        /// Bytes their content holds (payloads, headers, topics, keys).
+        bytes: i64,
     },
 }
 

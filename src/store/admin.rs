@@ -30,13 +30,15 @@ pub trait AdminStore: Send + Sync {
     async fn cancel_events(&self, b: BoxKind, r: &CancelRequest) -> StoreResult<CancelOutcome>;
 
     /// The completed events a republish (outbox) or redelivery (inbox) selects, in id
-    /// order, with their content unless on dry run; or, when the request id names such
-    /// an action already recorded, that one (and nothing is read). Explicit ids: all
-    /// must exist (`NotFound`) and be completed (`FailedPrecondition`).
+    /// order, with their size and, unless on dry run or over `max_bytes`, their content;
+    /// or, when the request id names such an action already recorded, that one (and
+    /// nothing is read). Explicit ids: all must exist (`NotFound`) and be completed
+    /// (`FailedPrecondition`).
     async fn copy_selection(
         &self,
         b: BoxKind,
         r: &RepublishRequest,
+        max_bytes: i64,
     ) -> StoreResult<RepublishSelection>;
 
     /// Records the audit entry (`republish` or `redeliver`) of an action whose copies are

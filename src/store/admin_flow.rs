@@ -365,6 +365,7 @@ async fn copy_selection<E: AdminSql>(
     e: &E,
     b: BoxKind,
     r: &RepublishRequest,
+    max_bytes: i64,
 ) -> StoreResult<RepublishSelection> {
     let mut tx = e.begin().await?;
     if !r.context.dry_run
@@ -383,45 +384,45 @@ async fn copy_selection<E: AdminSql>(
             count: rep.count,
         });
     }
-    let copies_of = |ids| query(Stmt::Shared(Shared::Copies), vec![Param::Ids(ids)]);
-    let (ids, copies) = match &r.selection {
-        Selection::Ids(ids) => {
-            let rows = rows_in(e, &mut tx, b, copies_of(ids)).await?;
-            let found = decode_all(&rows, decode_detail)?;
-            let status: Vec<(EventId, Status)> =
-                found.iter().map(|d| (d.event.id, d.event.status)).collect();
-            let action = match b {
-                BoxKind::Outbox => "republished",
-                BoxKind::Inbox => "redelivered",
-            };
-            check_ids(ids, &status, Status::Completed, action)?;
-            (ids.clone(), found)
-        }
+    let ids = match &r.selection {
+        Selection::Ids(ids) => ids.clone(),
         Selection::Filter(f) => {
             let mut params = filter_params(f).to_vec();
             params.push(Param::Int(Some(i64::from(r.limit))));
             let q = query(Stmt::Shared(Shared::CompletedByFilter), params);
             let rows = rows_in(e, &mut tx, b, q).await?;
-            let ids: Vec<EventId> = decode_all(&rows, decode_candidate)?
-                .iter()
-                .map(|c| c.id)
-                .collect();
-            let found = if r.context.dry_run || ids.is_empty() {
-                Vec::new()
-            } else {
-                decode_all(
-                    &rows_in(e, &mut tx, b, copies_of(&ids)).await?,
-                    decode_detail,
-                )?
-            };
-            (ids, found)
+            let c = decode_all(&rows, decode_candidate)?;
+            c.iter().map(|c| c.id).collect()
         }
     };
+    // Sizes first: the content is read only for a selection within `max_bytes` (a
+    // thousand large payloads are not loaded to be refused).
+    let q = query(Stmt::Shared(Shared::CopySizes), vec![Param::Ids(&ids)]);
+    let rows = rows_in(e, &mut tx, b, q).await?;
+    let mut found = Vec::with_capacity(rows.len());
+    let mut bytes = 0i64;
+    for row in &rows {
+        found.push((row.int("id")?, row.status("status")?));
+        bytes = bytes.saturating_add(row.int("size")?);
+    }
+    let action = match b {
+        BoxKind::Outbox => "republished",
+        BoxKind::Inbox => "redelivered",
+    };
+    check_ids(&ids, &found, Status::Completed, action)?;
+    if r.context.dry_run || ids.is_empty() || bytes > max_bytes {
+        e.rollback(tx).await?;
+        return Ok(RepublishSelection::Selected {
+            ids,
+            copies: Vec::new(),
+            bytes,
+        });
+    }
+    let q = query(Stmt::Shared(Shared::Copies), vec![Param::Ids(&ids)]);
+    let details = decode_all(&rows_in(e, &mut tx, b, q).await?, decode_detail)?;
     e.rollback(tx).await?;
-    let copies = if r.context.dry_run {
-        Vec::new()
-    } else {
-        copies
+    let copies = {
+        details
             .into_iter()
             .map(|d| EventCopy {
                 id: d.event.id,
@@ -436,7 +437,7 @@ async fn copy_selection<E: AdminSql>(
             })
             .collect()
     };
-    Ok(RepublishSelection::Selected { ids, copies })
+    Ok(RepublishSelection::Selected { ids, copies, bytes })
 }
 
 async fn record_copies<E: AdminSql>(
@@ -446,6 +447,20 @@ async fn record_copies<E: AdminSql>(
     count: i64,
 ) -> StoreResult<i64> {
     let mut tx = e.begin().await?;
+    // A call with the same request id that ran at the same time found the same copies
+    // (their ids carry the request id) and recorded them first: its entry stands.
+    if let Some(rep) = replayed(
+        e,
+        &mut tx,
+        copy_action(b),
+        b,
+        r.context.request_id.as_deref(),
+    )
+    .await?
+    {
+        e.rollback(tx).await?;
+        return Ok(rep.audit_id);
+    }
     let selection = match &r.selection {
         Selection::Ids(ids) => serde_json::json!({ "ids": ids }),
         Selection::Filter(f) => serde_json::json!({ "filter": f, "limit": r.limit }),
@@ -664,8 +679,9 @@ impl<E: AdminSql> AdminStore for E {
         &self,
         b: BoxKind,
         r: &RepublishRequest,
+        max_bytes: i64,
     ) -> StoreResult<RepublishSelection> {
-        copy_selection(self, b, r).await
+        copy_selection(self, b, r, max_bytes).await
     }
 
     async fn record_copies(

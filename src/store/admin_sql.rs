@@ -46,6 +46,8 @@ pub(crate) enum Shared {
     CompletedByFilter,
     /// ids: as `Detail` with payloads, in id order.
     Copies,
+    /// ids: `id, status, size` (bytes of payload, headers, topic and key), in id order.
+    CopySizes,
     /// ids, now: failed events back to pending, due now.
     Requeue,
     /// ids, reason, now: pending events to failed with `cancelled: <reason>`.

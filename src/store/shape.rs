@@ -354,6 +354,28 @@ impl Shape {
                 self.filter(1),
                 p(14)
             ),
+            Shared::CopySizes => {
+                let len = |c: &str| {
+                    if self.postgres {
+                        format!("octet_length({c})")
+                    } else {
+                        format!("length(CAST({c} AS BLOB))")
+                    }
+                };
+                format!(
+                    "SELECT id, status, ({} + {} + {} + COALESCE({}, 0)){i8} AS size
+                     FROM {rows} WHERE {} ORDER BY id",
+                    len("payload"),
+                    len(if self.postgres {
+                        "headers::text"
+                    } else {
+                        "headers"
+                    }),
+                    len("topic"),
+                    len("event_key"),
+                    self.ids(1)
+                )
+            }
             Shared::Copies => format!(
                 "SELECT {} FROM {rows} WHERE {} ORDER BY id",
                 self.detail_columns("true", false),

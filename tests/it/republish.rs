@@ -422,6 +422,37 @@ async fn republish_checks_its_request_and_works_on_both_engines() {
         }
         assert_eq!(s.outbox_count(None).await, 4);
 
+        // The content is read only within the byte limit: sizes first.
+        let req = mailroom::domain::admin::RepublishRequest {
+            selection: mailroom::domain::admin::Selection::Ids(vec![ids[0], ids[1]]),
+            limit: 1000,
+            context: mailroom::domain::admin::ActionContext::by("test"),
+        };
+        for (max, loaded) in [(3, false), (1 << 20, true)] {
+            match s
+                .app
+                .store
+                .copy_selection(BoxKind::Outbox, &req, max)
+                .await
+                .unwrap()
+            {
+                mailroom::domain::admin::RepublishSelection::Selected {
+                    ids: got,
+                    copies,
+                    bytes,
+                } => {
+                    assert_eq!(got, ids[..2], "{engine:?}");
+                    assert!(bytes > 2 * 3, "{engine:?}: {bytes}");
+                    assert_eq!(
+                        copies.len(),
+                        if loaded { 2 } else { 0 },
+                        "{engine:?}: {max}"
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+
         // Finding an event by its idempotency key (issue 44, item 5), on both engines.
         let mut keyed = event("t", "other", b"i");
         keyed.idempotency_key = "order-7/created".into();
