@@ -524,6 +524,15 @@ async fn start_outbox(
         bg.spawn(relay.run(bg.token.clone()));
     }
     if config.relays > 0 {
+        // Failed events to dead-letter topics (it also empties the failure log when no
+        // topic has one); only where relays publish what it enqueues.
+        bg.spawn(crate::dead_letter::run(
+            store.clone(),
+            config.dead_letter.clone(),
+            wakeup.clone(),
+            schema.clone(),
+            bg.token.clone(),
+        ));
         bg.spawn(crate::relay::pauses::watch(
             store.clone(),
             sink.clone(),

@@ -35,8 +35,9 @@
 //!   `inbox::Inbox`, the middle layer of `Receive`.
 //! - `admin`   — the operator's middle layer: runs the store's admin half, wakes requeued
 //!   keys, page tokens.
-//! - `metrics`, `health`, `retention` — Prometheus on its own port; `grpc.health.v1`;
-//!   batched deletion of completed (and expired failed) events and idle keys.
+//! - `metrics`, `health`, `retention`, `dead_letter` — Prometheus on its own port;
+//!   `grpc.health.v1`; batched deletion of completed (and expired failed) events and idle
+//!   keys; copies of failed events to dead-letter topics.
 //! - `api`     — gRPC services: pb conversion and validation in, a middle-layer call,
 //!   `Status` out (`api::status`, the one place); `api::layers` (RPC log, token check,
 //!   overload) in front of them.
@@ -56,6 +57,7 @@ pub mod backoff;
 pub mod cli;
 pub mod config;
 pub mod console;
+pub mod dead_letter;
 pub mod domain;
 pub mod error;
 pub mod health;

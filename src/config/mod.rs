@@ -115,6 +115,8 @@ pub struct Config {
     pub migration: crate::store::postgres::migrate::MigrationWait,
     /// What retention deletes, and how often.
     pub retention: crate::retention::RetentionConfig,
+    /// Which failures are copied to dead-letter topics.
+    pub dead_letter: crate::dead_letter::DeadLetterConfig,
 }
 
 /// The largest `Enqueue` request on the wire: one event of the largest payload, key and

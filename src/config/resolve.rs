@@ -49,6 +49,7 @@ impl Config {
         if relays > 64 {
             return Err(bad("relays (MAILROOM_RELAYS)", "must be at most 64"));
         }
+        let subscriptions = subscriptions(&s, retry)?;
         Ok(Config {
             listen,
             database_max_connections: s.database_max_connections.unwrap_or(16).max(2),
@@ -80,7 +81,8 @@ impl Config {
             open_on_network: !listen.ip().is_loopback() && !access.authenticated,
             admin_token: access.admin_token.map(crate::secret::Secret),
             tokens: access.tokens,
-            subscriptions: subscriptions(&s, retry)?,
+            dead_letter: dead_letter(&s, &subscriptions)?,
+            subscriptions,
             metrics_listen,
             console_listen,
             console_read_only: s.console_read_only.unwrap_or(false),
@@ -593,6 +595,52 @@ fn access(
     })
 }
 
+fn dead_letter(
+    s: &Settings,
+    subs: &[SubscriptionConfig],
+) -> Result<crate::dead_letter::DeadLetterConfig, ConfigError> {
+    use crate::dead_letter::{DeadLetterConfig, TopicChoice};
+    const SETTING: &str = "dead_letter_topics (MAILROOM_DEAD_LETTER_TOPICS)";
+    let suffix = s
+        .dead_letter_suffix
+        .clone()
+        .unwrap_or_else(|| ".dlq".into());
+    if suffix.is_empty() || crate::domain::check_topic(&format!("t{suffix}")).is_err() {
+        return Err(bad(
+            "dead_letter_suffix (MAILROOM_DEAD_LETTER_SUFFIX)",
+            "must be non-empty and made of [a-zA-Z0-9._-]",
+        ));
+    }
+    let listed: Vec<String> = s
+        .dead_letter_topics
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+        .collect();
+    let topics = if listed.iter().any(|t| t == "*") {
+        TopicChoice::All
+    } else if listed.is_empty() {
+        TopicChoice::None
+    } else {
+        for t in &listed {
+            crate::domain::check_topic(&format!("{t}{suffix}"))
+                .map_err(|why| bad(SETTING, format!("{t:?}: its dead-letter topic {why}")))?;
+        }
+        TopicChoice::Some(listed.into_iter().collect())
+    };
+    Ok(DeadLetterConfig {
+        topics,
+        suffix,
+        subscriptions: subs
+            .iter()
+            .filter_map(|s| Some((s.name.clone(), s.dead_letter_topic.clone()?)))
+            .collect(),
+        interval: Duration::from_secs(1),
+    })
+}
+
 fn retention(s: &Settings) -> Result<RetentionConfig, ConfigError> {
     let hours = |h: u64| (h > 0).then(|| Duration::from_secs(h.saturating_mul(3600)));
     let retention = RetentionConfig {
@@ -767,7 +815,16 @@ fn subscription(
         ));
     }
     let handler_token = handler_token(&s)?;
+    if let Some(t) = &s.dead_letter_topic {
+        crate::domain::check_topic(t).map_err(|why| {
+            bad(
+                SUBSCRIPTIONS,
+                format!("{}: dead_letter_topic {t:?} {why}", s.name),
+            )
+        })?;
+    }
     Ok(SubscriptionConfig {
+        dead_letter_topic: s.dead_letter_topic,
         handler_tls: ClientTls {
             ca: s.handler_ca,
             cert: s.handler_cert,

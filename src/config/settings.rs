@@ -353,6 +353,18 @@ pub struct Settings {
     /// Rows one retention DELETE removes at most [default: 1000].
     #[arg(long, env = "MAILROOM_RETENTION_BATCH", global = true)]
     pub retention_batch: Option<u32>,
+    /// Outbox topics whose failed events are also published to a dead-letter topic
+    /// (`<topic><suffix>`), comma-separated; `*` for every topic [default: none].
+    #[arg(
+        long,
+        env = "MAILROOM_DEAD_LETTER_TOPICS",
+        global = true,
+        value_delimiter = ','
+    )]
+    pub dead_letter_topics: Option<Vec<String>>,
+    /// Appended to an outbox topic's name to name its dead-letter topic [default: .dlq].
+    #[arg(long, env = "MAILROOM_DEAD_LETTER_SUFFIX", global = true)]
+    pub dead_letter_suffix: Option<String>,
 }
 
 /// One `[[subscriptions]]` table of the configuration file.
@@ -391,6 +403,9 @@ pub struct SubscriptionSettings {
     /// Latest `retry.not_before` a handler may ask for, in ms from now; later times are
     /// cut to it [default: 86400000, one day].
     pub handler_max_defer_ms: Option<u64>,
+    /// Outbox topic that gets a copy of every message that fails (dead-letter topic),
+    /// e.g. `billing.dlq` [default: none].
+    pub dead_letter_topic: Option<String>,
 }
 
 /// Settings may hold secrets (the database URL, the admin token, Kafka properties):
@@ -491,7 +506,9 @@ impl Settings {
             retention_completed_hours,
             retention_failed_hours,
             retention_interval_ms,
-            retention_batch
+            retention_batch,
+            dead_letter_topics,
+            dead_letter_suffix
         )
     }
 }

@@ -236,6 +236,19 @@ pub enum RepublishSelection {
     },
 }
 
+/// A failed event waiting for the dead-letter pump (`crate::dead_letter`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetter {
+    /// The box it failed in.
+    pub box_kind: BoxKind,
+    /// The event (message) id.
+    pub event_id: EventId,
+    /// When it failed (its `updated_at` then): two failures of one event differ.
+    pub failed_at: DateTime<Utc>,
+    /// The event as it is now, with its payload; `None` when retention removed it.
+    pub event: Option<EventDetail>,
+}
+
 /// What a republish did (or, on dry run, would do).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RepublishOutcome {

@@ -57,6 +57,9 @@ pub struct SubscriptionConfig {
     pub handler_token: Option<Secret>,
     /// Cap on a handler's `retry.not_before`.
     pub handler_max_defer: Duration,
+    /// The outbox topic its failed messages are copied to (`crate::dead_letter`); none:
+    /// they stay failed in the inbox only.
+    pub dead_letter_topic: Option<String>,
 }
 
 impl SubscriptionConfig {

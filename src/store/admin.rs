@@ -7,9 +7,9 @@
 
 use super::StoreResult;
 use crate::domain::admin::{
-    AdminKey, AuditPage, CancelOutcome, CancelRequest, EventDetail, EventsPage, EventsQuery,
-    PauseOutcome, PauseRequest, PendingPage, PendingQuery, RepublishRequest, RepublishSelection,
-    RequeueOutcome, RequeueRequest, Stats, TopicPause,
+    AdminKey, AuditPage, CancelOutcome, CancelRequest, DeadLetter, EventDetail, EventsPage,
+    EventsQuery, PauseOutcome, PauseRequest, PendingPage, PendingQuery, RepublishRequest,
+    RepublishSelection, RequeueOutcome, RequeueRequest, Stats, TopicPause,
 };
 use crate::domain::{BoxKind, EventId};
 
@@ -45,6 +45,13 @@ pub trait AdminStore: Send + Sync {
     /// stored: `count` events.
     async fn record_copies(&self, b: BoxKind, r: &RepublishRequest, count: i64)
     -> StoreResult<i64>;
+
+    /// Up to `limit` failed events waiting for the dead-letter pump, oldest failure
+    /// first, each with its content (or none when retention removed it).
+    async fn dead_letters(&self, limit: u32) -> StoreResult<Vec<DeadLetter>>;
+
+    /// Deletes the given dead letters (handled).
+    async fn drop_dead_letters(&self, done: &[DeadLetter]) -> StoreResult<()>;
 
     /// One event; the payload is left empty unless asked for.
     async fn event_detail(

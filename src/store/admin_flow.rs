@@ -18,9 +18,9 @@ use super::rows::{
 };
 use super::{StoreError, StoreResult};
 use crate::domain::admin::{
-    ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventCopy, EventDetail,
-    EventFilter, EventsPage, EventsQuery, PauseOutcome, PauseRequest, PendingCursor, PendingOrder,
-    PendingPage, PendingQuery, RepublishRequest, RepublishSelection, RequeueOutcome,
+    ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, DeadLetter, EventCopy,
+    EventDetail, EventFilter, EventsPage, EventsQuery, PauseOutcome, PauseRequest, PendingCursor,
+    PendingOrder, PendingPage, PendingQuery, RepublishRequest, RepublishSelection, RequeueOutcome,
     RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicPause, TopicStats,
 };
 use crate::domain::{BoxKind, EventId, Status};
@@ -691,6 +691,73 @@ impl<E: AdminSql> AdminStore for E {
         count: i64,
     ) -> StoreResult<i64> {
         record_copies(self, b, r, count).await
+    }
+
+    async fn dead_letters(&self, limit: u32) -> StoreResult<Vec<DeadLetter>> {
+        let q = query(
+            Stmt::Shared(Shared::DeadLetters),
+            vec![Param::Int(Some(i64::from(limit)))],
+        );
+        // The table serves both boxes: the box only picks the SQL text's shape.
+        let rows = one(
+            read(self, Read::Plain, BoxKind::Outbox, &[q]).await?,
+            "dead letters",
+        )?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            out.push(DeadLetter {
+                box_kind: match r.text("box")?.as_str() {
+                    "inbox" => BoxKind::Inbox,
+                    _ => BoxKind::Outbox,
+                },
+                event_id: r.int("event_id")?,
+                failed_at: r.time("failed_at")?,
+                event: None,
+            });
+        }
+        for b in [BoxKind::Outbox, BoxKind::Inbox] {
+            let ids: Vec<EventId> = out
+                .iter()
+                .filter(|d| d.box_kind == b)
+                .map(|d| d.event_id)
+                .collect();
+            if ids.is_empty() {
+                continue;
+            }
+            let q = query(Stmt::Shared(Shared::Copies), vec![Param::Ids(&ids)]);
+            let rows = one(
+                read(self, Read::Plain, b, &[q]).await?,
+                "dead letter events",
+            )?;
+            let mut details: std::collections::HashMap<EventId, EventDetail> = rows
+                .iter()
+                .map(decode_detail)
+                .map(|d| d.map(|d| (d.event.id, d)))
+                .collect::<StoreResult<_>>()?;
+            for d in out.iter_mut().filter(|d| d.box_kind == b) {
+                // One event may have failed twice: each dead letter gets its copy.
+                d.event = details.get(&d.event_id).cloned();
+            }
+            details.clear();
+        }
+        Ok(out)
+    }
+
+    async fn drop_dead_letters(&self, done: &[DeadLetter]) -> StoreResult<()> {
+        if done.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.begin().await?;
+        let sql = self.sql(BoxKind::Outbox, Stmt::Shared(Shared::DropDeadLetter));
+        for d in done {
+            let params = [
+                Param::Text(Some(d.box_kind.as_str())),
+                Param::Int(Some(d.event_id)),
+                Param::Time(Some(d.failed_at)),
+            ];
+            self.execute_in(&mut tx, &sql, &params).await?;
+        }
+        self.commit(tx).await
     }
 
     async fn event_detail(

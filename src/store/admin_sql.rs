@@ -48,6 +48,10 @@ pub(crate) enum Shared {
     Copies,
     /// ids: `id, status, size` (bytes of payload, headers, topic and key), in id order.
     CopySizes,
+    /// limit: `box, event_id, failed_at` of the dead letters, oldest failure first.
+    DeadLetters,
+    /// box, event id, failed at: deletes that dead letter.
+    DropDeadLetter,
     /// ids, now: failed events back to pending, due now.
     Requeue,
     /// ids, reason, now: pending events to failed with `cancelled: <reason>`.

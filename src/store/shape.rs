@@ -354,6 +354,18 @@ impl Shape {
                 self.filter(1),
                 p(14)
             ),
+            Shared::DeadLetters => format!(
+                "SELECT box, event_id, failed_at FROM mailroom_dead_letters
+                 ORDER BY failed_at, event_id LIMIT {}",
+                p(1)
+            ),
+            Shared::DropDeadLetter => format!(
+                "DELETE FROM mailroom_dead_letters
+                 WHERE box = {} AND event_id = {} AND failed_at = {}",
+                p(1),
+                p(2),
+                p(3)
+            ),
             Shared::CopySizes => {
                 let len = |c: &str| {
                     if self.postgres {

@@ -17,6 +17,7 @@ mod connections;
 mod console;
 mod continued_lines;
 mod conventions;
+mod dead_letter;
 mod deploy;
 mod enqueue;
 mod faults;

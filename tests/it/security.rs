@@ -73,6 +73,7 @@ fn subscription(name: &str, topics: &[&str], handler: &str) -> SubscriptionConfi
         },
         handler_tls: ClientTls::default(),
         handler_token: None,
+        dead_letter_topic: None,
         handler_max_defer: Duration::from_secs(86_400),
     }
 }

@@ -178,6 +178,7 @@ pub fn subscription(name: &str, topics: &[&str], handler: &str) -> SubscriptionC
         retry,
         handler_tls: Default::default(),
         handler_token: None,
+        dead_letter_topic: None,
         handler_max_defer: Duration::from_secs(86_400),
     }
 }
