@@ -12,6 +12,7 @@ mod support;
 mod access;
 mod admin;
 mod admin_inbox;
+mod alerts;
 mod byte_budgets;
 mod connections;
 mod console;
