@@ -12,7 +12,6 @@ use std::time::Duration;
 use crate::support::probe::scrape;
 use crate::support::*;
 use mailroom::domain::{BoxKind, Status};
-use mailroom::pb;
 
 /// A scrape's series (name and sorted labels) to value, and the metric families it
 /// declares (`# TYPE`), with or without series.
@@ -210,7 +209,8 @@ fn firing(rules: &[(String, Expr)], before: &Scrape, now: &Scrape) -> Vec<String
 async fn the_shipped_alert_rules_fire_on_what_they_are_for() {
     let rules = rules();
     assert!(rules.len() >= 6, "{rules:?}");
-    let handler = crate::support::handler::Recorder::<Refuse>::default();
+    let handler =
+        crate::support::handler::Recorder::<crate::support::handler::RejectAll>::default();
     let url = handler.serve().await;
     let db = fresh_pg().await;
     let out = tempfile::tempdir().unwrap();
@@ -298,22 +298,4 @@ async fn the_shipped_alert_rules_fire_on_what_they_are_for() {
     )
     .await;
     s.app.stop().await.unwrap();
-}
-
-/// Refuses every message.
-#[derive(Default)]
-struct Refuse;
-
-#[tonic::async_trait]
-impl crate::support::handler::Script for Refuse {
-    async fn answer(
-        &self,
-        _call: &crate::support::handler::Call,
-        _seen_before: bool,
-    ) -> crate::support::handler::Answer {
-        use pb::handle_response::Outcome;
-        Ok(Some(Outcome::Reject(pb::HandleReject {
-            reason: "no".into(),
-        })))
-    }
 }

@@ -14,24 +14,6 @@ use mailroom::pb::admin_service_client::AdminServiceClient;
 use mailroom::relay::backoff::RetryPolicy;
 use mailroom::sink::SinkConfig;
 
-/// Answers every Handle call with a refusal: each message fails at its first attempt.
-#[derive(Default)]
-struct RejectAll;
-
-#[tonic::async_trait]
-impl crate::support::handler::Script for RejectAll {
-    async fn answer(
-        &self,
-        _call: &crate::support::handler::Call,
-        _seen_before: bool,
-    ) -> crate::support::handler::Answer {
-        use pb::handle_response::Outcome;
-        Ok(Some(Outcome::Reject(pb::HandleReject {
-            reason: "schema v3 unknown".into(),
-        })))
-    }
-}
-
 /// Against PostgreSQL and the broker: a protocol proxy refuses every record of one topic
 /// (`INVALID_RECORD`, which spends attempts); its 3 events end `failed` after their 3
 /// attempts and the broker receives on `<topic>.dlq` one copy of each, in key order,
@@ -49,7 +31,8 @@ async fn failed_events_and_messages_reach_their_dead_letter_topics() {
     for p in 0..16 {
         proxy.refuse_produce(refused, p, INVALID_RECORD);
     }
-    let handler = crate::support::handler::Recorder::<RejectAll>::default();
+    let handler =
+        crate::support::handler::Recorder::<crate::support::handler::RejectAll>::default();
     let handler_url = handler.serve().await;
     let db = fresh_pg().await;
     let mut c = config(&db);
@@ -202,7 +185,7 @@ async fn failed_events_and_messages_reach_their_dead_letter_topics() {
     assert_eq!(r.headers[headers::ORIGINAL_ID], msg.to_string());
     assert_eq!(r.headers[headers::MESSAGE_ID], "rpc:inv-1");
     assert!(
-        r.headers[headers::LAST_ERROR].contains("schema v3 unknown"),
+        r.headers[headers::LAST_ERROR].contains("refused by the handler"),
         "{r:?}"
     );
     assert_eq!(s.stored(BoxKind::Inbox, msg).await.status, Status::Failed);

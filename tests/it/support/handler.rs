@@ -43,6 +43,20 @@ impl Script for Accept {
     }
 }
 
+/// A script that refuses every message (`HandleReject` with the reason "refused by the
+/// handler"): each fails at its first attempt.
+#[derive(Default)]
+pub struct RejectAll;
+
+#[tonic::async_trait]
+impl Script for RejectAll {
+    async fn answer(&self, _call: &Call, _seen_before: bool) -> Answer {
+        Ok(Some(Outcome::Reject(pb::HandleReject {
+            reason: "refused by the handler".into(),
+        })))
+    }
+}
+
 /// A subscriber that records its calls in order and answers them by its script.
 #[derive(Default)]
 pub struct Recorder<S> {
