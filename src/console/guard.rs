@@ -169,8 +169,8 @@ pub(super) fn content_security_policy() -> String {
             };
             format!(
                 "default-src 'none'; style-src 'sha256-{}'; script-src 'sha256-{}'; \
-                 img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; \
-                 base-uri 'none'",
+                 connect-src 'self'; img-src 'self' data:; form-action 'self'; \
+                 frame-ancestors 'none'; base-uri 'none'",
                 hash(super::pages::CSS),
                 hash(super::pages::SCRIPT)
             )

@@ -61,7 +61,10 @@ pre{background:#fff;border:1px solid var(--line);padding:.6rem;overflow:auto;max
 .chart{background:#fff;border:1px solid var(--line);border-radius:6px;padding:.5rem}.pager{margin:.6rem 0}dl.kv{display:grid;grid-template-columns:max-content 1fr;gap:.2rem 1rem}dl.kv dt{color:var(--muted)}dl.kv dd{margin:0}
 "#;
 
-/// Progressive enhancement: "select all" boxes, and a refresh of the overview.
+/// Progressive enhancement: "select all" boxes, and a refresh of the overview in place
+/// (the page fetched again and its `main` swapped in, no reload; skipped while the
+/// operator types in a field or the tab is hidden; a redirect, an expired session,
+/// reloads the page instead). `mailroomRefresh()` runs one refresh at once.
 pub(super) const SCRIPT: &str = r#"
 document.querySelectorAll('input[data-select-all]').forEach(function(all){
   all.hidden=false;
@@ -69,7 +72,26 @@ document.querySelectorAll('input[data-select-all]').forEach(function(all){
     document.querySelectorAll('input[name=id]').forEach(function(b){b.checked=all.checked});
   });
 });
-if(document.body.dataset.refresh){setTimeout(function(){location.reload()},Number(document.body.dataset.refresh)*1000)}
+function mailroomRefresh(){
+  return fetch(location.href,{credentials:'same-origin'}).then(function(r){
+    if(r.redirected||!r.ok){location.reload();return}
+    return r.text().then(function(t){
+      var m=new DOMParser().parseFromString(t,'text/html').querySelector('main');
+      if(m){document.querySelector('main').innerHTML=m.innerHTML}
+    });
+  });
+}
+if(document.body.dataset.refresh){
+  var every=Number(document.body.dataset.refresh)*1000;
+  var tick=function(){
+    var busy=Array.prototype.some.call(document.querySelectorAll('main input'),function(i){
+      return i===document.activeElement||(i.type!=='hidden'&&i.value)});
+    var next=function(){setTimeout(tick,every)};
+    if(busy||document.hidden){next();return}
+    mailroomRefresh().catch(function(){}).then(next);
+  };
+  setTimeout(tick,every);
+}
 "#;
 
 /// Escapes a string for a URL path segment or query value.

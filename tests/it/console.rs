@@ -647,6 +647,32 @@ async fn the_console_in_a_real_browser() {
         "{audit}"
     );
 
+    // The overview refreshes in place (issue 44, item 5): a new pending event shows
+    // without a reload (a mark set on the page's window survives).
+    b.goto(&format!("{base}/outbox")).await.unwrap();
+    let pending: i64 = text(&b, "#pending .n").await.parse().unwrap();
+    b.execute("window.mailroomMark = 7", vec![]).await.unwrap();
+    let mut later = event("live.t", "k", b"x");
+    later.deliver_after = Some(mailroom::pb::time::to_timestamp(
+        chrono::Utc::now() + chrono::Duration::hours(1),
+    ));
+    enqueue(&mut s.client, later).await;
+    b.execute("return mailroomRefresh()", vec![]).await.unwrap();
+    let want = (pending + 1).to_string();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while text(&b, "#pending .n").await != want {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the overview did not refresh"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mark = b
+        .execute("return window.mailroomMark", vec![])
+        .await
+        .unwrap();
+    assert_eq!(mark, serde_json::json!(7), "refreshed without a reload");
+
     // Log out: back to the login form.
     click_nav(&b, "header form button").await;
     b.goto(&format!("{base}/outbox")).await.unwrap();
