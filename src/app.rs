@@ -363,16 +363,21 @@ impl App {
         );
         let metrics_addr = start_metrics(&config, &store, &metrics, &mut bg).await?;
         start_retention(&config, &store, &metrics, &schema, &mut bg);
+        let rates = Arc::new(crate::rates::RateRecorder::new(
+            store.clone(),
+            outbox.stats.clone(),
+            inbox_handles.clone(),
+        ));
+        bg.spawn(rates.clone().run(bg.token.clone()));
         let auth = auth_for(&config);
         let parts = Parts {
             config: &config,
             store: &store,
             schema: &schema,
             metrics: &metrics,
-            relays: &outbox.stats,
             inbox: &inbox_handles,
         };
-        let console_addr = start_console(&parts, &auth, &outbox.intake, &mut bg).await?;
+        let console_addr = start_console(&parts, &auth, &outbox.intake, &rates, &mut bg).await?;
         let services = Services::new(&parts, health_service, outbox.intake);
         log_serving(&parts, addr, &auth, metrics_addr, console_addr);
         let stack = Stack {
@@ -652,7 +657,6 @@ struct Parts<'a> {
     store: &'a Arc<dyn Store>,
     schema: &'a SchemaGate,
     metrics: &'a Metrics,
-    relays: &'a [Arc<RelayStats>],
     inbox: &'a crate::inbox::InboxHandles,
 }
 
@@ -661,6 +665,7 @@ async fn start_console(
     p: &Parts<'_>,
     auth: &Auth,
     intake: &Intake,
+    rates: &Arc<crate::rates::RateRecorder>,
     bg: &mut Background,
 ) -> anyhow::Result<Option<SocketAddr>> {
     let Some(listen) = p.config.console_listen else {
@@ -681,7 +686,7 @@ async fn start_console(
             .iter()
             .map(|s| s.name.clone())
             .collect(),
-        relays: p.relays.to_vec(),
+        rates: rates.clone(),
         inbox: p.inbox.clone(),
     });
     bg.spawn(console.serve(l, bg.token.clone()));

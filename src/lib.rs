@@ -35,9 +35,10 @@
 //!   `inbox::Inbox`, the middle layer of `Receive`.
 //! - `admin`   — the operator's middle layer: runs the store's admin half, wakes requeued
 //!   keys, page tokens.
-//! - `metrics`, `health`, `retention`, `dead_letter` — Prometheus on its own port;
-//!   `grpc.health.v1`; batched deletion of completed (and expired failed) events and idle
-//!   keys; copies of failed events to dead-letter topics.
+//! - `metrics`, `health`, `retention`, `dead_letter`, `rates` — Prometheus on its own
+//!   port; `grpc.health.v1`; batched deletion of completed (and expired failed) events
+//!   and idle keys; copies of failed events to dead-letter topics; deliveries per minute
+//!   kept in the database for the console.
 //! - `api`     — gRPC services: pb conversion and validation in, a middle-layer call,
 //!   `Status` out (`api::status`, the one place); `api::layers` (RPC log, token check,
 //!   overload) in front of them.
@@ -65,6 +66,7 @@ pub mod inbox;
 pub mod intake;
 pub mod metrics;
 pub mod pb;
+pub mod rates;
 pub mod relay;
 pub mod retention;
 pub mod schema;

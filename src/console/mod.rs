@@ -12,13 +12,13 @@
 //!   action goes through `Admin` and lands in the audit log with the token's name.
 //! - Pages work without JavaScript; a few lines of script add "select all" and keep the
 //!   overview fresh.
-//! - The publish/handle rate chart comes from the relays' own counters, sampled in
-//!   memory every `SAMPLE_EVERY` (this process's deliveries since it started).
+//! - The publish/handle rate chart reads the deliveries per minute every replica adds
+//!   to the database (`crate::rates`), so all replicas show the same history.
 
 mod guard;
 mod pages;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -37,7 +37,6 @@ use crate::domain::admin::{
 use crate::domain::{BoxKind, EventId, Status};
 use crate::error::Error;
 use crate::inbox::InboxHandles;
-use crate::relay::RelayStats;
 use guard::Peer;
 
 mod session;
@@ -46,10 +45,6 @@ mod views;
 use session::*;
 use views::*;
 
-/// How often the delivery counters are sampled for the rate chart.
-pub const SAMPLE_EVERY: Duration = Duration::from_secs(10);
-/// How long the chart looks back.
-pub const RATE_WINDOW: Duration = Duration::from_secs(3600);
 /// How long a login lasts.
 const SESSION_TTL: Duration = Duration::from_secs(12 * 3600);
 const SESSION_COOKIE: &str = "mailroom_session";
@@ -136,14 +131,6 @@ struct Session {
     expires: Instant,
 }
 
-/// Counter samples for the rate chart.
-#[derive(Clone)]
-struct Sample {
-    at: Instant,
-    outbox: u64,
-    inbox: HashMap<String, u64>,
-}
-
 /// The console's state. Cheap to clone.
 #[derive(Clone)]
 pub struct Console {
@@ -165,8 +152,8 @@ pub struct ConsoleParts {
     pub secure_cookie: bool,
     /// The inbox subscriptions, for the inbox pages.
     pub subscriptions: Vec<String>,
-    /// The relays' counters, for the rate chart.
-    pub relays: Vec<Arc<RelayStats>>,
+    /// The deliveries per minute, for the rate chart.
+    pub rates: Arc<crate::rates::RateRecorder>,
     /// Wakes an inbox dispatcher after an action on its subscription.
     pub inbox: InboxHandles,
 }
@@ -175,7 +162,6 @@ struct Inner {
     parts: ConsoleParts,
     sessions: Mutex<HashMap<String, Session>>,
     logins: guard::Logins,
-    samples: Mutex<VecDeque<Sample>>,
 }
 
 impl std::ops::Deref for Inner {
@@ -193,87 +179,13 @@ impl Console {
                 parts,
                 sessions: Mutex::new(HashMap::new()),
                 logins: guard::Logins::default(),
-                samples: Mutex::new(VecDeque::new()),
             }),
         };
-        c.sample();
         c
-    }
-
-    fn now_sample(&self) -> Sample {
-        use std::sync::atomic::Ordering::Relaxed;
-        let i = &self.inner;
-        Sample {
-            at: Instant::now(),
-            outbox: i.relays.iter().map(|r| r.delivered.load(Relaxed)).sum(),
-            inbox: i
-                .inbox
-                .dispatch_stats
-                .iter()
-                .map(|(k, r)| (k.clone(), r.delivered.load(Relaxed)))
-                .collect(),
-        }
-    }
-
-    /// Records the counters now and forgets samples older than the window.
-    fn sample(&self) {
-        let s = self.now_sample();
-        let mut q = self.inner.samples.lock().expect("samples lock");
-        q.push_back(s);
-        while q
-            .front()
-            .is_some_and(|f| f.at.elapsed() > RATE_WINDOW + SAMPLE_EVERY)
-        {
-            q.pop_front();
-        }
-    }
-
-    /// Deliveries per minute over the last hour, oldest minute first (60 values), and
-    /// how many minutes of it the samples cover.
-    pub fn rate_per_minute(&self, target: &Target) -> (Vec<u64>, usize) {
-        let mut samples: Vec<Sample> = self
-            .inner
-            .samples
-            .lock()
-            .expect("samples lock")
-            .iter()
-            .cloned()
-            .collect();
-        samples.push(self.now_sample());
-        let value = |s: &Sample| match target {
-            Target::Outbox => s.outbox,
-            Target::Inbox(n) => s.inbox.get(n).copied().unwrap_or(0),
-        };
-        let now = Instant::now();
-        let mut bins = vec![0u64; 60];
-        for w in samples.windows(2) {
-            let delta = value(&w[1]).saturating_sub(value(&w[0]));
-            let ago = now.saturating_duration_since(w[1].at).as_secs() / 60;
-            if ago < 60 {
-                bins[59 - ago as usize] += delta;
-            }
-        }
-        let covered = samples
-            .first()
-            .map(|f| (now.saturating_duration_since(f.at).as_secs() / 60 + 1).min(60) as usize)
-            .unwrap_or(0);
-        (bins, covered)
     }
 
     /// Serves the console on `listener` until `shutdown`.
     pub async fn serve(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) {
-        let sampler = {
-            let c = self.clone();
-            let stop = shutdown.clone();
-            tokio::spawn(async move {
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => break,
-                        _ = tokio::time::sleep(SAMPLE_EVERY) => c.sample(),
-                    }
-                }
-            })
-        };
         let hosts = match listener.local_addr() {
             Ok(addr) => guard::Hosts::new(addr, &self.inner.allowed_hosts),
             Err(e) => {
@@ -288,7 +200,6 @@ impl Console {
             "console",
         )
         .await;
-        sampler.abort();
     }
 
     /// The HTTP routes, to serve on the console's address.

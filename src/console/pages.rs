@@ -280,7 +280,7 @@ pub fn rate_chart(per_minute: &[u64], covered: usize, what: &str) -> Markup {
             }
             figcaption.muted {
                 (what) ": " strong.rate-total { (total) } " in the last hour"
-                @if covered < 60 { " (this process has counted for " (covered) " min)" }
+                @if covered < 60 { " (counted for " (covered) " min so far)" }
             }
         }
     }

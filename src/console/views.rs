@@ -124,7 +124,7 @@ pub(super) async fn overview(c: &Console, nav: &pages::Nav, t: &Target) -> Resul
         Target::Outbox => paused,
         Target::Inbox(s) => paused.into_iter().filter(|p| p.topic == *s).collect(),
     };
-    let (rate, covered) = c.rate_per_minute(t);
+    let (rate, covered) = c.inner.rates.per_minute(t.subscription()).await?;
     Ok(pages::overview(nav, t, &stats, &paused, &rate, covered).into_response())
 }
 

@@ -236,6 +236,20 @@ pub enum RepublishSelection {
     },
 }
 
+/// Deliveries of one minute (since the Unix epoch) in a box (and subscription), as the
+/// rate history keeps them (`crate::rates`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RateCount {
+    /// The box.
+    pub box_kind: BoxKind,
+    /// The inbox's subscription; `""` for the outbox.
+    pub subscription: String,
+    /// Minutes since the Unix epoch.
+    pub minute: i64,
+    /// Deliveries to add.
+    pub n: i64,
+}
+
 /// A failed event waiting for the dead-letter pump (`crate::dead_letter`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeadLetter {

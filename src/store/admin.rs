@@ -8,8 +8,8 @@
 use super::StoreResult;
 use crate::domain::admin::{
     AdminKey, AuditPage, CancelOutcome, CancelRequest, DeadLetter, EventDetail, EventsPage,
-    EventsQuery, PauseOutcome, PauseRequest, PendingPage, PendingQuery, RepublishRequest,
-    RepublishSelection, RequeueOutcome, RequeueRequest, Stats, TopicPause,
+    EventsQuery, PauseOutcome, PauseRequest, PendingPage, PendingQuery, RateCount,
+    RepublishRequest, RepublishSelection, RequeueOutcome, RequeueRequest, Stats, TopicPause,
 };
 use crate::domain::{BoxKind, EventId};
 
@@ -45,6 +45,19 @@ pub trait AdminStore: Send + Sync {
     /// stored: `count` events.
     async fn record_copies(&self, b: BoxKind, r: &RepublishRequest, count: i64)
     -> StoreResult<i64>;
+
+    /// Adds deliveries to their minutes' rows and deletes the rows before `prune_before`,
+    /// in one transaction.
+    async fn add_rates(&self, counts: &[RateCount], prune_before: i64) -> StoreResult<()>;
+
+    /// (minute, deliveries) of a box (and subscription, `""` for the outbox) from
+    /// `since` on, by minute.
+    async fn rates(
+        &self,
+        b: BoxKind,
+        subscription: &str,
+        since: i64,
+    ) -> StoreResult<Vec<(i64, i64)>>;
 
     /// Up to `limit` failed events waiting for the dead-letter pump, oldest failure
     /// first, each with its content (or none when retention removed it).

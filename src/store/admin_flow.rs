@@ -20,8 +20,8 @@ use super::{StoreError, StoreResult};
 use crate::domain::admin::{
     ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, DeadLetter, EventCopy,
     EventDetail, EventFilter, EventsPage, EventsQuery, PauseOutcome, PauseRequest, PendingCursor,
-    PendingOrder, PendingPage, PendingQuery, RepublishRequest, RepublishSelection, RequeueOutcome,
-    RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicPause, TopicStats,
+    PendingOrder, PendingPage, PendingQuery, RateCount, RepublishRequest, RepublishSelection,
+    RequeueOutcome, RequeueRequest, SAMPLE_IDS, Selection, Stats, TopicPause, TopicStats,
 };
 use crate::domain::{BoxKind, EventId, Status};
 
@@ -691,6 +691,48 @@ impl<E: AdminSql> AdminStore for E {
         count: i64,
     ) -> StoreResult<i64> {
         record_copies(self, b, r, count).await
+    }
+
+    async fn add_rates(&self, counts: &[RateCount], prune_before: i64) -> StoreResult<()> {
+        let mut tx = self.begin().await?;
+        // The table serves both boxes: the box only picks the SQL text's shape.
+        let add = self.sql(BoxKind::Outbox, Stmt::Shared(Shared::AddRate));
+        for c in counts {
+            let params = [
+                Param::Text(Some(c.box_kind.as_str())),
+                Param::Text(Some(&c.subscription)),
+                Param::Int(Some(c.minute)),
+                Param::Int(Some(c.n)),
+            ];
+            self.execute_in(&mut tx, &add, &params).await?;
+        }
+        let prune = self.sql(BoxKind::Outbox, Stmt::Shared(Shared::PruneRates));
+        self.execute_in(&mut tx, &prune, &[Param::Int(Some(prune_before))])
+            .await?;
+        self.commit(tx).await
+    }
+
+    async fn rates(
+        &self,
+        b: BoxKind,
+        subscription: &str,
+        since: i64,
+    ) -> StoreResult<Vec<(i64, i64)>> {
+        let q = query(
+            Stmt::Shared(Shared::Rates),
+            vec![
+                Param::Text(Some(b.as_str())),
+                Param::Text(Some(subscription)),
+                Param::Int(Some(since)),
+            ],
+        );
+        let rows = one(
+            read(self, Read::Plain, BoxKind::Outbox, &[q]).await?,
+            "rates",
+        )?;
+        rows.iter()
+            .map(|r| Ok((r.int("minute")?, r.int("n")?)))
+            .collect()
     }
 
     async fn dead_letters(&self, limit: u32) -> StoreResult<Vec<DeadLetter>> {

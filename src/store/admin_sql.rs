@@ -52,6 +52,12 @@ pub(crate) enum Shared {
     DeadLetters,
     /// box, event id, failed at: deletes that dead letter.
     DropDeadLetter,
+    /// box, subscription, minute, n: adds n to that minute's deliveries.
+    AddRate,
+    /// minute: deletes the rate rows before it.
+    PruneRates,
+    /// box, subscription, first minute: `minute, n` from it on.
+    Rates,
     /// ids, now: failed events back to pending, due now.
     Requeue,
     /// ids, reason, now: pending events to failed with `cancelled: <reason>`.

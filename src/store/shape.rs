@@ -354,6 +354,23 @@ impl Shape {
                 self.filter(1),
                 p(14)
             ),
+            Shared::AddRate => format!(
+                "INSERT INTO mailroom_rates (box, subscription, minute, n)
+                 VALUES ({}, {}, {}, {})
+                 ON CONFLICT (box, subscription, minute) DO UPDATE SET n = mailroom_rates.n + excluded.n",
+                p(1),
+                p(2),
+                p(3),
+                p(4)
+            ),
+            Shared::PruneRates => format!("DELETE FROM mailroom_rates WHERE minute < {}", p(1)),
+            Shared::Rates => format!(
+                "SELECT minute, n FROM mailroom_rates
+                 WHERE box = {} AND subscription = {} AND minute >= {} ORDER BY minute",
+                p(1),
+                p(2),
+                p(3)
+            ),
             Shared::DeadLetters => format!(
                 "SELECT box, event_id, failed_at FROM mailroom_dead_letters
                  ORDER BY failed_at, event_id LIMIT {}",

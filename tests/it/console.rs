@@ -1441,3 +1441,67 @@ async fn the_console_pauses_and_resumes_a_subscription() {
     assert!(!r.contains("This subscription is paused"), "{r}");
     s.app.stop().await.unwrap();
 }
+
+/// Issue 44, item 5: the rate chart reads deliveries per minute kept in the database, so
+/// a replica shows what another one delivered, and a restart keeps the history: one
+/// service publishes 5 events and stops (its last flush), a second one on the same
+/// database, with no relay, shows 5 in its chart. Both engines keep the counts (a store
+/// check: two additions to one minute sum, old rows are pruned).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_chart_is_the_same_on_every_replica() {
+    let url = fresh_pg().await;
+    let out = tempfile::tempdir().unwrap();
+    let mut c = config(&url);
+    c.sink = mailroom::sink::SinkConfig::Local {
+        path: Some(out.path().join("sink.jsonl")),
+    };
+    let mut a = Service::start(c).await;
+    for i in 0..5 {
+        enqueue(
+            &mut a.client,
+            event("rates.t", "k", format!("{i}").as_bytes()),
+        )
+        .await;
+    }
+    wait_completed(&a.app.store, 5, Duration::from_secs(20)).await;
+    a.app.stop().await.unwrap();
+
+    let mut c = config(&url);
+    c.relays = 0;
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    let b = Service::start(c).await;
+    let console = b.app.console_addr.unwrap();
+    let r = http(
+        console,
+        "GET /outbox HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(
+        r.contains("<strong class=\"rate-total\">5</strong>"),
+        "the other replica's 5 deliveries: {r}"
+    );
+    b.app.stop().await.unwrap();
+
+    for engine in &ENGINES {
+        let (url, _dir) = fresh_db(engine).await;
+        let s = Service::start(quiet_config(&url)).await;
+        let count = |minute, n| mailroom::domain::admin::RateCount {
+            box_kind: BoxKind::Inbox,
+            subscription: "billing".into(),
+            minute,
+            n,
+        };
+        let st = &s.app.store;
+        st.add_rates(&[count(100, 2), count(500, 1)], 0)
+            .await
+            .unwrap();
+        st.add_rates(&[count(500, 3)], 200).await.unwrap();
+        assert_eq!(
+            st.rates(BoxKind::Inbox, "billing", 0).await.unwrap(),
+            [(500, 4)],
+            "{engine:?}: summed, and minute 100 pruned"
+        );
+        assert!(st.rates(BoxKind::Outbox, "", 0).await.unwrap().is_empty());
+        s.app.stop().await.unwrap();
+    }
+}

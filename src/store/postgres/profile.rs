@@ -152,6 +152,7 @@ pub const OBJECTS: &[&str] = &[
     "mailroom_order_slot",
     "mailroom_order_slots",
     "mailroom_push_attempt",
+    "mailroom_rates",
     "mailroom_schema_compat",
     "mailroom_sql_settings",
     "outbox_completed_add",
