@@ -19,7 +19,7 @@ use crate::store::{Store, StoreResult};
 /// How often a process adds its deliveries to the database.
 pub const FLUSH_EVERY: Duration = Duration::from_secs(10);
 /// How far back the chart looks, in minutes.
-pub const WINDOW_MINUTES: i64 = 60;
+pub const WINDOW_MINUTES: usize = 60;
 /// Rows older than this many minutes are deleted.
 const KEEP_MINUTES: i64 = 120;
 
@@ -120,24 +120,26 @@ impl RateRecorder {
             Some(s) => (BoxKind::Inbox, s),
         };
         let now = minute_now();
-        let first = now - WINDOW_MINUTES + 1;
+        let first = now - WINDOW_MINUTES as i64 + 1;
         let rows = self.store.rates(b, sub, first).await?;
-        let mut bins = vec![0u64; WINDOW_MINUTES as usize];
+        let mut bins = vec![0u64; WINDOW_MINUTES];
         let mut oldest = None::<i64>;
         for (m, n) in rows {
-            if (first..=now).contains(&m) {
-                bins[(m - first) as usize] += n.max(0) as u64;
+            if let Ok(i) = usize::try_from(m - first)
+                && i < WINDOW_MINUTES
+            {
+                bins[i] += u64::try_from(n).unwrap_or(0);
                 oldest = Some(oldest.map_or(m, |o| o.min(m)));
             }
         }
         let (deltas, _) = self.unflushed();
         for (db, s, n) in deltas {
             if db == b && s == sub {
-                bins[(WINDOW_MINUTES - 1) as usize] += n as u64;
+                bins[WINDOW_MINUTES - 1] += u64::try_from(n).unwrap_or(0);
                 oldest.get_or_insert(now);
             }
         }
-        let covered = oldest.map_or(0, |o| (now - o + 1) as usize);
+        let covered = oldest.map_or(0, |o| usize::try_from(now - o + 1).unwrap_or(0));
         Ok((bins, covered))
     }
 

@@ -174,14 +174,13 @@ impl std::ops::Deref for Inner {
 impl Console {
     /// The console over its parts; `parts.read_only` refuses every action.
     pub fn new(parts: ConsoleParts) -> Console {
-        let c = Console {
+        Console {
             inner: Arc::new(Inner {
                 parts,
                 sessions: Mutex::new(HashMap::new()),
                 logins: guard::Logins::default(),
             }),
-        };
-        c
+        }
     }
 
     /// Serves the console on `listener` until `shutdown`.
