@@ -299,14 +299,13 @@ impl Admin {
     /// no events); in the inbox, the rows of paused subscriptions.
     pub async fn stats(&self, b: BoxKind, subscription: Option<&str>) -> Result<Stats, Error> {
         let mut stats = self.store.stats(b, subscription).await?;
+        let paused = self.store.paused(b, None).await?;
         if b == BoxKind::Inbox {
-            let paused = self.store.paused(b, None).await?;
             for t in &mut stats.topics {
                 t.paused = paused.iter().any(|p| p.topic == t.subscription);
             }
-        }
-        if b == BoxKind::Outbox {
-            for p in self.store.paused(b, None).await? {
+        } else {
+            for p in paused {
                 match stats.topics.iter_mut().find(|t| t.topic == p.topic) {
                     Some(t) => t.paused = true,
                     None => stats.topics.push(TopicStats {
@@ -377,6 +376,7 @@ fn copy_of(o: EventCopy, rid: &str) -> NewEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::admin::{PendingCursor, PendingOrder};
 
     #[test]
     fn a_copy_keeps_the_content_and_names_its_original() {
@@ -411,7 +411,6 @@ mod tests {
             ("orders", Some("k"), 9, None)
         );
     }
-    use crate::domain::admin::{PendingCursor, PendingOrder};
 
     #[test]
     fn tokens_round_trip_and_garbage_is_invalid() {

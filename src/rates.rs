@@ -38,6 +38,19 @@ pub struct RateRecorder {
     flushed: Mutex<Counts>,
 }
 
+/// The relays' and dispatchers' delivery counters now.
+fn counts(relays: &[Arc<RelayStats>], inbox: &InboxHandles) -> Counts {
+    use std::sync::atomic::Ordering::Relaxed;
+    Counts {
+        outbox: relays.iter().map(|r| r.delivered.load(Relaxed)).sum(),
+        inbox: inbox
+            .dispatch_stats
+            .iter()
+            .map(|(k, r)| (k.clone(), r.delivered.load(Relaxed)))
+            .collect(),
+    }
+}
+
 /// The minute (since the Unix epoch) of `now`.
 fn minute_now() -> i64 {
     chrono::Utc::now().timestamp().div_euclid(60)
@@ -46,28 +59,18 @@ fn minute_now() -> i64 {
 impl RateRecorder {
     /// A recorder over the outbox relays' and the inbox dispatchers' counters.
     pub fn new(store: Arc<dyn Store>, relays: Vec<Arc<RelayStats>>, inbox: InboxHandles) -> Self {
-        let r = RateRecorder {
+        // What was delivered before the recorder started is nobody's minute.
+        let flushed = Mutex::new(counts(&relays, &inbox));
+        RateRecorder {
             store,
             relays,
             inbox,
-            flushed: Mutex::new(Counts::default()),
-        };
-        // What was delivered before the recorder started is nobody's minute.
-        *r.flushed.lock().expect("rates lock") = r.now();
-        r
+            flushed,
+        }
     }
 
     fn now(&self) -> Counts {
-        use std::sync::atomic::Ordering::Relaxed;
-        Counts {
-            outbox: self.relays.iter().map(|r| r.delivered.load(Relaxed)).sum(),
-            inbox: self
-                .inbox
-                .dispatch_stats
-                .iter()
-                .map(|(k, r)| (k.clone(), r.delivered.load(Relaxed)))
-                .collect(),
-        }
+        counts(&self.relays, &self.inbox)
     }
 
     /// Deliveries since the last flush, per (box, subscription), and the counters now.

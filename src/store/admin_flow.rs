@@ -771,7 +771,7 @@ impl<E: AdminSql> AdminStore for E {
                 read(self, Read::Plain, b, &[q]).await?,
                 "dead letter events",
             )?;
-            let mut details: std::collections::HashMap<EventId, EventDetail> = rows
+            let details: std::collections::HashMap<EventId, EventDetail> = rows
                 .iter()
                 .map(decode_detail)
                 .map(|d| d.map(|d| (d.event.id, d)))
@@ -780,7 +780,6 @@ impl<E: AdminSql> AdminStore for E {
                 // One event may have failed twice: each dead letter gets its copy.
                 d.event = details.get(&d.event_id).cloned();
             }
-            details.clear();
         }
         Ok(out)
     }

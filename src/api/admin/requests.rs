@@ -514,21 +514,47 @@ pub fn subscription_pause_request(
     context: ActionContext,
     configured: &[String],
 ) -> Result<PauseRequest, Error> {
+    let mut v = Vec::new();
     if subscription.trim().is_empty() {
-        return Err(Error::invalid("subscription", "is required"));
-    }
-    if subscription.len() > 1000 {
-        return Err(Error::invalid("subscription", "must be at most 1000 bytes"));
+        v.push(FieldViolation::new("subscription", "is required"));
+    } else if subscription.len() > 1000 {
+        v.push(FieldViolation::new(
+            "subscription",
+            "must be at most 1000 bytes",
+        ));
     }
     let pausing = reason.is_some();
-    let mut r = pause_request("placeholder".into(), reason, context)?;
+    let reason = pause_reason(reason, &mut v);
+    if !v.is_empty() {
+        return Err(Error::InvalidArgument(v));
+    }
     if pausing && !configured.contains(&subscription) {
         return Err(Error::NotFound(format!(
             "no subscription named {subscription:?} is configured on this service"
         )));
     }
-    r.topic = subscription;
-    Ok(r)
+    Ok(PauseRequest {
+        topic: subscription,
+        reason,
+        context,
+    })
+}
+
+/// A pause's reason (required, trimmed, at most 1000 bytes; a resume has none: `""`),
+/// its violations pushed to `v`.
+fn pause_reason(reason: Option<String>, v: &mut Vec<FieldViolation>) -> String {
+    let reason = reason.map(|r| r.trim().to_string());
+    match reason.as_deref() {
+        Some("") => v.push(FieldViolation::new(
+            "reason",
+            "is required (it is shown with the pause)",
+        )),
+        Some(r) if r.len() > 1000 => {
+            v.push(FieldViolation::new("reason", "must be at most 1000 bytes"))
+        }
+        _ => {}
+    }
+    reason.unwrap_or_default()
 }
 
 /// Validates a `PauseTopic` (`reason` required) or `ResumeTopic` (`reason` None)
@@ -542,23 +568,13 @@ pub fn pause_request(
     if let Err(why) = check_topic(&topic) {
         v.push(FieldViolation::new("topic", why));
     }
-    let reason = reason.map(|r| r.trim().to_string());
-    match reason.as_deref() {
-        Some("") => v.push(FieldViolation::new(
-            "reason",
-            "is required (it is shown with the pause)",
-        )),
-        Some(r) if r.len() > 1000 => {
-            v.push(FieldViolation::new("reason", "must be at most 1000 bytes"))
-        }
-        _ => {}
-    }
+    let reason = pause_reason(reason, &mut v);
     if !v.is_empty() {
         return Err(Error::InvalidArgument(v));
     }
     Ok(PauseRequest {
         topic,
-        reason: reason.unwrap_or_default(),
+        reason,
         context,
     })
 }
