@@ -364,6 +364,8 @@ pub const ADMIN_READS: &[&str] = &[
     "GetStats",
     "ListPausedTopics",
     "ListPausedSubscriptions",
+    "GetJob",
+    "ListJobs",
 ];
 
 /// The scope an RPC path (`/package.Service/Method`) needs; `None`: open to all (health

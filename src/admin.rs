@@ -11,11 +11,12 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
 use crate::domain::admin::{
-    AdminKey, AuditPage, CancelOutcome, CancelRequest, EventCopy, EventDetail, EventsPage,
+    ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventCopy, EventDetail, EventsPage,
     EventsQuery, MAX_REPUBLISH_BYTES, PauseOutcome, PauseRequest, PendingPage, PendingQuery,
     REDELIVERED_FROM, REPUBLISHED_FROM, RepublishOutcome, RepublishRequest, RepublishSelection,
     RequeueOutcome, RequeueRequest, SAMPLE_IDS, Stats, TopicPause, TopicStats,
 };
+use crate::domain::jobs::{Job, JobKind, JobStart, StartJob};
 use crate::domain::{BoxKind, Enqueued, EventId, InboundMessage, NewEvent};
 use crate::error::Error;
 use crate::intake::Intake;
@@ -77,7 +78,7 @@ impl Admin {
     }
 
     /// Reads the schema's verdict afresh before a write (writes are rare).
-    async fn may_write(&self) -> Result<(), Error> {
+    pub(crate) async fn may_write(&self) -> Result<(), Error> {
         match &self.schema {
             Some(gate) => gate.permit().await,
             None => Ok(()),
@@ -153,13 +154,71 @@ impl Admin {
             .request_id
             .clone()
             .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()));
-        let copies = match b {
-            BoxKind::Outbox => self.republish_copies(originals, &rid).await?,
-            BoxKind::Inbox => self.redeliver_copies(originals, &rid).await?,
-        };
+        let copies = self.store_copies(b, originals, &rid).await?;
         out.copies = ids.iter().copied().zip(copies).collect();
         out.audit_id = Some(self.store.record_copies(b, r, out.count).await?);
         Ok(out)
+    }
+
+    /// Stores the copies of a republish (outbox) or redelivery (inbox) under request id
+    /// `rid`; their ids, in the originals' order.
+    pub(crate) async fn store_copies(
+        &self,
+        b: BoxKind,
+        originals: Vec<EventCopy>,
+        rid: &str,
+    ) -> Result<Vec<EventId>, Error> {
+        match b {
+            BoxKind::Outbox => self.republish_copies(originals, rid).await,
+            BoxKind::Inbox => self.redeliver_copies(originals, rid).await,
+        }
+    }
+
+    /// Starts a background job (see `JobStore::start_job`), or on a dry run counts and
+    /// samples its selection.
+    pub async fn start_job(&self, r: &StartJob) -> Result<JobStart, Error> {
+        if !r.context.dry_run {
+            self.may_write().await?;
+        }
+        if r.kind == JobKind::Republish && self.intake.is_none() {
+            return Err(Error::FailedPrecondition(
+                "republish is served by the gRPC AdminService only".into(),
+            ));
+        }
+        Ok(self.store.start_job(r).await?)
+    }
+
+    /// One job; `NotFound` if there is no such job.
+    pub async fn job(&self, id: i64) -> Result<Job, Error> {
+        self.store
+            .job(id)
+            .await?
+            .ok_or_else(|| Error::NotFound(format!("job {id}")))
+    }
+
+    /// Up to `page_size` jobs with ids below `before_id`, newest first, and where the
+    /// next page starts.
+    pub async fn jobs(
+        &self,
+        page_size: u32,
+        before_id: Option<i64>,
+    ) -> Result<(Vec<Job>, Option<i64>), Error> {
+        let mut jobs = self.store.jobs(page_size + 1, before_id).await?;
+        let next = (jobs.len() > page_size as usize).then(|| {
+            jobs.truncate(page_size as usize);
+            jobs.last().map(|j| j.id).unwrap_or_default()
+        });
+        Ok((jobs, next))
+    }
+
+    /// Asks a running job to stop after its current page; `false` when it was not
+    /// running. `NotFound` if there is no such job.
+    pub async fn cancel_job(&self, id: i64, by: &ActionContext) -> Result<(Job, bool), Error> {
+        self.may_write().await?;
+        self.store
+            .cancel_job(id, by)
+            .await?
+            .ok_or_else(|| Error::NotFound(format!("job {id}")))
     }
 
     /// Stores the outbox copies through the intake, in one transaction; their ids.
@@ -323,7 +382,7 @@ impl Admin {
     /// A relay that held a key during a requeue or cancel sets the key's readiness from
     /// what it saw when it releases it, which may park the key although it now has
     /// work. Wake such keys once they are released (waking early is always harmless).
-    fn wake_later(&self, b: BoxKind, mut keys: Vec<AdminKey>) {
+    pub(crate) fn wake_later(&self, b: BoxKind, mut keys: Vec<AdminKey>) {
         if keys.is_empty() {
             return;
         }

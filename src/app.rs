@@ -369,6 +369,11 @@ impl App {
             inbox_handles.clone(),
         ));
         bg.spawn(rates.clone().run(bg.token.clone()));
+        // Background jobs, run by every replica (the one that holds a job's lease).
+        let job_admin = Admin::new(store.clone(), config.relay.lease)
+            .with_schema(schema.clone())
+            .with_intake(outbox.intake.clone());
+        bg.spawn(crate::jobs::JobRunner::new(job_admin, config.jobs).run(bg.token.clone()));
         let auth = auth_for(&config);
         let parts = Parts {
             config: &config,

@@ -9,7 +9,8 @@
 //! the graph):
 //! - `backoff` — capped exponential backoff with equal jitter, the one every retry uses.
 //! - `domain`  — events, statuses, boxes, enqueue outcomes, topic rules and request
-//!   limits; `domain::admin` the operator's queries and outcomes; `domain::headers`
+//!   limits; `domain::admin` the operator's queries and outcomes, `domain::jobs` the
+//!   background jobs'; `domain::headers`
 //!   Kafka record headers as bytes beside their text view.
 //! - `pb`      — generated protobuf/gRPC code, and `pb::time` (Timestamp, Duration,
 //!   RetryInfo as Rust times).
@@ -35,10 +36,10 @@
 //!   `inbox::Inbox`, the middle layer of `Receive`.
 //! - `admin`   — the operator's middle layer: runs the store's admin half, wakes requeued
 //!   keys, page tokens.
-//! - `metrics`, `health`, `retention`, `dead_letter`, `rates` — Prometheus on its own
-//!   port; `grpc.health.v1`; batched deletion of completed (and expired failed) events
-//!   and idle keys; copies of failed events to dead-letter topics; deliveries per minute
-//!   kept in the database for the console.
+//! - `metrics`, `health`, `retention`, `dead_letter`, `rates`, `jobs` — Prometheus on
+//!   its own port; `grpc.health.v1`; batched deletion of completed (and expired failed)
+//!   events and idle keys; copies of failed events to dead-letter topics; deliveries per
+//!   minute kept in the database for the console; the runner of background jobs.
 //! - `api`     — gRPC services: pb conversion and validation in, a middle-layer call,
 //!   `Status` out (`api::status`, the one place); `api::layers` (RPC log, token check,
 //!   overload) in front of them.
@@ -64,6 +65,7 @@ pub mod error;
 pub mod health;
 pub mod inbox;
 pub mod intake;
+pub mod jobs;
 pub mod metrics;
 pub mod pb;
 pub mod rates;

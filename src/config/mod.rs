@@ -117,6 +117,8 @@ pub struct Config {
     pub retention: crate::retention::RetentionConfig,
     /// Which failures are copied to dead-letter topics.
     pub dead_letter: crate::dead_letter::DeadLetterConfig,
+    /// How the background job runner works.
+    pub jobs: crate::jobs::JobSettings,
 }
 
 /// The largest `Enqueue` request on the wire: one event of the largest payload, key and

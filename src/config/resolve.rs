@@ -103,6 +103,7 @@ impl Config {
             database_refuse_shared_schema: s.database_refuse_shared_schema.unwrap_or(false),
             migration: migration(&s),
             retention: retention(&s)?,
+            jobs: jobs(&s)?,
             sink,
             database_url: crate::secret::Secret(database_url),
         })
@@ -937,4 +938,20 @@ fn handler_token(s: &SubscriptionSettings) -> Result<Option<String>, ConfigError
         ));
     }
     Ok(handler_token)
+}
+
+fn jobs(s: &Settings) -> Result<crate::jobs::JobSettings, ConfigError> {
+    let d = crate::jobs::JobSettings::default();
+    let lease = s.job_lease_ms.map_or(d.lease, Duration::from_millis);
+    if lease < Duration::from_secs(1) {
+        return Err(bad(
+            "job_lease_ms (MAILROOM_JOB_LEASE_MS)",
+            "must be at least 1000: a page must be recorded within one lease",
+        ));
+    }
+    Ok(crate::jobs::JobSettings {
+        lease,
+        page_pause: s.job_page_pause_ms.map_or(d.page_pause, Duration::from_millis),
+        ..d
+    })
 }

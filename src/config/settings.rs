@@ -365,6 +365,14 @@ pub struct Settings {
     /// Appended to an outbox topic's name to name its dead-letter topic [default: .dlq].
     #[arg(long, env = "MAILROOM_DEAD_LETTER_SUFFIX", global = true)]
     pub dead_letter_suffix: Option<String>,
+    /// How long a process holds a background job without recording a page before
+    /// another process takes it over, in ms [default: 15000].
+    #[arg(long, env = "MAILROOM_JOB_LEASE_MS", global = true)]
+    pub job_lease_ms: Option<u64>,
+    /// The pause between two pages (1,000 events) of a background job, in ms
+    /// [default: 20].
+    #[arg(long, env = "MAILROOM_JOB_PAGE_PAUSE_MS", global = true)]
+    pub job_page_pause_ms: Option<u64>,
 }
 
 /// One `[[subscriptions]]` table of the configuration file.
@@ -508,7 +516,9 @@ impl Settings {
             retention_interval_ms,
             retention_batch,
             dead_letter_topics,
-            dead_letter_suffix
+            dead_letter_suffix,
+            job_lease_ms,
+            job_page_pause_ms
         )
     }
 }

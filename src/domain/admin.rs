@@ -156,6 +156,13 @@ pub struct EventFilter {
     /// Inbox only: the message id, exact.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub message_id: Option<String>,
+    /// Only ids above this: where a job's next page starts. Not part of the API and not
+    /// recorded with a selection.
+    #[serde(skip)]
+    pub after_id: Option<i64>,
+    /// Only ids up to this: the highest id when a job started.
+    #[serde(skip)]
+    pub through_id: Option<i64>,
 }
 
 /// Which failed events a requeue takes.

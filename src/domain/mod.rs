@@ -7,6 +7,7 @@ use chrono::{DateTime, Utc};
 
 pub mod admin;
 pub mod headers;
+pub mod jobs;
 
 /// Server-assigned event id. Ids increase in acceptance order within a key.
 pub type EventId = i64;

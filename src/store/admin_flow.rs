@@ -26,7 +26,7 @@ use crate::domain::admin::{
 use crate::domain::{BoxKind, EventId, Status};
 
 /// Runs `q` in the transaction.
-async fn rows_in<E: AdminSql>(
+pub(super) async fn rows_in<E: AdminSql>(
     e: &E,
     tx: &mut E::Tx,
     b: BoxKind,
@@ -49,8 +49,8 @@ async fn read<E: AdminSql>(
     e.read(how, &batch).await
 }
 
-/// The thirteen parameters of an event filter, in statement order.
-fn filter_params(f: &EventFilter) -> [Param<'_>; 13] {
+/// The fifteen parameters of an event filter, in statement order.
+pub(super) fn filter_params(f: &EventFilter) -> [Param<'_>; 15] {
     [
         Param::Text(f.topic.as_deref()),
         Param::Text(f.key.as_deref()),
@@ -65,6 +65,8 @@ fn filter_params(f: &EventFilter) -> [Param<'_>; 13] {
         Param::Headers(&f.headers),
         Param::Text(f.idempotency_key.as_deref()),
         Param::Text(f.message_id.as_deref()),
+        Param::Int(f.after_id),
+        Param::Int(f.through_id),
     ]
 }
 
@@ -150,7 +152,7 @@ async fn replayed<E: AdminSql>(
     }
 }
 
-fn decode_all<R: Cols, T>(rows: &[R], f: fn(&R) -> StoreResult<T>) -> StoreResult<Vec<T>> {
+pub(super) fn decode_all<R: Cols, T>(rows: &[R], f: fn(&R) -> StoreResult<T>) -> StoreResult<Vec<T>> {
     rows.iter().map(f).collect()
 }
 
@@ -177,15 +179,15 @@ async fn wake_keys_of<E: AdminSql>(
 }
 
 /// An audit entry to record.
-struct NewAudit<'a> {
-    context: &'a ActionContext,
-    action: &'static str,
-    box_kind: BoxKind,
-    selection: serde_json::Value,
-    count: i64,
+pub(super) struct NewAudit<'a> {
+    pub context: &'a ActionContext,
+    pub action: &'static str,
+    pub box_kind: BoxKind,
+    pub selection: serde_json::Value,
+    pub count: i64,
 }
 
-async fn insert_audit<E: AdminSql>(e: &E, tx: &mut E::Tx, a: &NewAudit<'_>) -> StoreResult<i64> {
+pub(super) async fn insert_audit<E: AdminSql>(e: &E, tx: &mut E::Tx, a: &NewAudit<'_>) -> StoreResult<i64> {
     let selection = a.selection.to_string();
     let params = vec![
         Param::Text(Some(&a.context.actor)),
@@ -214,15 +216,28 @@ async fn act<E: AdminSql>(
     change: Shared,
     audit: NewAudit<'_>,
 ) -> StoreResult<(i64, Vec<AdminKey>)> {
-    let b = audit.box_kind;
-    let leased_keys = wake_keys_of(e, &mut tx, b, cands).await?;
-    let sql = e.sql(b, Stmt::Shared(change));
-    if e.execute_in(&mut tx, &sql, params).await? != cands.len() as u64 {
-        return Err(StoreError::ChangedMeanwhile);
-    }
+    let leased_keys = change_candidates(e, &mut tx, audit.box_kind, cands, params, change).await?;
     let audit_id = insert_audit(e, &mut tx, &audit).await?;
     e.commit(tx).await?;
     Ok((audit_id, leased_keys))
+}
+
+/// Wakes the keys of `cands` and changes exactly them with `change` (or fails with
+/// `ChangedMeanwhile`: another writer got there first); the keys a relay holds.
+pub(super) async fn change_candidates<E: AdminSql>(
+    e: &E,
+    tx: &mut E::Tx,
+    b: BoxKind,
+    cands: &[Candidate],
+    params: &[Param<'_>],
+    change: Shared,
+) -> StoreResult<Vec<AdminKey>> {
+    let leased_keys = wake_keys_of(e, tx, b, cands).await?;
+    let sql = e.sql(b, Stmt::Shared(change));
+    if e.execute_in(tx, &sql, params).await? != cands.len() as u64 {
+        return Err(StoreError::ChangedMeanwhile);
+    }
+    Ok(leased_keys)
 }
 
 async fn requeue<E: AdminSql>(

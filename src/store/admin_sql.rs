@@ -40,9 +40,9 @@ pub(crate) enum Shared {
     AuditOfRequest,
     /// ids: candidates `id, subscription, topic, event_key, status`, in id order.
     CandidatesById,
-    /// the filter (13), limit: failed candidates matching it, in id order.
+    /// the filter (15), limit: failed candidates matching it, in id order.
     FailedByFilter,
-    /// the filter (13), limit: completed candidates matching it, in id order.
+    /// the filter (15), limit: completed candidates matching it, in id order.
     CompletedByFilter,
     /// ids: as `Detail` with payloads, in id order.
     Copies,
@@ -58,11 +58,13 @@ pub(crate) enum Shared {
     PruneRates,
     /// box, subscription, first minute: `minute, n` from it on.
     Rates,
+    /// A job statement.
+    Job(JobSql),
     /// ids, now: failed events back to pending, due now.
     Requeue,
     /// ids, reason, now: pending events to failed with `cancelled: <reason>`.
     Cancel,
-    /// status, before id, the filter (13), limit: as `Detail`, newest first, no payload.
+    /// status, before id, the filter (15), limit: as `Detail`, newest first, no payload.
     Events,
     /// before id, limit: `id, at, actor, action, box, selection, count, principal,
     /// request_id`, newest first.
@@ -78,6 +80,38 @@ pub(crate) enum Shared {
     Resume,
     /// topic (NULL for all): `topic, reason, actor, principal, paused_at`, by topic.
     Paused,
+}
+
+/// The job statements (`mailroom_jobs`, migration 0025); a job row comes back as the
+/// columns `decode_job` reads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum JobSql {
+    /// status, the filter (15): one row `n`, the events of that status it selects.
+    Count,
+    /// the filter (15), limit: pending candidates matching it, in id order.
+    PendingByFilter,
+    /// one row `id`: the box's highest event id (0 when empty).
+    MaxId,
+    /// kind, box, selection, reason, total, through id, actor, principal, request id,
+    /// now: the job inserted (no row when the request id started one already).
+    Insert,
+    /// kind, box, request id: the job that request id started.
+    OfRequest,
+    /// id: the job.
+    One,
+    /// before id, limit: jobs newest first.
+    Page,
+    /// id, by, now: a running job to cancelling.
+    Cancel,
+    /// owner, lease (ms), now: the oldest open job whose lease ran out, now leased to owner.
+    Claim,
+    /// id, owner, done, after id, lease (ms), now: a page recorded and the lease renewed,
+    /// while owner holds it; `state, done, after_id`.
+    Advance,
+    /// id, owner, state, error, now: the job ended, while owner holds it.
+    End,
+    /// id, owner: the lease given up.
+    Release,
 }
 
 /// A statement's parameter, engine-neutral: each engine binds it in its own encoding.

@@ -17,6 +17,7 @@ mod admin_flow;
 mod admin_sql;
 mod admission;
 mod error;
+pub mod jobs;
 pub mod postgres;
 mod protocol;
 pub mod retention;
@@ -61,7 +62,9 @@ pub struct HeldId {
 
 /// Durable storage for both boxes.
 #[async_trait::async_trait]
-pub trait Store: admin::AdminStore + retention::RetentionStore + Send + Sync + 'static {
+pub trait Store:
+    admin::AdminStore + jobs::JobStore + retention::RetentionStore + Send + Sync + 'static
+{
     /// The engine's name, for logs and health ("postgres", "sqlite").
     fn engine(&self) -> &'static str;
 

@@ -4,6 +4,8 @@
 //! which differ here only in parameter marks, the casts PostgreSQL needs and one
 //! function name.
 
+mod jobs;
+
 use super::admin_sql::Shared;
 use crate::domain::BoxKind;
 use crate::domain::admin::PendingOrder;
@@ -170,7 +172,7 @@ impl Shape {
         format!("{alias}ready_at < {} AND {alias}pending > 0", self.idle)
     }
 
-    /// The event filter as SQL conditions over parameters `first..first+12`, in the order
+    /// The event filter as SQL conditions over parameters `first..first+14`, in the order
     /// of `admin_flow::filter_params`.
     pub fn filter(&self, first: usize) -> String {
         let p = |i: usize| format!("{}{}", self.mark, first + i);
@@ -186,7 +188,8 @@ impl Shape {
              AND ({8}{ts} IS NULL OR created_at >= {8})
              AND ({9}{ts} IS NULL OR created_at < {9})
              AND ({10}{t} IS NULL OR {headers})
-             AND ({11}{t} IS NULL OR idempotency_key = {11}) AND {message_id}",
+             AND ({11}{t} IS NULL OR idempotency_key = {11}) AND {message_id}
+             AND ({after}{i8} IS NULL OR id > {after}) AND ({through}{i8} IS NULL OR id <= {through})",
             p(0),
             p(1),
             p(2),
@@ -201,6 +204,9 @@ impl Shape {
             p(11),
             headers = self.headers_match(&p(10)),
             message_id = self.sub_filter("message_id", &p(12)),
+            after = p(13),
+            through = p(14),
+            i8 = self.int8,
         )
     }
 
@@ -344,7 +350,7 @@ impl Shape {
                 "SELECT {} FROM {events} WHERE status = 'failed' AND {} ORDER BY id LIMIT {}",
                 self.candidate_columns(),
                 self.filter(1),
-                p(14)
+                p(16)
             ),
             // Completed rows read completed only through the view (the cursor completes
             // pending rows), in id order from the oldest.
@@ -352,7 +358,7 @@ impl Shape {
                 "SELECT {} FROM {rows} WHERE status = 'completed' AND {} ORDER BY id LIMIT {}",
                 self.candidate_columns(),
                 self.filter(1),
-                p(14)
+                p(16)
             ),
             Shared::AddRate => format!(
                 "INSERT INTO mailroom_rates (box, subscription, minute, n)
@@ -410,6 +416,7 @@ impl Shape {
                 self.detail_columns("true", false),
                 self.ids(1)
             ),
+            Shared::Job(j) => self.job(j),
             Shared::Requeue => self.requeue(),
             Shared::Cancel => self.cancel(),
             // Failed events from the table through their partial index (the view's
@@ -524,7 +531,7 @@ impl Shape {
         let (events, rows) = (self.events, self.rows);
         let (t, i8) = (self.text, self.int8);
         let p = |n| self.p(n);
-        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(16));
+        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(18));
         let (pending, walked) = if self.postgres {
             (
                 format!(
@@ -568,7 +575,7 @@ impl Shape {
         let (events, rows, keys) = (self.events, self.rows, self.keys);
         let (t, i8) = (self.text, self.int8);
         let p = |n| self.p(n);
-        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(16));
+        let (a, b, f, l) = (p(1), p(2), self.filter(3), p(18));
         let same_sub = self.same_sub("e", "k");
         let above_cursor = if self.cursor {
             " AND e.id > k.published_through"

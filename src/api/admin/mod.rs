@@ -3,6 +3,7 @@
 //! (`crate::admin`), runs it and converts the result back. Validation lives here.
 //! Validation and conversion are in `requests`.
 
+pub mod jobs;
 pub mod requests;
 
 use tonic::{Request, Response, Status};
@@ -15,6 +16,7 @@ use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::pb;
 use crate::pb::time::to_duration;
+use jobs::{job_id, job_info, start_job_request};
 use requests::*;
 pub use requests::{
     box_kind, cancel_request, event_filter, event_info, pause_request, pending_query,
@@ -89,6 +91,71 @@ impl AdminApi {
 
 #[tonic::async_trait]
 impl pb::admin_service_server::AdminService for AdminApi {
+    async fn start_job(
+        &self,
+        request: Request<pb::StartJobRequest>,
+    ) -> Result<Response<pb::StartJobResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let context = caller.context(&r.operator);
+        let req = start_job_request(r, context)?;
+        let out = self.admin.start_job(&req).await?;
+        if let Some(j) = out.job.as_ref().filter(|_| !out.replayed) {
+            tracing::info!(job = j.id, kind = j.kind.as_str(), total = j.total, actor = %j.actor, "job started");
+        }
+        Ok(Response::new(pb::StartJobResponse {
+            job: out.job.map(job_info),
+            count: out.count,
+            sample_ids: out.sample_ids,
+            dry_run: req.context.dry_run,
+            replayed: out.replayed,
+        }))
+    }
+
+    async fn get_job(
+        &self,
+        request: Request<pb::GetJobRequest>,
+    ) -> Result<Response<pb::GetJobResponse>, Status> {
+        self.authorize(request.extensions())?;
+        let job = self.admin.job(job_id(request.into_inner().id)?).await?;
+        Ok(Response::new(pb::GetJobResponse {
+            job: Some(job_info(job)),
+        }))
+    }
+
+    async fn list_jobs(
+        &self,
+        request: Request<pb::ListJobsRequest>,
+    ) -> Result<Response<pb::ListJobsResponse>, Status> {
+        self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let (jobs, next) = self
+            .admin
+            .jobs(page_size(r.page_size)?, before_id(&r.page_token)?)
+            .await?;
+        Ok(Response::new(pb::ListJobsResponse {
+            jobs: jobs.into_iter().map(job_info).collect(),
+            next_page_token: before_token(next),
+        }))
+    }
+
+    async fn cancel_job(
+        &self,
+        request: Request<pb::CancelJobRequest>,
+    ) -> Result<Response<pb::CancelJobResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let context = caller.context(&r.operator);
+        let (job, changed) = self.admin.cancel_job(job_id(r.id)?, &context).await?;
+        if changed {
+            tracing::info!(job = job.id, actor = %context.actor, "job cancelling");
+        }
+        Ok(Response::new(pb::CancelJobResponse {
+            job: Some(job_info(job)),
+            changed,
+        }))
+    }
+
     async fn list_pending(
         &self,
         request: Request<pb::ListPendingRequest>,

@@ -137,6 +137,8 @@ pub fn event_filter(
         headers: f.headers.into_iter().collect(),
         idempotency_key: non_empty(f.idempotency_key),
         message_id: non_empty(f.message_id),
+        after_id: None,
+        through_id: None,
     })
 }
 
@@ -187,7 +189,7 @@ pub fn pending_query(b: BoxKind, r: pb::ListPendingRequest) -> Result<PendingQue
 }
 
 /// A request_id: at most 128 printable ASCII characters; empty means none.
-pub(super) fn request_id(v: String) -> Result<Option<String>, Error> {
+pub(crate) fn request_id(v: String) -> Result<Option<String>, Error> {
     if v.is_empty() {
         return Ok(None);
     }

@@ -148,6 +148,7 @@ pub const OBJECTS: &[&str] = &[
     "mailroom_dead_letters",
     "mailroom_fold_turn",
     "mailroom_installation",
+    "mailroom_jobs",
     "mailroom_order_lock",
     "mailroom_order_slot",
     "mailroom_order_slots",
