@@ -11,10 +11,10 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
 use crate::domain::admin::{
-    ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventCopy, EventDetail, EventsPage,
-    EventsQuery, MAX_REPUBLISH_BYTES, PauseOutcome, PauseRequest, PendingPage, PendingQuery,
-    REDELIVERED_FROM, REPUBLISHED_FROM, RepublishOutcome, RepublishRequest, RepublishSelection,
-    RequeueOutcome, RequeueRequest, SAMPLE_IDS, Stats, TopicPause, TopicStats,
+    ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventCopy, EventDetail,
+    EventsPage, EventsQuery, MAX_REPUBLISH_BYTES, PauseOutcome, PauseRequest, PendingPage,
+    PendingQuery, REDELIVERED_FROM, REPUBLISHED_FROM, RepublishOutcome, RepublishRequest,
+    RepublishSelection, RequeueOutcome, RequeueRequest, SAMPLE_IDS, Stats, TopicPause, TopicStats,
 };
 use crate::domain::jobs::{Job, JobKind, JobStart, StartJob};
 use crate::domain::{BoxKind, Enqueued, EventId, InboundMessage, NewEvent};

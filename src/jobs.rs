@@ -106,24 +106,40 @@ impl JobRunner {
             if stop.is_cancelled() {
                 return self.release(&job).await;
             }
+            // A cancel that came during the pause stops the job before its next page.
+            match self.admin.store().job(job.id).await {
+                Ok(Some(now)) if now.state == JobState::Cancelling => {
+                    return self.end(&job, JobState::Cancelled, None).await;
+                }
+                Ok(Some(now)) if now.owner.as_deref() != Some(self.owner.as_str()) => {
+                    tracing::warn!(
+                        job = job.id,
+                        "the job's lease ran out: another process took it over"
+                    );
+                    return;
+                }
+                Ok(_) | Err(_) => {}
+            }
             match self.page(&job).await {
                 Ok(Some(p)) => {
                     failures = 0;
                     (job.state, job.done, job.after_id) = (p.state, p.done, p.after_id);
                 }
                 Ok(None) => {
-                    tracing::warn!(job = job.id, "the job's lease ran out: another process took it over");
+                    tracing::warn!(
+                        job = job.id,
+                        "the job's lease ran out: another process took it over"
+                    );
                     return;
                 }
                 Err(e) => {
                     failures += 1;
                     tracing::warn!(job = job.id, failures, error = %e, "a page of the job failed");
                     if failures >= MAX_FAILURES {
-                        return self
-                            .end(&job, JobState::Failed, Some(&e.to_string()))
-                            .await;
+                        return self.end(&job, JobState::Failed, Some(&e.to_string())).await;
                     }
-                    self.pause(Duration::from_millis(200) * failures, stop).await;
+                    self.pause(Duration::from_millis(200) * failures, stop)
+                        .await;
                     continue;
                 }
             }
@@ -173,7 +189,12 @@ impl JobRunner {
                 context: context.clone(),
             };
             let max = MAX_REPUBLISH_BYTES as i64;
-            let (ids, copies) = match self.admin.store().copy_selection(job.box_kind, &r, max).await? {
+            let (ids, copies) = match self
+                .admin
+                .store()
+                .copy_selection(job.box_kind, &r, max)
+                .await?
+            {
                 RepublishSelection::Selected { ids, copies, .. } => (ids, copies),
                 RepublishSelection::Replayed { .. } => {
                     return Err(Error::Internal("a job's page has no request id".into()));
@@ -217,10 +238,19 @@ impl JobRunner {
             .await
         {
             Ok(Some(j)) => {
-                tracing::info!(job = j.id, kind = j.kind.as_str(), state = state.as_str(), done = j.done, total = j.total, "job ended");
+                tracing::info!(
+                    job = j.id,
+                    kind = j.kind.as_str(),
+                    state = state.as_str(),
+                    done = j.done,
+                    total = j.total,
+                    "job ended"
+                );
             }
             Ok(None) => tracing::warn!(job = job.id, "the job's lease ran out before it ended"),
-            Err(e) => tracing::warn!(job = job.id, error = %e, "ending the job failed; it is taken over when its lease runs out"),
+            Err(e) => {
+                tracing::warn!(job = job.id, error = %e, "ending the job failed; it is taken over when its lease runs out")
+            }
         }
     }
 

@@ -12,13 +12,13 @@ use super::{AdminArgs, AdminCommand};
 use crate::pb;
 use crate::pb::admin_service_client::AdminServiceClient;
 
-struct Client {
-    inner: AdminServiceClient<Channel>,
+pub(super) struct Client {
+    pub(super) inner: AdminServiceClient<Channel>,
     token: Option<MetadataValue<tonic::metadata::Ascii>>,
 }
 
 impl Client {
-    fn req<T>(&self, msg: T) -> Request<T> {
+    pub(super) fn req<T>(&self, msg: T) -> Request<T> {
         let mut r = Request::new(msg);
         if let Some(t) = &self.token {
             r.metadata_mut().insert("authorization", t.clone());
@@ -89,16 +89,16 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
 }
 
 /// An RPC's answer, or its status as the command's error.
-fn answer<T>(r: Result<tonic::Response<T>, tonic::Status>) -> anyhow::Result<T> {
+pub(super) fn answer<T>(r: Result<tonic::Response<T>, tonic::Status>) -> anyhow::Result<T> {
     r.map(tonic::Response::into_inner).map_err(rpc_error)
 }
 
-fn operator(o: Option<String>) -> String {
+pub(super) fn operator(o: Option<String>) -> String {
     o.or_else(|| std::env::var("USER").ok()).unwrap_or_default()
 }
 
 /// A request id for an action: the operator's, or a new one.
-fn request_id(given: Option<String>) -> String {
+pub(super) fn request_id(given: Option<String>) -> String {
     given.unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
 }
 
@@ -138,11 +138,11 @@ async fn connect(args: &AdminArgs) -> anyhow::Result<Client> {
 }
 
 /// What every command is about: the box (and subscription), and the output format.
-struct Target {
-    bx: i32,
-    inbox: bool,
-    sub: String,
-    json: bool,
+pub(super) struct Target {
+    pub(super) bx: i32,
+    pub(super) inbox: bool,
+    pub(super) sub: String,
+    pub(super) json: bool,
 }
 
 /// Runs one admin command and returns what it prints.
@@ -162,6 +162,9 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
         command @ (AdminCommand::Requeue { .. }
         | AdminCommand::Cancel { .. }
         | AdminCommand::Republish { .. }) => actions(&mut c, &t, command).await,
+        command @ (AdminCommand::Jobs { .. } | AdminCommand::Job { .. }) => {
+            super::jobs::run(&mut c, &t, command).await
+        }
         command @ (AdminCommand::Pause { .. }
         | AdminCommand::Resume { .. }
         | AdminCommand::Paused) => pauses(&mut c, &t, command).await,
@@ -230,9 +233,25 @@ async fn actions(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::R
             limit,
             yes,
             all,
+            background,
+            wait,
             request_id: rid,
             operator: who,
         } => {
+            if background {
+                let start = super::jobs::Start {
+                    kind: pb::JobKind::Requeue,
+                    ids,
+                    filter: filter.to_pb(&t.sub),
+                    reason: None,
+                    yes,
+                    all,
+                    wait,
+                    request_id: rid,
+                    operator: who,
+                };
+                return super::jobs::start(c, t, start).await;
+            }
             let req = pb::RequeueFailedRequest {
                 r#box: t.bx,
                 // Ids name events exactly: the filter flags are not sent with them.
@@ -249,11 +268,32 @@ async fn actions(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::R
         }
         AdminCommand::Cancel {
             ids,
+            filter,
             reason,
             yes,
+            all,
+            background,
+            wait,
             request_id: rid,
             operator: who,
         } => {
+            if background {
+                let start = super::jobs::Start {
+                    kind: pb::JobKind::Cancel,
+                    ids,
+                    filter: filter.to_pb(&t.sub),
+                    reason: Some(reason),
+                    yes,
+                    all,
+                    wait,
+                    request_id: rid,
+                    operator: who,
+                };
+                return super::jobs::start(c, t, start).await;
+            }
+            if filter.to_pb("") != pb::EventFilter::default() || all {
+                anyhow::bail!("cancel takes ids; filter flags and --all need --background");
+            }
             let req = pb::CancelEventsRequest {
                 r#box: t.bx,
                 ids,
@@ -271,9 +311,29 @@ async fn actions(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::R
             limit,
             yes,
             all,
+            background,
+            wait,
             request_id: rid,
             operator: who,
         } => {
+            if background {
+                let start = super::jobs::Start {
+                    kind: if t.inbox {
+                        pb::JobKind::Redeliver
+                    } else {
+                        pb::JobKind::Republish
+                    },
+                    ids,
+                    filter: filter.to_pb(&t.sub),
+                    reason: None,
+                    yes,
+                    all,
+                    wait,
+                    request_id: rid,
+                    operator: who,
+                };
+                return super::jobs::start(c, t, start).await;
+            }
             if t.inbox {
                 let req = pb::RedeliverMessagesRequest {
                     filter: ids.is_empty().then(|| filter.to_pb(&t.sub)),

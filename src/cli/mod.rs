@@ -8,6 +8,7 @@ use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand, ValueEnum};
 
 mod commands;
+mod jobs;
 mod render;
 
 pub use commands::{execute, exit_code};
@@ -216,6 +217,13 @@ pub enum AdminCommand {
         /// With no ids and no filter flags: yes, every failed event of the box.
         #[arg(long)]
         all: bool,
+        /// Run as a background job over every matching event, however many (no ids;
+        /// `--yes` starts it, without it a dry run counts them). See `job`.
+        #[arg(long)]
+        background: bool,
+        /// With --background: wait for the job to end, showing its progress.
+        #[arg(long, requires = "background")]
+        wait: bool,
         /// Idempotency of the action: a repeated id acts once [default: a new UUID].
         #[arg(long)]
         request_id: Option<String>,
@@ -243,6 +251,13 @@ pub enum AdminCommand {
         /// With no ids and no filter flags: yes, every completed event.
         #[arg(long)]
         all: bool,
+        /// Run as a background job over every matching event, however many (no ids;
+        /// `--yes` starts it, without it a dry run counts them). See `job`.
+        #[arg(long)]
+        background: bool,
+        /// With --background: wait for the job to end, showing its progress.
+        #[arg(long, requires = "background")]
+        wait: bool,
         /// Idempotency of the action: a repeated id acts once [default: a new UUID].
         #[arg(long)]
         request_id: Option<String>,
@@ -250,17 +265,31 @@ pub enum AdminCommand {
         #[arg(long)]
         operator: Option<String>,
     },
-    /// Move pending events to failed with a reason (dry run unless --yes).
+    /// Move pending events to failed with a reason, by ids, or by filter with
+    /// --background (dry run unless --yes).
     Cancel {
-        /// Pending event ids.
-        #[arg(required = true)]
+        /// Pending event ids; without --background, at least one.
+        #[arg(required_unless_present = "background")]
         ids: Vec<i64>,
+        /// With --background: which pending events.
+        #[command(flatten)]
+        filter: FilterArgs,
         /// Why; stored as the events' last error.
         #[arg(long)]
         reason: String,
         /// Act; without it only show what would be cancelled.
         #[arg(long)]
         yes: bool,
+        /// With --background and no filter flags: yes, every pending event of the box.
+        #[arg(long)]
+        all: bool,
+        /// Run as a background job over every matching event, however many (no ids;
+        /// `--yes` starts it, without it a dry run counts them). See `job`.
+        #[arg(long)]
+        background: bool,
+        /// With --background: wait for the job to end, showing its progress.
+        #[arg(long, requires = "background")]
+        wait: bool,
         /// Idempotency of the action: a repeated id acts once [default: a new UUID].
         #[arg(long)]
         request_id: Option<String>,
@@ -293,6 +322,30 @@ pub enum AdminCommand {
     Paused,
     /// Counts by status and topic, oldest pending age, blocked keys.
     Stats,
+    /// The background jobs, newest first.
+    Jobs {
+        /// Jobs per page.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        /// Continue from a previous page.
+        #[arg(long)]
+        page_token: Option<String>,
+    },
+    /// One background job and its progress; `--wait` follows it to its end, `--cancel`
+    /// stops it after its current page.
+    Job {
+        /// The job's id.
+        id: i64,
+        /// Wait for the job to end, showing its progress.
+        #[arg(long)]
+        wait: bool,
+        /// Stop the job after its current page (what it did stays done).
+        #[arg(long, conflicts_with = "wait")]
+        cancel: bool,
+        /// Name recorded in the audit log [default: $USER].
+        #[arg(long)]
+        operator: Option<String>,
+    },
     /// The audit log, newest first.
     Audit {
         /// Entries per page.

@@ -379,12 +379,12 @@ pub(super) fn box_name(b: i32) -> &'static str {
 }
 
 /// A plain text table: left-aligned columns, two spaces apart.
-struct Table {
+pub(super) struct Table {
     rows: Vec<Vec<String>>,
 }
 
 impl Table {
-    fn new(header: &[&str]) -> Self {
+    pub(super) fn new(header: &[&str]) -> Self {
         Table {
             rows: vec![header.iter().map(ToString::to_string).collect()],
         }
@@ -406,10 +406,10 @@ impl Table {
         self.row(r);
     }
     /// Cells are producer- or handler-controlled text: escaped (see [`escape`]).
-    fn row(&mut self, r: Vec<String>) {
+    pub(super) fn row(&mut self, r: Vec<String>) {
         self.rows.push(r.iter().map(|c| escape(c)).collect());
     }
-    fn render(&self) -> String {
+    pub(super) fn render(&self) -> String {
         let n = self.rows[0].len();
         let widths: Vec<usize> = (0..n)
             .map(|i| {

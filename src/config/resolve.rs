@@ -951,7 +951,9 @@ fn jobs(s: &Settings) -> Result<crate::jobs::JobSettings, ConfigError> {
     }
     Ok(crate::jobs::JobSettings {
         lease,
-        page_pause: s.job_page_pause_ms.map_or(d.page_pause, Duration::from_millis),
+        page_pause: s
+            .job_page_pause_ms
+            .map_or(d.page_pause, Duration::from_millis),
         ..d
     })
 }

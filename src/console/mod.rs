@@ -209,6 +209,7 @@ impl Console {
             .route("/login", get(login_page).post(login))
             .route("/logout", axum::routing::post(logout))
             .route("/audit", get(audit))
+            .route("/jobs", get(jobs_get).post(jobs_post))
             .route("/{*path}", get(page_get).post(page_post))
             .with_state(self)
     }

@@ -12,9 +12,11 @@ use crate::domain::admin::{
 };
 
 mod event;
+mod jobs;
 mod lists;
 
 pub use event::*;
+pub use jobs::*;
 pub use lists::*;
 
 /// What the header shows.
@@ -155,6 +157,7 @@ fn layout(
                             @let base = format!("/inbox/{}", url_escape(s));
                             a href=(base) class=[(here == base).then_some("here")] { "Inbox · " (s) }
                         }
+                        a href="/jobs" class=[(here == "/jobs").then_some("here")] { "Jobs" }
                         a href="/audit" class=[(here == "/audit").then_some("here")] { "Audit log" }
                         span.who {
                             @match &nav.who { Some(w) => { "token " (w) }, None => { "open console" } }

@@ -616,3 +616,124 @@ async fn cancel_action(c: &Console, a: ActionInput<'_>) -> Result<pages::ActionR
         audit_id: out.audit_id,
     })
 }
+
+/// The jobs page.
+pub(super) async fn jobs_get(
+    State(c): State<Console>,
+    peer: Peer,
+    headers: HeaderMap,
+    Query(q): Query<Params>,
+) -> Response {
+    let access = match c.access(&headers, peer.0) {
+        Ok(Some(a)) => a,
+        Ok(None) => return unauthorized(&headers, "/jobs"),
+        Err(too_many) => return too_many.into_response(),
+    };
+    let nav = c.nav(&access);
+    let before = match param(&q, "before").map(str::parse::<i64>) {
+        None => None,
+        Some(Ok(b)) => Some(b),
+        Some(Err(_)) => return error_page(Some(&nav), &Error::invalid("before", "not an id")),
+    };
+    jobs_page(&c, &nav, before, None).await
+}
+
+async fn jobs_page(
+    c: &Console,
+    nav: &pages::Nav,
+    before: Option<i64>,
+    preview: Option<pages::JobPreview<'_>>,
+) -> Response {
+    match c.inner.admin.jobs(LIST_PAGE, before).await {
+        Ok((list, next)) => pages::jobs(nav, &list, next, preview).into_response(),
+        Err(e) => error_page(Some(nav), &e),
+    }
+}
+
+/// Starts a job (a dry run first, then the confirmed start) or cancels one.
+pub(super) async fn jobs_post(
+    State(c): State<Console>,
+    peer: Peer,
+    headers: HeaderMap,
+    Form(form): Form<Vec<(String, String)>>,
+) -> Response {
+    let access = match c.access(&headers, peer.0) {
+        Ok(Some(a)) => a,
+        Ok(None) => return unauthorized(&headers, "/jobs"),
+        Err(too_many) => return too_many.into_response(),
+    };
+    let nav = c.nav(&access);
+    let fields: Params = form.iter().cloned().collect();
+    if let Some(refusal) = refuse_post(&c, &headers, &access, &nav, &fields) {
+        return refusal;
+    }
+    let context = ActionContext {
+        principal: access.name.clone(),
+        ..ActionContext::by(access.actor())
+    };
+    let admin = &c.inner.admin;
+    match param(&fields, "action") {
+        Some("cancel") => {
+            let id = param(&fields, "id")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            match admin.cancel_job(id, &context).await {
+                Ok(_) => Redirect::to("/jobs").into_response(),
+                Err(e) => error_page(Some(&nav), &e),
+            }
+        }
+        Some("start") => {
+            let text = |k: &str| param(&fields, k).unwrap_or("").to_string();
+            let kind = match text("kind").as_str() {
+                "requeue" => crate::pb::JobKind::Requeue,
+                "cancel" => crate::pb::JobKind::Cancel,
+                "republish" => crate::pb::JobKind::Republish,
+                "redeliver" => crate::pb::JobKind::Redeliver,
+                _ => crate::pb::JobKind::Unspecified,
+            };
+            let bx = match text("box").as_str() {
+                "inbox" => crate::pb::Box::Inbox,
+                _ if kind == crate::pb::JobKind::Redeliver => crate::pb::Box::Inbox,
+                _ => crate::pb::Box::Outbox,
+            };
+            // The gRPC request's own validation, not a copy.
+            let req = crate::pb::StartJobRequest {
+                kind: kind as i32,
+                r#box: bx as i32,
+                filter: Some(crate::pb::EventFilter {
+                    subscription: text("subscription"),
+                    topic: text("topic"),
+                    key_prefix: text("key_prefix"),
+                    error_contains: text("error_contains"),
+                    ..Default::default()
+                }),
+                all: param(&fields, "all") == Some("yes"),
+                confirm: param(&fields, "confirm") == Some("yes"),
+                reason: text("reason"),
+                operator: String::new(),
+                request_id: text("request_id"),
+            };
+            let out = match crate::api::admin::jobs::start_job_request(req, context) {
+                Ok(r) => admin.start_job(&r).await,
+                Err(e) => Err(e),
+            };
+            match out {
+                Ok(start) if start.job.is_none() => {
+                    let preview = pages::JobPreview {
+                        start: &start,
+                        fields: &form,
+                    };
+                    jobs_page(&c, &nav, None, Some(preview)).await
+                }
+                Ok(start) => {
+                    if let Some(j) = start.job.as_ref().filter(|_| !start.replayed) {
+                        tracing::info!(job = j.id, kind = j.kind.as_str(), total = j.total, actor = %access.actor(), "console started a job");
+                    }
+                    Redirect::to("/jobs").into_response()
+                }
+                Err(e) => error_page(Some(&nav), &e),
+            }
+        }
+        _ => error_page(Some(&nav), &Error::invalid("action", "start or cancel")),
+    }
+}

@@ -152,7 +152,10 @@ async fn replayed<E: AdminSql>(
     }
 }
 
-pub(super) fn decode_all<R: Cols, T>(rows: &[R], f: fn(&R) -> StoreResult<T>) -> StoreResult<Vec<T>> {
+pub(super) fn decode_all<R: Cols, T>(
+    rows: &[R],
+    f: fn(&R) -> StoreResult<T>,
+) -> StoreResult<Vec<T>> {
     rows.iter().map(f).collect()
 }
 
@@ -187,7 +190,11 @@ pub(super) struct NewAudit<'a> {
     pub count: i64,
 }
 
-pub(super) async fn insert_audit<E: AdminSql>(e: &E, tx: &mut E::Tx, a: &NewAudit<'_>) -> StoreResult<i64> {
+pub(super) async fn insert_audit<E: AdminSql>(
+    e: &E,
+    tx: &mut E::Tx,
+    a: &NewAudit<'_>,
+) -> StoreResult<i64> {
     let selection = a.selection.to_string();
     let params = vec![
         Param::Text(Some(&a.context.actor)),

@@ -287,7 +287,12 @@ impl<E: AdminSql> JobStore for E {
                 replayed: true,
             });
         };
-        insert_audit(self, &mut tx, &job_audit(&job, &r.context, "job.start", count)).await?;
+        insert_audit(
+            self,
+            &mut tx,
+            &job_audit(&job, &r.context, "job.start", count),
+        )
+        .await?;
         self.commit(tx).await?;
         Ok(JobStart {
             job: Some(job),
@@ -323,7 +328,11 @@ impl<E: AdminSql> JobStore for E {
         let mut tx = self.begin().await?;
         let q = query(
             Stmt::Shared(Shared::Job(JobSql::Cancel)),
-            vec![Param::Int(Some(id)), Param::Text(Some(&by.actor)), Param::Now],
+            vec![
+                Param::Int(Some(id)),
+                Param::Text(Some(&by.actor)),
+                Param::Now,
+            ],
         );
         if let Some(job) = one_job(&rows_in(self, &mut tx, BoxKind::Outbox, q).await?)? {
             insert_audit(self, &mut tx, &job_audit(&job, by, "job.cancel", job.done)).await?;
@@ -388,6 +397,17 @@ impl<E: AdminSql> JobStore for E {
             },
         };
         match advance_in(self, &mut tx, job, owner, step, lease).await? {
+            // Cancelled while the page ran: the page is undone, so a cancel stops the job
+            // at the last page recorded before it.
+            Some(p) if p.state == JobState::Cancelling => {
+                self.rollback(tx).await?;
+                let p = JobProgress {
+                    state: p.state,
+                    done: p.done - step.done,
+                    after_id: job.after_id,
+                };
+                Ok(Some((p, Vec::new())))
+            }
             Some(p) => {
                 self.commit(tx).await?;
                 Ok(Some((p, keys)))

@@ -1505,3 +1505,101 @@ async fn the_rate_chart_is_the_same_on_every_replica() {
         s.app.stop().await.unwrap();
     }
 }
+
+/// Issue 44, item 4: the jobs page. A start form's dry run shows the count and changes
+/// nothing; its confirmation starts one job (sent twice, still one); the page lists the
+/// job with its progress and state; a running job's cancel button stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_starts_follows_and_cancels_jobs() {
+    let url = fresh_pg().await;
+    let mut c = quiet_config(&url);
+    c.console_listen = Some("127.0.0.1:0".parse().unwrap());
+    // Slow pages, so the second job is still running when it is cancelled.
+    c.jobs.page_pause = Duration::from_secs(2);
+    let mut s = Service::start(c).await;
+    let console = s.app.console_addr.unwrap();
+    let events: Vec<pb::Event> = (0..1500)
+        .map(|i| event("jobs.console", &format!("k{}", i % 10), b"x"))
+        .collect();
+    enqueue_in_batches(&mut s, &events).await;
+    let get = || async move {
+        http(
+            console,
+            "GET /jobs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await
+    };
+    let post = |form: String| async move {
+        http(
+            console,
+            &format!(
+                "POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+                form.len()
+            ),
+        )
+        .await
+    };
+    let r = get().await;
+    assert!(
+        r.starts_with("HTTP/1.1 200") && r.contains("No jobs yet."),
+        "{r}"
+    );
+    let form = "action=start&kind=cancel&box=outbox&topic=jobs.console&reason=bad+batch";
+    let r = post(form.to_string()).await;
+    assert!(
+        r.contains("would select <strong>1500</strong> event(s)") && r.contains("Start the job"),
+        "{r}"
+    );
+    assert_eq!(
+        s.outbox_count(Some(Status::Failed)).await,
+        0,
+        "a dry run changes nothing"
+    );
+    for _ in 0..2 {
+        let r = post(format!("{form}&confirm=yes&request_id=console-job-1")).await;
+        assert!(r.starts_with("HTTP/1.1 303"), "{r}");
+    }
+    eventually(Duration::from_secs(30), "the cancel job done", || async {
+        s.outbox_count(Some(Status::Failed)).await == 1500
+    })
+    .await;
+    let jobs = s.app.store.jobs(10, None).await.unwrap();
+    assert_eq!(jobs.len(), 1, "the form sent twice started one job");
+    eventually(
+        Duration::from_secs(10),
+        "the job shown completed",
+        || async {
+            let r = get().await;
+            r.contains("job-completed") && r.contains("1500</span> / 1500")
+        },
+    )
+    .await;
+    // A requeue job with 2 s between pages: cancelled after its first page.
+    let r = post("action=start&kind=requeue&box=outbox&topic=jobs.console&confirm=yes&request_id=console-job-2".into()).await;
+    assert!(r.starts_with("HTTP/1.1 303"), "{r}");
+    let id = s.app.store.jobs(1, None).await.unwrap()[0].id;
+    eventually(Duration::from_secs(10), "the first page done", || async {
+        s.app.store.job(id).await.unwrap().unwrap().done == 1000
+    })
+    .await;
+    let r = get().await;
+    assert!(
+        r.contains("job-running") && r.contains("name=\"action\" value=\"cancel\""),
+        "{r}"
+    );
+    let r = post(format!("action=cancel&id={id}")).await;
+    assert!(r.starts_with("HTTP/1.1 303"), "{r}");
+    eventually(Duration::from_secs(10), "the job cancelled", || async {
+        s.app.store.job(id).await.unwrap().unwrap().state
+            == mailroom::domain::jobs::JobState::Cancelled
+    })
+    .await;
+    assert_eq!(
+        s.outbox_count(Some(Status::Failed)).await,
+        500,
+        "one page requeued, then it stopped"
+    );
+    let r = get().await;
+    assert!(r.contains("job-cancelled"), "{r}");
+    s.app.stop().await.unwrap();
+}

@@ -28,6 +28,7 @@ mod hostile;
 mod inbox;
 mod inbox_identity;
 mod inbox_retention;
+mod jobs;
 mod metrics;
 mod migrations;
 mod otlp;

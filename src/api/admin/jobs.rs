@@ -10,7 +10,10 @@ use crate::pb;
 use crate::pb::time::to_timestamp;
 
 /// Validates a `StartJob` request; without `confirm` it is a dry run.
-pub fn start_job_request(r: pb::StartJobRequest, context: ActionContext) -> Result<StartJob, Error> {
+pub fn start_job_request(
+    r: pb::StartJobRequest,
+    context: ActionContext,
+) -> Result<StartJob, Error> {
     let kind = match pb::JobKind::try_from(r.kind) {
         Ok(pb::JobKind::Requeue) => JobKind::Requeue,
         Ok(pb::JobKind::Cancel) => JobKind::Cancel,
@@ -31,7 +34,11 @@ pub fn start_job_request(r: pb::StartJobRequest, context: ActionContext) -> Resu
         (Ok(_), Some(only)) => {
             return Err(Error::invalid(
                 "box",
-                format!("a {} job works on the {} only", kind.as_str(), only.as_str()),
+                format!(
+                    "a {} job works on the {} only",
+                    kind.as_str(),
+                    only.as_str()
+                ),
             ));
         }
         (Err(_), _) => return Err(Error::invalid("box", format!("unknown box {}", r.r#box))),
@@ -152,13 +159,25 @@ mod tests {
             ..Default::default()
         };
         let j = start(r.clone()).unwrap();
-        assert_eq!((j.kind, j.box_kind, j.context.dry_run), (JobKind::Republish, BoxKind::Outbox, true));
+        assert_eq!(
+            (j.kind, j.box_kind, j.context.dry_run),
+            (JobKind::Republish, BoxKind::Outbox, true)
+        );
         let inbox = pb::StartJobRequest {
             r#box: pb::Box::Inbox as i32,
             ..r.clone()
         };
         assert_eq!(field(start(inbox).unwrap_err()), "box");
-        assert_eq!(field(start(pb::StartJobRequest { kind: 0, ..r.clone() }).unwrap_err()), "kind");
+        assert_eq!(
+            field(
+                start(pb::StartJobRequest {
+                    kind: 0,
+                    ..r.clone()
+                })
+                .unwrap_err()
+            ),
+            "kind"
+        );
         let cancel = pb::StartJobRequest {
             kind: pb::JobKind::Cancel as i32,
             confirm: true,
@@ -171,7 +190,10 @@ mod tests {
             ..cancel
         })
         .unwrap();
-        assert_eq!((c.box_kind, c.reason.as_deref(), c.context.dry_run), (BoxKind::Inbox, Some("bad data"), false));
+        assert_eq!(
+            (c.box_kind, c.reason.as_deref(), c.context.dry_run),
+            (BoxKind::Inbox, Some("bad data"), false)
+        );
         let requeue_reason = pb::StartJobRequest {
             kind: pb::JobKind::Requeue as i32,
             reason: "x".into(),
@@ -184,8 +206,21 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(field(start(everything.clone()).unwrap_err()), "all");
-        assert!(start(pb::StartJobRequest { all: true, ..everything.clone() }).is_ok());
-        assert!(start(pb::StartJobRequest { confirm: false, ..everything }).is_ok(), "a dry run counts everything");
+        assert!(
+            start(pb::StartJobRequest {
+                all: true,
+                ..everything.clone()
+            })
+            .is_ok()
+        );
+        assert!(
+            start(pb::StartJobRequest {
+                confirm: false,
+                ..everything
+            })
+            .is_ok(),
+            "a dry run counts everything"
+        );
         assert_eq!(field(job_id(0).unwrap_err()), "id");
     }
 }
