@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::AdminCommand;
-use super::commands::{Client, Target, answer, operator, request_id};
+use super::client::{Client, Target, answer, operator, request_id};
 use super::render::{Table, box_name, lines, next_page, sample, truncate, ts};
 use crate::pb;
 

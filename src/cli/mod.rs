@@ -7,11 +7,13 @@
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand, ValueEnum};
 
+mod client;
 mod commands;
 mod jobs;
 mod render;
 
-pub use commands::{execute, exit_code};
+pub use client::exit_code;
+pub use commands::execute;
 pub use render::{age, truncate};
 
 use crate::pb;
