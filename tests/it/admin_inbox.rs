@@ -1138,6 +1138,64 @@ async fn handled_messages_are_redelivered_at_the_end_of_their_keys_lines() {
             .collect();
         assert_eq!(redeliveries.len(), 2, "{engine:?}: {redeliveries:?}");
         assert!(redeliveries.contains(&(2, INBOX, "fay")), "{engine:?}");
+
+        // A redeliver job (issue 44, item 4): every handled message of key `k`, the two
+        // copies included, handed over again after them, in id order.
+        wait_inbox_completed(&s, 8).await;
+        let job = a
+            .start_job(pb::StartJobRequest {
+                kind: pb::JobKind::Redeliver as i32,
+                filter: Some(pb::EventFilter {
+                    subscription: "orders".into(),
+                    key: "k".into(),
+                    ..Default::default()
+                }),
+                confirm: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .job
+            .unwrap();
+        assert_eq!((job.total, job.r#box), (6, INBOX), "{engine:?}");
+        eventually(Duration::from_secs(30), "the job's copies handled", || {
+            let h = &handler;
+            async move { h.calls().len() == 14 }
+        })
+        .await;
+        let ended = loop {
+            let j = a
+                .get_job(pb::GetJobRequest { id: job.id })
+                .await
+                .unwrap()
+                .into_inner()
+                .job
+                .unwrap();
+            if j.finished_at.is_some() {
+                break j;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(
+            (ended.state, ended.done),
+            (pb::JobState::Completed as i32, 6),
+            "{engine:?}"
+        );
+        let by_job: Vec<String> = handler
+            .calls()
+            .into_iter()
+            .filter(|c| c.key == "k")
+            .skip(6)
+            .map(|c| c.message_id)
+            .collect();
+        let mut originals = ids.clone();
+        originals.extend(done.copies.iter().map(|c| c.id));
+        let want: Vec<String> = originals
+            .iter()
+            .map(|o| format!("redeliver:job-{}:{o}", job.id))
+            .collect();
+        assert_eq!(by_job, want, "{engine:?}");
         s.app.stop().await.unwrap();
     }
 }
