@@ -12,9 +12,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::domain::admin::{
     ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventCopy, EventDetail,
-    EventsPage, EventsQuery, MAX_REPUBLISH_BYTES, PauseOutcome, PauseRequest, PendingPage,
-    PendingQuery, REDELIVERED_FROM, REPUBLISHED_FROM, RepublishOutcome, RepublishRequest,
-    RepublishSelection, RequeueOutcome, RequeueRequest, SAMPLE_IDS, Stats, TopicPause, TopicStats,
+    EventFilter, EventRef, EventsPage, EventsQuery, MAX_REPUBLISH_BYTES, PauseOutcome,
+    PauseRequest, PendingPage, PendingQuery, REDELIVERED_FROM, REPUBLISHED_FROM, RepublishOutcome,
+    RepublishRequest, RepublishSelection, RequeueOutcome, RequeueRequest, SAMPLE_IDS, Stats,
+    TopicPause, TopicStats,
 };
 use crate::domain::jobs::{Job, JobKind, JobStart, StartJob};
 use crate::domain::{BoxKind, Enqueued, EventId, InboundMessage, NewEvent};
@@ -336,6 +337,53 @@ impl Admin {
             .event_detail(b, id, with_payload)
             .await?
             .ok_or_else(|| Error::NotFound(format!("event {id}")))
+    }
+
+    /// One event named by id, idempotency key or message id (found through the same
+    /// indexed filter `ListEvents` uses); `NotFound` if there is none, `InvalidArgument`
+    /// naming `subscription` when a message id is held by several subscriptions.
+    pub async fn find_event(
+        &self,
+        b: BoxKind,
+        by: &EventRef,
+        with_payload: bool,
+    ) -> Result<EventDetail, Error> {
+        let (filter, what) = match by {
+            EventRef::Id(id) => return self.get_event(b, *id, with_payload).await,
+            EventRef::IdempotencyKey(k) => (
+                EventFilter {
+                    idempotency_key: Some(k.clone()),
+                    ..Default::default()
+                },
+                format!("event with idempotency key {k:?}"),
+            ),
+            EventRef::MessageId {
+                message_id,
+                subscription,
+            } => (
+                EventFilter {
+                    message_id: Some(message_id.clone()),
+                    subscription: subscription.clone(),
+                    ..Default::default()
+                },
+                format!("message with id {message_id:?}"),
+            ),
+        };
+        let q = EventsQuery {
+            status: None,
+            filter,
+            page_size: 2,
+            before_id: None,
+        };
+        let page = self.store.list_events(b, &q).await?;
+        match page.events.as_slice() {
+            [] => Err(Error::NotFound(what)),
+            [one] => self.get_event(b, one.event.id, with_payload).await,
+            _ => Err(Error::invalid(
+                "subscription",
+                format!("several subscriptions hold a {what}: name one"),
+            )),
+        }
     }
 
     /// One page of a box's events, newest first, without payloads.

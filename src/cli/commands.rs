@@ -347,11 +347,23 @@ async fn pauses(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Re
 /// One event, the counts, the audit log.
 async fn lookups(c: &mut Client, t: &Target, command: AdminCommand) -> anyhow::Result<String> {
     match command {
-        AdminCommand::Get { id, payload } => {
+        AdminCommand::Get {
+            id,
+            idempotency_key,
+            message_id,
+            payload,
+        } => {
             let req = pb::GetEventRequest {
                 r#box: t.bx,
-                id,
+                id: id.unwrap_or(0),
                 include_payload: payload,
+                subscription: if message_id.is_some() {
+                    t.sub.clone()
+                } else {
+                    String::new()
+                },
+                idempotency_key: idempotency_key.unwrap_or_default(),
+                message_id: message_id.unwrap_or_default(),
             };
             let r = answer(c.inner.get_event(c.req(req)).await)?;
             let e = r.event.context("server sent no event")?;

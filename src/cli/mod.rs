@@ -197,8 +197,17 @@ pub enum AdminCommand {
     },
     /// One event with everything known about it.
     Get {
-        /// The event's id.
-        id: i64,
+        /// The event's id; or name it by --idempotency-key (outbox) or --message-id
+        /// (inbox).
+        #[arg(required_unless_present_any = ["idempotency_key", "message_id"])]
+        id: Option<i64>,
+        /// Outbox: the event with this idempotency key.
+        #[arg(long, conflicts_with = "id")]
+        idempotency_key: Option<String>,
+        /// Inbox: the message with this message id (with --subscription when several
+        /// subscriptions hold one).
+        #[arg(long, conflicts_with_all = ["id", "idempotency_key"])]
+        message_id: Option<String>,
         /// Include the payload (base64 in JSON, text when printable otherwise).
         #[arg(long)]
         payload: bool,

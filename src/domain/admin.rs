@@ -188,6 +188,22 @@ pub const REPUBLISHED_FROM: &str = "mailroom-republished-from";
 /// The header a redelivered inbox message carries: its original's id.
 pub const REDELIVERED_FROM: &str = "mailroom-redelivered-from";
 
+/// How `GetEvent` names an event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventRef {
+    /// By id.
+    Id(EventId),
+    /// Outbox: by the producer's idempotency key.
+    IdempotencyKey(String),
+    /// Inbox: by message id, in one subscription or in any.
+    MessageId {
+        /// The message id.
+        message_id: String,
+        /// The subscription, when the caller named one.
+        subscription: Option<String>,
+    },
+}
+
 /// A validated RepublishEvents (outbox) or RedeliverMessages (inbox) request.
 #[derive(Debug, Clone)]
 pub struct RepublishRequest {

@@ -315,6 +315,7 @@ async fn the_inbox_backlog_by_subscription_and_key_stats_events_and_the_cli() {
                 r#box: INBOX,
                 id,
                 include_payload: true,
+                ..Default::default()
             })
             .await
             .expect("inbox event")
@@ -1035,6 +1036,32 @@ async fn handled_messages_are_redelivered_at_the_end_of_their_keys_lines() {
             .into_inner();
         let found: Vec<i64> = found.events.iter().map(|e| e.id).collect();
         assert_eq!(found, [ids[2]], "{engine:?}");
+        // GetEvent by message id, in any subscription or in the one named.
+        for sub in ["", "orders"] {
+            let got = a
+                .get_event(pb::GetEventRequest {
+                    r#box: INBOX,
+                    message_id: "rpc:m-2".into(),
+                    subscription: sub.into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .event
+                .unwrap();
+            assert_eq!(got.id, ids[2], "{engine:?}");
+        }
+        let e = a
+            .get_event(pb::GetEventRequest {
+                r#box: INBOX,
+                message_id: "rpc:m-2".into(),
+                subscription: "billing".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::NotFound, "{engine:?}");
         let filter = pb::EventFilter {
             subscription: "orders".into(),
             key: "k".into(),

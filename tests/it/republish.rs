@@ -473,6 +473,63 @@ async fn republish_checks_its_request_and_works_on_both_engines() {
             .into_inner();
         let found: Vec<i64> = found.events.iter().map(|e| e.id).collect();
         assert_eq!(found, [keyed], "{engine:?}");
+        // GetEvent by the key, with its payload; an unknown key is NOT_FOUND; naming the
+        // event twice, or an inbox message id in the outbox, is INVALID_ARGUMENT.
+        let get = |r: pb::GetEventRequest| {
+            let mut a = a.clone();
+            async move {
+                a.get_event(with_token(r, Some(OPS)))
+                    .await
+                    .map(|r| r.into_inner())
+            }
+        };
+        let by_key = pb::GetEventRequest {
+            idempotency_key: "order-7/created".into(),
+            include_payload: true,
+            ..Default::default()
+        };
+        let got = get(by_key.clone()).await.unwrap().event.unwrap();
+        assert_eq!(
+            (got.id, got.payload.as_slice()),
+            (keyed, b"i".as_slice()),
+            "{engine:?}"
+        );
+        let unknown = get(pb::GetEventRequest {
+            idempotency_key: "order-8/created".into(),
+            ..Default::default()
+        })
+        .await;
+        assert_eq!(code(unknown), Code::NotFound, "{engine:?}");
+        for (bad, field) in [
+            (
+                pb::GetEventRequest {
+                    id: keyed,
+                    ..by_key.clone()
+                },
+                "id",
+            ),
+            (
+                pb::GetEventRequest {
+                    message_id: "rpc:x".into(),
+                    ..Default::default()
+                },
+                "message_id",
+            ),
+        ] {
+            let e = get(bad).await.unwrap_err();
+            assert_eq!(
+                (e.code(), field_of(&e)),
+                (Code::InvalidArgument, field.into()),
+                "{engine:?}"
+            );
+        }
+        let cli = admin_cli_json(
+            s.app.addr,
+            Some(OPS),
+            &["get", "--idempotency-key", "order-7/created"],
+        )
+        .await;
+        assert_eq!(cli["id"].as_i64(), Some(keyed), "{engine:?}: {cli}");
         let e = a
             .list_events(with_token(
                 pb::ListEventsRequest {

@@ -19,7 +19,7 @@ use crate::pb::time::to_duration;
 use jobs::{job_id, job_info, start_job_request};
 use requests::*;
 pub use requests::{
-    box_kind, cancel_request, event_filter, event_info, pause_request, pending_query,
+    box_kind, cancel_request, event_filter, event_info, event_ref, pause_request, pending_query,
     redeliver_request, republish_request, requeue_request, subscription_pause_request,
 };
 
@@ -271,7 +271,9 @@ impl pb::admin_service_server::AdminService for AdminApi {
             }
             .into());
         }
-        let d = self.admin.get_event(b, r.id, r.include_payload).await?;
+        let with_payload = r.include_payload;
+        let by = event_ref(b, r)?;
+        let d = self.admin.find_event(b, &by, with_payload).await?;
         Ok(Response::new(pb::GetEventResponse {
             event: Some(event_info(d)),
         }))

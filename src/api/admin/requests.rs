@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::admin::{decode_token, encode_token};
 use crate::domain::admin::{
-    ActionContext, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter,
+    ActionContext, AuditEntry, CancelRequest, DEFAULT_REQUEUE, EventDetail, EventFilter, EventRef,
     KeyBacklog, MAX_CANCEL, MAX_REPUBLISH, MAX_REQUEUE, PauseRequest, PendingCursor, PendingOrder,
     PendingQuery, RepublishRequest, RequeueRequest, Selection, TopicPause,
 };
@@ -200,6 +200,44 @@ pub(crate) fn request_id(v: String) -> Result<Option<String>, Error> {
         ));
     }
     Ok(Some(v))
+}
+
+/// How a `GetEvent` request names its event: exactly one of id, idempotency key
+/// (outbox) and message id (inbox, with an optional subscription).
+pub fn event_ref(b: BoxKind, r: pb::GetEventRequest) -> Result<EventRef, Error> {
+    let named = [
+        r.id != 0,
+        !r.idempotency_key.is_empty(),
+        !r.message_id.is_empty(),
+    ]
+    .iter()
+    .filter(|n| **n)
+    .count();
+    if named != 1 {
+        return Err(Error::invalid(
+            "id",
+            "name the event by exactly one of id, idempotency_key (outbox) and message_id (inbox)",
+        ));
+    }
+    if !r.subscription.is_empty() && r.message_id.is_empty() {
+        return Err(Error::invalid("subscription", "goes with message_id"));
+    }
+    match b {
+        BoxKind::Outbox if !r.message_id.is_empty() => Err(Error::invalid(
+            "message_id",
+            "applies to the inbox only (box = BOX_INBOX)",
+        )),
+        BoxKind::Inbox if !r.idempotency_key.is_empty() => Err(Error::invalid(
+            "idempotency_key",
+            "applies to the outbox (an inbox message is named by message_id)",
+        )),
+        _ if !r.idempotency_key.is_empty() => Ok(EventRef::IdempotencyKey(r.idempotency_key)),
+        _ if !r.message_id.is_empty() => Ok(EventRef::MessageId {
+            message_id: r.message_id,
+            subscription: non_empty(r.subscription),
+        }),
+        _ => Ok(EventRef::Id(r.id)),
+    }
 }
 
 /// Validates a `RequeueFailed` request; `context` names the authenticated caller.
