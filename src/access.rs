@@ -366,6 +366,7 @@ pub const ADMIN_READS: &[&str] = &[
     "ListPausedSubscriptions",
     "GetJob",
     "ListJobs",
+    "ListRewinds",
 ];
 
 /// The scope an RPC path (`/package.Service/Method`) needs; `None`: open to all (health

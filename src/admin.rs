@@ -14,8 +14,8 @@ use crate::domain::admin::{
     ActionContext, AdminKey, AuditPage, CancelOutcome, CancelRequest, EventCopy, EventDetail,
     EventFilter, EventRef, EventsPage, EventsQuery, MAX_REPUBLISH_BYTES, PauseOutcome,
     PauseRequest, PendingPage, PendingQuery, REDELIVERED_FROM, REPUBLISHED_FROM, RepublishOutcome,
-    RepublishRequest, RepublishSelection, RequeueOutcome, RequeueRequest, SAMPLE_IDS, Stats,
-    TopicPause, TopicStats,
+    RepublishRequest, RepublishSelection, RequeueOutcome, RequeueRequest, Rewind, RewindRequest,
+    RewindStart, SAMPLE_IDS, Stats, TopicPause, TopicStats,
 };
 use crate::domain::jobs::{Job, JobKind, JobStart, StartJob};
 use crate::domain::{BoxKind, Enqueued, EventId, InboundMessage, NewEvent};
@@ -220,6 +220,24 @@ impl Admin {
             .cancel_job(id, by)
             .await?
             .ok_or_else(|| Error::NotFound(format!("job {id}")))
+    }
+
+    /// Asks the consumers of a subscription to go back to a time (or, on a dry run,
+    /// counts the messages stored since then); see `store::rewinds`.
+    pub async fn rewind(&self, r: &RewindRequest) -> Result<RewindStart, Error> {
+        if !r.context.dry_run {
+            self.may_write().await?;
+        }
+        Ok(self.store.start_rewind(r).await?)
+    }
+
+    /// Up to `limit` rewinds, newest first (of one subscription, or all).
+    pub async fn rewinds(
+        &self,
+        subscription: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<Rewind>, Error> {
+        Ok(self.store.rewinds(subscription, None, limit).await?)
     }
 
     /// Stores the outbox copies through the intake, in one transaction; their ids.

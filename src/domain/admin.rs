@@ -546,3 +546,73 @@ pub struct PauseOutcome {
     /// The audit entry, when something changed.
     pub audit_id: Option<i64>,
 }
+
+/// A validated RewindSubscription request.
+#[derive(Debug, Clone)]
+pub struct RewindRequest {
+    /// A configured subscription.
+    pub subscription: String,
+    /// Every partition goes back to its first record at or after this time.
+    pub to_time: DateTime<Utc>,
+    /// Hand the records read again to the handler (else they are dropped as duplicates).
+    pub redeliver: bool,
+    /// Who asks; `dry_run` unless confirmed; the request id.
+    pub context: ActionContext,
+}
+
+/// A rewind an operator asked for, with the partitions consumers applied it to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rewind {
+    /// Id.
+    pub id: i64,
+    /// The subscription.
+    pub subscription: String,
+    /// The time it goes back to.
+    pub to_time: DateTime<Utc>,
+    /// Whether the records read again are handed over again.
+    pub redeliver: bool,
+    /// Who asked.
+    pub actor: String,
+    /// Their token's name.
+    pub principal: Option<String>,
+    /// The request id.
+    pub request_id: Option<String>,
+    /// When it was asked for.
+    pub created_at: DateTime<Utc>,
+    /// The partitions a consumer rewound, by topic and partition.
+    pub partitions: Vec<RewindPartition>,
+}
+
+/// One partition a consumer rewound.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RewindPartition {
+    /// The rewind.
+    pub rewind_id: i64,
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The offset it went back to: the first record at or after the rewind's time.
+    pub from_offset: i64,
+    /// The position it left: records from `from_offset` up to here are read again.
+    pub until_offset: i64,
+    /// When the new position was committed; `None` while it is being applied.
+    pub applied_at: Option<DateTime<Utc>>,
+}
+
+/// What RewindSubscription did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RewindStart {
+    /// The rewind stored (none on a dry run).
+    pub rewind: Option<Rewind>,
+    /// Messages of the subscription stored since the rewind's time: about what is read
+    /// again (records never stored, or removed by retention, come on top).
+    pub stored_since: i64,
+    /// The request id named a rewind already asked for.
+    pub replayed: bool,
+    /// The audit entry (none on a dry run or a replay).
+    pub audit_id: Option<i64>,
+}
+
+/// The header a message read again by a `redeliver` rewind carries: the rewind's id.
+pub const REWOUND_BY: &str = "mailroom-rewound-by";

@@ -59,6 +59,8 @@ pub struct IntakeStats {
     pub recreated: AtomicU64,
     /// Partitions sent back to their log start because the position was past its end.
     pub truncated: AtomicU64,
+    /// Partitions moved back by an operator's rewind (`RewindSubscription`).
+    pub rewound: AtomicU64,
 }
 
 /// The dedup identity of a record (see [`identity`]): (`ce_source`, `ce_id`) when it
@@ -492,6 +494,7 @@ pub async fn run(
         return;
     }
     let mut watch = Some(LogWatch::new(&sub.name, &sub.topics));
+    let mut rewinds = super::rewind_to::Rewinds::new(store.clone(), &sub.name, config.clone());
 
     let mut check = tokio::time::interval(rewind::CHECK_EVERY);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -523,6 +526,11 @@ pub async fn run(
                 stats
                     .truncated
                     .fetch_add(rewound.truncated, Ordering::Relaxed);
+                let moved = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    moved = rewinds.apply(&consumer) => moved,
+                };
+                stats.rewound.fetch_add(moved, Ordering::Relaxed);
                 continue;
             }
             Next::Batch(batch) => batch,
@@ -537,9 +545,14 @@ pub async fn run(
                 );
             }
         }
+        rewinds.prepare(&batch).await;
         let messages: Vec<InboundMessage> = batch
             .iter()
-            .map(|r| inbound_contained(r, sub.retry.max_attempts, &limits, &faults))
+            .map(|r| {
+                let mut m = inbound_contained(r, sub.retry.max_attempts, &limits, &faults);
+                rewinds.tag(r, &mut m);
+                m
+            })
             .collect();
         let places: Vec<Place> = batch.iter().map(Record::place).collect();
         let span = receive_span(&sub, &messages);

@@ -10,6 +10,7 @@ mod log_view;
 mod receive;
 pub mod record;
 pub mod rewind;
+pub mod rewind_to;
 pub mod structured;
 pub mod supervisor;
 

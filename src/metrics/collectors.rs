@@ -160,7 +160,7 @@ fn load(a: &AtomicU64) -> u64 {
 }
 
 /// The consumers' counters: name, help, field.
-const INTAKE_COUNTERS: [(&str, &str, IntakeCounter); 6] = [
+const INTAKE_COUNTERS: [(&str, &str, IntakeCounter); 7] = [
     (
         "mailroom_inbox_received",
         "Records the inbox consumers read from Kafka.",
@@ -190,6 +190,11 @@ const INTAKE_COUNTERS: [(&str, &str, IntakeCounter); 6] = [
         "mailroom_inbox_log_truncations",
         "Partitions the consumer read again from their log start because its position was past the log end (a truncated or recreated log).",
         |i| &i.truncated,
+    ),
+    (
+        "mailroom_inbox_operator_rewinds",
+        "Partitions the consumer moved back to a time because an operator rewound the subscription (RewindSubscription).",
+        |i| &i.rewound,
     ),
 ];
 

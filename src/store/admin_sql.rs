@@ -60,6 +60,8 @@ pub(crate) enum Shared {
     Rates,
     /// A job statement.
     Job(JobSql),
+    /// A rewind statement.
+    Rewind(RewindSql),
     /// ids, now: failed events back to pending, due now.
     Requeue,
     /// ids, reason, now: pending events to failed with `cancelled: <reason>`.
@@ -112,6 +114,29 @@ pub(crate) enum JobSql {
     End,
     /// id, owner: the lease given up.
     Release,
+}
+
+/// The rewind statements (`inbox_rewinds`, `inbox_rewind_partitions`, migration 0026).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RewindSql {
+    /// subscription, time: one row `n`, the subscription's messages stored since then.
+    StoredSince,
+    /// subscription, request id: the rewind that request id asked for.
+    OfRequest,
+    /// subscription, to time, redeliver, actor, principal, request id, now: the rewind
+    /// inserted (no row when the request id asked for one already).
+    Insert,
+    /// subscription (NULL: all), created since (NULL: ever), limit: rewinds newest first.
+    List,
+    /// rewind ids: their partitions.
+    Partitions,
+    /// rewind id, topic, partition, from offset, until offset: the partition's row,
+    /// unless there is one.
+    Intend,
+    /// rewind id, topic, partition: the partition's row.
+    Partition,
+    /// rewind id, topic, partition, now: the partition's new position committed.
+    Applied,
 }
 
 /// A statement's parameter, engine-neutral: each engine binds it in its own encoding.

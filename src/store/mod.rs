@@ -21,6 +21,7 @@ pub mod jobs;
 pub mod postgres;
 mod protocol;
 pub mod retention;
+pub mod rewinds;
 mod rows;
 pub mod schema;
 mod shape;
@@ -63,7 +64,13 @@ pub struct HeldId {
 /// Durable storage for both boxes.
 #[async_trait::async_trait]
 pub trait Store:
-    admin::AdminStore + jobs::JobStore + retention::RetentionStore + Send + Sync + 'static
+    admin::AdminStore
+    + jobs::JobStore
+    + rewinds::RewindStore
+    + retention::RetentionStore
+    + Send
+    + Sync
+    + 'static
 {
     /// The engine's name, for logs and health ("postgres", "sqlite").
     fn engine(&self) -> &'static str;

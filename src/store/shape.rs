@@ -5,6 +5,7 @@
 //! function name.
 
 mod jobs;
+mod rewinds;
 
 use super::admin_sql::Shared;
 use crate::domain::BoxKind;
@@ -417,6 +418,7 @@ impl Shape {
                 self.ids(1)
             ),
             Shared::Job(j) => self.job(j),
+            Shared::Rewind(r) => self.rewind(r),
             Shared::Requeue => self.requeue(),
             Shared::Cancel => self.cancel(),
             // Failed events from the table through their partial index (the view's

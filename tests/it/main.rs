@@ -40,6 +40,7 @@ mod relay;
 mod relay_under_load;
 mod republish;
 mod retention;
+mod rewind;
 mod schema_compat;
 mod security;
 mod shared_database;

@@ -5,6 +5,7 @@
 
 pub mod jobs;
 pub mod requests;
+pub mod rewinds;
 
 use tonic::{Request, Response, Status};
 
@@ -22,6 +23,7 @@ pub use requests::{
     box_kind, cancel_request, event_filter, event_info, event_ref, pause_request, pending_query,
     redeliver_request, republish_request, requeue_request, subscription_pause_request,
 };
+use rewinds::{rewind_info, rewind_request};
 
 /// The admin RPCs. Tokens and scopes are checked before a call reaches it
 /// (`api::layers::AuthLayer`); the caller arrives as a `Principal` for the audit log.
@@ -109,6 +111,41 @@ impl pb::admin_service_server::AdminService for AdminApi {
             sample_ids: out.sample_ids,
             dry_run: req.context.dry_run,
             replayed: out.replayed,
+        }))
+    }
+
+    async fn rewind_subscription(
+        &self,
+        request: Request<pb::RewindSubscriptionRequest>,
+    ) -> Result<Response<pb::RewindSubscriptionResponse>, Status> {
+        let caller = self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let context = caller.context(&r.operator);
+        let req = rewind_request(r, context, &self.subscriptions)?;
+        let out = self.admin.rewind(&req).await?;
+        if let Some(id) = out.audit_id {
+            tracing::info!(audit_id = id, subscription = %req.subscription, to_time = %req.to_time,
+                redeliver = req.redeliver, actor = %req.context.actor, "subscription rewind asked for");
+        }
+        Ok(Response::new(pb::RewindSubscriptionResponse {
+            rewind: out.rewind.map(rewind_info),
+            stored_since: out.stored_since,
+            dry_run: req.context.dry_run,
+            replayed: out.replayed,
+            audit_id: out.audit_id.unwrap_or(0),
+        }))
+    }
+
+    async fn list_rewinds(
+        &self,
+        request: Request<pb::ListRewindsRequest>,
+    ) -> Result<Response<pb::ListRewindsResponse>, Status> {
+        self.authorize(request.extensions())?;
+        let r = request.into_inner();
+        let sub = (!r.subscription.is_empty()).then_some(r.subscription.as_str());
+        let rewinds = self.admin.rewinds(sub, page_size(r.page_size)?).await?;
+        Ok(Response::new(pb::ListRewindsResponse {
+            rewinds: rewinds.into_iter().map(rewind_info).collect(),
         }))
     }
 

@@ -144,6 +144,8 @@ pub const OBJECTS: &[&str] = &[
     "inbox_events",
     "inbox_keys",
     "inbox_paused_subscriptions",
+    "inbox_rewind_partitions",
+    "inbox_rewinds",
     "mailroom_dead_letter",
     "mailroom_dead_letters",
     "mailroom_fold_turn",

@@ -1,0 +1,261 @@
+//! Rewinding an inbox subscription to a time (issue 44, item 2), against the broker: the
+//! consumer goes back to the first record at or after the time (looked up in the log
+//! itself where the broker does not answer by time, as tansu does not), drops what it
+//! reads again as duplicates unless the rewind redelivers, and never repeats itself.
+
+use std::time::Duration;
+
+use crate::support::handler::{Accept, Recorder, subscription};
+use crate::support::*;
+use mailroom::pb;
+use mailroom::pb::admin_service_client::AdminServiceClient;
+use rdkafka::producer::FutureRecord;
+use tonic::Code;
+
+async fn metric(addr: std::net::SocketAddr, name: &str) -> f64 {
+    let body = crate::support::probe::scrape(addr).await;
+    body.lines()
+        .filter(|l| l.starts_with(name) && l.contains("subscription=\"rw\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// 20 records on partition 0 of a topic, one second apart by their timestamps, over three keys, all
+/// handled. A dry run of a rewind to the 11th record's time asks nothing; the rewind
+/// itself (no redeliver) sends partition 0 back to offset 10 (its window 10..20 in
+/// `ListRewinds`), the 10 records are read again and dropped as duplicates (the
+/// duplicates counter rises by 10, the handler sees nothing); its request id again asks
+/// nothing new. A redeliver rewind to the 16th record's time hands records 15..19 to the
+/// handler again, in each key's order, once, under `rewind:<id>:…` with `mailroom-rewound-by`.
+/// Bad requests name their field; an unknown subscription is `NOT_FOUND`; a read-only
+/// caller could list but the audit log has both rewinds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_rewound_to_a_time_reads_its_records_again() {
+    let broker = Broker::start();
+    let p = raw_producer(&broker.addr());
+    let db = fresh_pg().await;
+    let handler = Recorder::<Accept>::default();
+    let url = handler.serve().await;
+    let mut c = config(&db);
+    kafka_sink_config(&mut c, &broker.addr(), Duration::from_secs(3));
+    c.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let topic = "rw.topic";
+    c.subscriptions = vec![subscription("rw", &[topic], &url)];
+    let s = Service::start(c).await;
+    let metrics = s.app.metrics_addr.unwrap();
+    let t0 = chrono::Utc::now().timestamp_millis() - 100_000;
+    for i in 0..20i64 {
+        let payload = format!("r{i}");
+        let key = format!("k{}", i % 3);
+        p.send(
+            FutureRecord::<str, str>::to(topic)
+                .partition(0)
+                .key(&key)
+                .payload(&payload)
+                .timestamp(t0 + i * 1000),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    }
+    eventually(Duration::from_secs(60), "20 records handled", || {
+        let h = &handler;
+        async move { h.calls().len() == 20 }
+    })
+    .await;
+    let mut a = AdminServiceClient::new(channel(s.app.addr).await);
+    let at = |ms: i64| {
+        Some(pb::time::to_timestamp(
+            chrono::DateTime::from_timestamp_millis(ms).unwrap(),
+        ))
+    };
+    let ask = pb::RewindSubscriptionRequest {
+        subscription: "rw".into(),
+        to_time: at(t0 + 10_000),
+        operator: "ann".into(),
+        request_id: "rw-1".into(),
+        ..Default::default()
+    };
+    let dry = a
+        .rewind_subscription(ask.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        dry.dry_run && dry.rewind.is_none() && dry.stored_since == 20,
+        "{dry:?}"
+    );
+    for (bad, field) in [
+        (
+            pb::RewindSubscriptionRequest {
+                to_time: None,
+                ..ask.clone()
+            },
+            "to_time",
+        ),
+        (
+            pb::RewindSubscriptionRequest {
+                to_time: at(t0 + 10_000_000),
+                ..ask.clone()
+            },
+            "to_time",
+        ),
+    ] {
+        let e = a.rewind_subscription(bad).await.unwrap_err();
+        assert_eq!(
+            (e.code(), field_of(&e)),
+            (Code::InvalidArgument, field.into())
+        );
+    }
+    let unknown = a
+        .rewind_subscription(pb::RewindSubscriptionRequest {
+            subscription: "nope".into(),
+            ..ask.clone()
+        })
+        .await;
+    assert_eq!(code(unknown), Code::NotFound);
+    let duplicates_before = metric(metrics, "mailroom_inbox_duplicates_total").await;
+
+    let first = a
+        .rewind_subscription(pb::RewindSubscriptionRequest {
+            confirm: true,
+            ..ask.clone()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first_id = first.rewind.as_ref().unwrap().id;
+    assert!(first.audit_id > 0 && !first.replayed, "{first:?}");
+    let again = a
+        .rewind_subscription(pb::RewindSubscriptionRequest {
+            confirm: true,
+            ..ask.clone()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(again.replayed && again.rewind.unwrap().id == first_id);
+    let lister = a.clone();
+    let window = |rewind: i64| {
+        let mut a = lister.clone();
+        async move {
+            let r = a
+                .list_rewinds(pb::ListRewindsRequest {
+                    subscription: "rw".into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            r.rewinds
+                .into_iter()
+                .find(|r| r.id == rewind)
+                .and_then(|r| {
+                    r.partitions
+                        .into_iter()
+                        .find(|p| p.partition == 0 && p.applied_at.is_some())
+                })
+                .map(|p| (p.from_offset, p.until_offset))
+        }
+    };
+    eventually(Duration::from_secs(30), "partition 0 rewound", || async {
+        window(first_id).await.is_some()
+    })
+    .await;
+    assert_eq!(
+        window(first_id).await,
+        Some((10, 20)),
+        "the first record at or after the time"
+    );
+    eventually(
+        Duration::from_secs(30),
+        "10 records read again as duplicates",
+        || async {
+            metric(metrics, "mailroom_inbox_duplicates_total").await - duplicates_before >= 10.0
+        },
+    )
+    .await;
+    assert_eq!(
+        metric(metrics, "mailroom_inbox_operator_rewinds_total").await,
+        1.0
+    );
+    assert_eq!(
+        handler.calls().len(),
+        20,
+        "nothing handed over again without redeliver"
+    );
+
+    let second = a
+        .rewind_subscription(pb::RewindSubscriptionRequest {
+            to_time: at(t0 + 15_000),
+            redeliver: true,
+            confirm: true,
+            request_id: "rw-2".into(),
+            ..ask.clone()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let rid = second.rewind.unwrap().id;
+    eventually(
+        Duration::from_secs(30),
+        "5 records handed over again",
+        || {
+            let h = &handler;
+            async move { h.calls().len() == 25 }
+        },
+    )
+    .await;
+    assert_eq!(window(rid).await, Some((15, 20)));
+    let again: Vec<(String, String, String)> = handler.calls()[20..]
+        .iter()
+        .map(|c| (c.key.clone(), c.message_id.clone(), c.payload.clone()))
+        .collect();
+    assert!(
+        again
+            .iter()
+            .all(|(_, id, _)| id.starts_with(&format!("rewind:{rid}:"))),
+        "{again:?}"
+    );
+    let mut payloads: Vec<&str> = again.iter().map(|(_, _, p)| p.as_str()).collect();
+    payloads.sort_unstable();
+    assert_eq!(payloads, ["r15", "r16", "r17", "r18", "r19"], "{again:?}");
+    for key in ["k0", "k1", "k2"] {
+        let of_key: Vec<u32> = again
+            .iter()
+            .filter(|(k, _, _)| k == key)
+            .map(|(_, _, p)| p[1..].parse().unwrap())
+            .collect();
+        assert!(
+            of_key.windows(2).all(|w| w[0] < w[1]),
+            "per-key order: {again:?}"
+        );
+    }
+    let tagged = a
+        .list_events(pb::ListEventsRequest {
+            r#box: pb::Box::Inbox as i32,
+            filter: Some(pb::EventFilter {
+                headers: [("mailroom-rewound-by".to_string(), rid.to_string())].into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(tagged.events.len(), 5);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(handler.calls().len(), 25, "each record redelivered once");
+    let audit = a
+        .list_audit(pb::ListAuditRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let rewinds = audit
+        .entries
+        .iter()
+        .filter(|e| e.action == "rewind")
+        .count();
+    assert_eq!(rewinds, 2);
+    s.app.stop().await.unwrap();
+}
