@@ -24,6 +24,9 @@ pub async fn execute(args: AdminArgs) -> anyhow::Result<String> {
         command @ (AdminCommand::Requeue { .. }
         | AdminCommand::Cancel { .. }
         | AdminCommand::Republish { .. }) => actions(&mut c, &t, command).await,
+        command @ (AdminCommand::Rewind { .. } | AdminCommand::Rewinds { .. }) => {
+            super::rewinds::run(&mut c, &t, command).await
+        }
         command @ (AdminCommand::Jobs { .. } | AdminCommand::Job { .. }) => {
             super::jobs::run(&mut c, &t, command).await
         }

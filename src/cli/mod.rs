@@ -11,6 +11,7 @@ mod client;
 mod commands;
 mod jobs;
 mod render;
+mod rewinds;
 
 pub use client::exit_code;
 pub use commands::execute;
@@ -333,6 +334,33 @@ pub enum AdminCommand {
     Paused,
     /// Counts by status and topic, oldest pending age, blocked keys.
     Stats,
+    /// Send `--subscription`'s consumers back to a time: each partition to its first
+    /// record at or after `--to` (dry run unless --yes). Records read again are dropped as
+    /// duplicates unless `--redeliver`.
+    Rewind {
+        /// The time to go back to (RFC 3339).
+        #[arg(long)]
+        to: DateTime<Utc>,
+        /// Hand the records read again to the handler as new messages.
+        #[arg(long)]
+        redeliver: bool,
+        /// Act; without it only show what would be read again.
+        #[arg(long)]
+        yes: bool,
+        /// Idempotency of the action: a repeated id acts once [default: a new UUID].
+        #[arg(long)]
+        request_id: Option<String>,
+        /// Name recorded in the audit log [default: $USER].
+        #[arg(long)]
+        operator: Option<String>,
+    },
+    /// The rewinds asked for, newest first, with the partitions each was applied to
+    /// (`--subscription` narrows them to one subscription).
+    Rewinds {
+        /// At most this many.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
     /// The background jobs, newest first.
     Jobs {
         /// Jobs per page.

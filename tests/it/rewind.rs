@@ -246,6 +246,42 @@ async fn a_subscription_rewound_to_a_time_reads_its_records_again() {
     assert_eq!(tagged.events.len(), 5);
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(handler.calls().len(), 25, "each record redelivered once");
+    // The CLI: a dry run, and the list with each rewind's window.
+    use crate::support::cli::admin_cli_json;
+    let to = chrono::DateTime::from_timestamp_millis(t0)
+        .unwrap()
+        .to_rfc3339();
+    let dry = admin_cli_json(
+        s.app.addr,
+        None,
+        &["--subscription", "rw", "rewind", "--to", &to],
+    )
+    .await;
+    assert_eq!(
+        (dry["dry_run"].as_bool(), dry["stored_since"].as_i64()),
+        (Some(true), Some(25)),
+        "{dry}"
+    );
+    let listed = admin_cli_json(s.app.addr, None, &["--subscription", "rw", "rewinds"]).await;
+    let ids: Vec<i64> = listed["rewinds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ids, [rid, first_id], "{listed}");
+    let p0 = listed["rewinds"][0]["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["partition"] == 0)
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (p0["from_offset"].as_i64(), p0["until_offset"].as_i64()),
+        (Some(15), Some(20)),
+        "{listed}"
+    );
     let audit = a
         .list_audit(pb::ListAuditRequest::default())
         .await
@@ -258,4 +294,84 @@ async fn a_subscription_rewound_to_a_time_reads_its_records_again() {
         .count();
     assert_eq!(rewinds, 2);
     s.app.stop().await.unwrap();
+}
+
+/// The store's side on both engines: a rewind and its audit entry, a request id that
+/// asks once, a partition's window recorded once (applying again keeps the first one)
+/// and then marked applied, and the listing with its partitions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewind_rows_are_the_same_on_both_engines() {
+    use mailroom::domain::admin::{ActionContext, RewindPartition, RewindRequest};
+    for engine in ENGINES {
+        let (s, _url, _guard) = quiet_on(&engine).await;
+        let store = &s.app.store;
+        let mut r = RewindRequest {
+            subscription: "rw".into(),
+            to_time: chrono::Utc::now() - chrono::Duration::minutes(5),
+            redeliver: true,
+            context: ActionContext {
+                dry_run: true,
+                request_id: Some("q-1".into()),
+                ..ActionContext::by("ann")
+            },
+        };
+        let dry = store.start_rewind(&r).await.unwrap();
+        assert!(
+            dry.rewind.is_none() && dry.audit_id.is_none(),
+            "{engine:?}: {dry:?}"
+        );
+        r.context.dry_run = false;
+        let first = store.start_rewind(&r).await.unwrap();
+        let id = first.rewind.as_ref().unwrap().id;
+        assert!(first.audit_id.is_some() && !first.replayed, "{engine:?}");
+        let again = store.start_rewind(&r).await.unwrap();
+        assert!(
+            again.replayed && again.rewind.unwrap().id == id,
+            "{engine:?}"
+        );
+        let window = RewindPartition {
+            rewind_id: id,
+            topic: "t".into(),
+            partition: 3,
+            from_offset: 10,
+            until_offset: 20,
+            applied_at: None,
+        };
+        assert_eq!(
+            store.intend_rewind(&window).await.unwrap(),
+            window,
+            "{engine:?}"
+        );
+        let later = RewindPartition {
+            from_offset: 12,
+            until_offset: 30,
+            ..window.clone()
+        };
+        assert_eq!(
+            store.intend_rewind(&later).await.unwrap(),
+            window,
+            "{engine:?}: the first window stays"
+        );
+        store.rewind_applied(&window).await.unwrap();
+        let listed = store.rewinds(Some("rw"), None, 10).await.unwrap();
+        assert_eq!(listed.len(), 1, "{engine:?}");
+        let p = &listed[0].partitions;
+        assert_eq!(p.len(), 1, "{engine:?}");
+        assert!(
+            p[0].applied_at.is_some() && p[0].from_offset == 10 && p[0].partition == 3,
+            "{engine:?}: {p:?}"
+        );
+        assert!(
+            listed[0].redeliver && listed[0].actor == "ann",
+            "{engine:?}"
+        );
+        assert!(
+            store
+                .rewinds(Some("other"), None, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        s.app.stop().await.unwrap();
+    }
 }
