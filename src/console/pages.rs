@@ -8,7 +8,8 @@ use maud::{DOCTYPE, Markup, PreEscaped, html};
 use super::{BacklogFilter, EventsFilter, Target};
 use crate::domain::Status;
 use crate::domain::admin::{
-    AuditPage, EventDetail, EventsPage, KeyBacklog, PendingPage, Stats, TopicPause, TopicStats,
+    AuditPage, EventDetail, EventsPage, KeyBacklog, PendingPage, RewindStart, Stats, TopicPause,
+    TopicStats,
 };
 
 mod event;

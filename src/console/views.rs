@@ -370,6 +370,9 @@ pub(super) async fn page_post(
         return refusal;
     }
     if let Some((target, Page::Overview)) = route(&c, &path) {
+        if param(&fields, "action") == Some("rewind") {
+            return rewind_post(&c, &nav, &access, &target, &form).await;
+        }
         return pause_post(&c, &nav, &access, &target, &fields).await;
     }
     let Some((target, Page::Events)) = route(&c, &path) else {
@@ -735,5 +738,66 @@ pub(super) async fn jobs_post(
             }
         }
         _ => error_page(Some(&nav), &Error::invalid("action", "start or cancel")),
+    }
+}
+
+/// Rewinds an inbox subscription from its overview: the dry run's count first, then the
+/// confirmed rewind, then back to the overview.
+async fn rewind_post(
+    c: &Console,
+    nav: &pages::Nav,
+    access: &Access,
+    target: &Target,
+    form: &[(String, String)],
+) -> Response {
+    let fields: Params = form.iter().cloned().collect();
+    let Target::Inbox(sub) = target else {
+        return error_page(
+            Some(nav),
+            &Error::invalid("action", "rewind is for an inbox subscription"),
+        );
+    };
+    let to = param(&fields, "to").unwrap_or("");
+    let to_time = chrono::DateTime::parse_from_rfc3339(to)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .ok()
+        .or_else(|| {
+            ["%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M"]
+                .iter()
+                .find_map(|f| {
+                    chrono::NaiveDateTime::parse_from_str(to, f)
+                        .ok()
+                        .map(|n| n.and_utc())
+                })
+        });
+    let req = crate::pb::RewindSubscriptionRequest {
+        subscription: sub.clone(),
+        to_time: to_time.map(crate::pb::time::to_timestamp),
+        redeliver: param(&fields, "redeliver") == Some("yes"),
+        confirm: param(&fields, "confirm") == Some("yes"),
+        operator: String::new(),
+        request_id: param(&fields, "request_id").unwrap_or("").to_string(),
+    };
+    let context = ActionContext {
+        principal: access.name.clone(),
+        ..ActionContext::by(access.actor())
+    };
+    // The gRPC request's own validation, not a copy.
+    let out = match crate::api::admin::rewinds::rewind_request(req, context, &c.inner.subscriptions)
+    {
+        Ok(r) => c.inner.admin.rewind(&r).await,
+        Err(e) => Err(e),
+    };
+    match out {
+        Ok(start) if start.rewind.is_none() => {
+            pages::rewind_preview(nav, target, &start, form).into_response()
+        }
+        Ok(start) => {
+            if let Some(id) = start.audit_id {
+                tracing::info!(audit_id = id, subscription = %sub, actor = %access.actor(), "console rewind");
+            }
+            axum::response::Redirect::to(&target.base()).into_response()
+        }
+        Err(e) => error_page(Some(nav), &e),
     }
 }

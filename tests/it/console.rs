@@ -1386,7 +1386,8 @@ async fn the_console_republishes_completed_events() {
 }
 
 /// Issue 44, item 2: an inbox subscription is paused and resumed from its console page;
-/// the page shows the pause, and the pause is the same one the RPCs see.
+/// the page shows the pause, and the pause is the same one the RPCs see. The same page
+/// rewinds the subscription (a dry run, then the rewind asked for once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_pauses_and_resumes_a_subscription() {
     let url = fresh_pg().await;
@@ -1439,6 +1440,50 @@ async fn the_console_pauses_and_resumes_a_subscription() {
     assert!(r.starts_with("HTTP/1.1 303"), "{r}");
     let r = get().await;
     assert!(!r.contains("This subscription is paused"), "{r}");
+
+    // A rewind from the same page: the dry run's count, then the confirmed rewind (sent
+    // twice, asked once), the same one ListRewinds sees.
+    assert!(r.contains("rewind-subscription"), "{r}");
+    let r = post("action=rewind&to=2026-12-01T10%3A00&redeliver=yes").await;
+    assert!(
+        r.starts_with("HTTP/1.1 200")
+            && r.contains("message(s) stored since then")
+            && r.contains("as a new message"),
+        "{r}"
+    );
+    assert!(
+        s.app
+            .store
+            .rewinds(Some("billing"), None, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a dry run asks nothing"
+    );
+    for _ in 0..2 {
+        let r = post(
+            "action=rewind&to=2026-12-01T10%3A00&redeliver=yes&confirm=yes&request_id=console-rw-1",
+        )
+        .await;
+        assert!(r.starts_with("HTTP/1.1 303"), "{r}");
+    }
+    let rewinds = s
+        .app
+        .store
+        .rewinds(Some("billing"), None, 10)
+        .await
+        .unwrap();
+    assert_eq!(rewinds.len(), 1, "{rewinds:?}");
+    assert!(
+        rewinds[0].redeliver
+            && rewinds[0]
+                .to_time
+                .to_rfc3339()
+                .starts_with("2026-12-01T10:00:00"),
+        "{rewinds:?}"
+    );
+    let r = post("action=rewind&to=not-a-time").await;
+    assert!(r.contains("to_time"), "{r}");
     s.app.stop().await.unwrap();
 }
 

@@ -52,6 +52,12 @@ pub fn overview(
                         button type="submit" name="action" value="resume" id="resume-subscription" { "Resume dispatching" }
                     }
                 }
+                form.pause #subscription-rewind method="post" action=(base) {
+                    (csrf(nav))
+                    label { "Rewind to (UTC) " input type="datetime-local" step="1" name="to" required; }
+                    label { input type="checkbox" name="redeliver" value="yes"; " hand the records read again to the handler" }
+                    button type="submit" name="action" value="rewind" id="rewind-subscription" { "Rewind…" }
+                }
             }
             h2 { "Rate" }
             (rate_chart(per_minute, covered, what))
@@ -305,6 +311,39 @@ pub fn audit(nav: &Nav, page: &AuditPage) -> Markup {
                 }
             }
             @if let Some(n) = page.next_before_id { p.pager { a href={"/audit?before=" (n)} { "older →" } } }
+        },
+    )
+}
+
+/// The dry run of a subscription rewind, with its confirmation.
+pub fn rewind_preview(
+    nav: &Nav,
+    t: &Target,
+    start: &RewindStart,
+    fields: &[(String, String)],
+) -> Markup {
+    let base = t.base();
+    layout(
+        Some(nav),
+        &t.title(),
+        &base,
+        None,
+        html! {
+            h1 { (t.title()) }
+            (tabs(t, ""))
+            section.notice {
+                p { "The subscription has " strong { (start.stored_since) } " message(s) stored since then: its consumers would read them again, "
+                    @if fields.iter().any(|(k, v)| k == "redeliver" && v == "yes") { "and hand each to the handler again as a new message." }
+                    @else { "and drop those still kept as duplicates." } }
+                form method="post" action=(base) {
+                    @for (k, v) in fields { @if k != "confirm" && k != "csrf" && k != "request_id" { input type="hidden" name=(k) value=(v); } }
+                    input type="hidden" name="confirm" value="yes";
+                    input type="hidden" name="request_id" value=(request_id());
+                    (csrf(nav))
+                    button.danger type="submit" { "Rewind" }
+                    " " a href=(base) { "cancel" }
+                }
+            }
         },
     )
 }
