@@ -214,14 +214,7 @@ impl JobRunner {
                 .admin
                 .store_copies(job.box_kind, copies, &format!("job-{}", job.id))
                 .await?;
-            let step = JobStep {
-                done: copied.len() as i64,
-                after_id: if ids.len() < limit as usize {
-                    job.through_id
-                } else {
-                    ids.last().copied().unwrap_or(job.through_id)
-                },
-            };
+            let step = JobStep::of_page(copied.len() as i64, &ids, limit, job.through_id);
             return Ok(self
                 .admin
                 .store()

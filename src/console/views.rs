@@ -39,22 +39,40 @@ pub(super) fn param<'a>(p: &'a Params, k: &str) -> Option<&'a str> {
     p.get(k).map(|s| s.trim()).filter(|s| !s.is_empty())
 }
 
+/// A list page's caller and where the page starts (`?before=<id>`), or the response
+/// that refuses the request.
+fn list_request(
+    c: &Console,
+    peer: &Peer,
+    headers: &HeaderMap,
+    q: &Params,
+    path: &str,
+) -> Result<(pages::Nav, Option<i64>), Response> {
+    let access = match c.access(headers, peer.0) {
+        Ok(Some(a)) => a,
+        Ok(None) => return Err(unauthorized(headers, path)),
+        Err(too_many) => return Err(too_many.into_response()),
+    };
+    let nav = c.nav(&access);
+    match param(q, "before").map(str::parse::<i64>) {
+        None => Ok((nav, None)),
+        Some(Ok(b)) => Ok((nav, Some(b))),
+        Some(Err(_)) => Err(error_page(
+            Some(&nav),
+            &Error::invalid("before", "not an id"),
+        )),
+    }
+}
+
 pub(super) async fn audit(
     State(c): State<Console>,
     peer: Peer,
     headers: HeaderMap,
     Query(q): Query<Params>,
 ) -> Response {
-    let access = match c.access(&headers, peer.0) {
-        Ok(Some(a)) => a,
-        Ok(None) => return unauthorized(&headers, "/audit"),
-        Err(too_many) => return too_many.into_response(),
-    };
-    let nav = c.nav(&access);
-    let before = match param(&q, "before").map(str::parse::<i64>) {
-        None => None,
-        Some(Ok(b)) => Some(b),
-        Some(Err(_)) => return error_page(Some(&nav), &Error::invalid("before", "not an id")),
+    let (nav, before) = match list_request(&c, &peer, &headers, &q, "/audit") {
+        Ok(r) => r,
+        Err(refused) => return *refused,
     };
     match c.inner.admin.list_audit(LIST_PAGE, before).await {
         Ok(page) => pages::audit(&nav, &page).into_response(),
@@ -627,16 +645,9 @@ pub(super) async fn jobs_get(
     headers: HeaderMap,
     Query(q): Query<Params>,
 ) -> Response {
-    let access = match c.access(&headers, peer.0) {
-        Ok(Some(a)) => a,
-        Ok(None) => return unauthorized(&headers, "/jobs"),
-        Err(too_many) => return too_many.into_response(),
-    };
-    let nav = c.nav(&access);
-    let before = match param(&q, "before").map(str::parse::<i64>) {
-        None => None,
-        Some(Ok(b)) => Some(b),
-        Some(Err(_)) => return error_page(Some(&nav), &Error::invalid("before", "not an id")),
+    let (nav, before) = match list_request(&c, &peer, &headers, &q, "/jobs") {
+        Ok(r) => r,
+        Err(refused) => return *refused,
     };
     jobs_page(&c, &nav, before, None).await
 }

@@ -202,6 +202,22 @@ pub struct JobStep {
     pub after_id: i64,
 }
 
+impl JobStep {
+    /// The step of a page that changed or copied `done` of the `ids` it selected (at
+    /// most `limit`, in id order): a short page is the job's last, so the job's next
+    /// page starts past `through_id`, its bound.
+    pub fn of_page(done: i64, ids: &[i64], limit: u32, through_id: i64) -> JobStep {
+        let last = ids.len() < limit as usize;
+        JobStep {
+            done,
+            after_id: match ids.last() {
+                Some(id) if !last => *id,
+                _ => through_id,
+            },
+        }
+    }
+}
+
 /// The job after a page was recorded: its state (an operator may have asked it to
 /// stop meanwhile) and counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -212,4 +228,37 @@ pub struct JobProgress {
     pub done: i64,
     /// Where the next page starts.
     pub after_id: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_short_page_ends_the_job_and_a_full_one_goes_on_after_its_last_id() {
+        assert_eq!(
+            JobStep::of_page(3, &[4, 7, 9], 3, 50),
+            JobStep {
+                done: 3,
+                after_id: 9
+            }
+        );
+        assert_eq!(
+            JobStep::of_page(2, &[4, 7], 3, 50),
+            JobStep {
+                done: 2,
+                after_id: 50
+            }
+        );
+        assert_eq!(
+            JobStep::of_page(0, &[], 3, 50),
+            JobStep {
+                done: 0,
+                after_id: 50
+            }
+        );
+        assert_eq!(JobKind::parse("redeliver"), Some(JobKind::Redeliver));
+        assert!(JobState::parse("cancelled").is_some_and(JobState::ended));
+        assert!(!JobState::Cancelling.ended());
+    }
 }

@@ -387,15 +387,7 @@ impl<E: AdminSql> JobStore for E {
                 return Err(StoreError::other("copies are not changed in the store"));
             }
         };
-        // A short page is the last: the job's bound is reached.
-        let step = JobStep {
-            done: ids.len() as i64,
-            after_id: if ids.len() < JOB_PAGE as usize {
-                job.through_id
-            } else {
-                ids.last().copied().unwrap_or(job.through_id)
-            },
-        };
+        let step = JobStep::of_page(ids.len() as i64, &ids, JOB_PAGE, job.through_id);
         match advance_in(self, &mut tx, job, owner, step, lease).await? {
             // Cancelled while the page ran: the page is undone, so a cancel stops the job
             // at the last page recorded before it.
