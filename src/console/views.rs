@@ -47,20 +47,20 @@ fn list_request(
     headers: &HeaderMap,
     q: &Params,
     path: &str,
-) -> Result<(pages::Nav, Option<i64>), Response> {
+) -> Result<(pages::Nav, Option<i64>), Box<Response>> {
     let access = match c.access(headers, peer.0) {
         Ok(Some(a)) => a,
-        Ok(None) => return Err(unauthorized(headers, path)),
-        Err(too_many) => return Err(too_many.into_response()),
+        Ok(None) => return Err(Box::new(unauthorized(headers, path))),
+        Err(too_many) => return Err(Box::new(too_many.into_response())),
     };
     let nav = c.nav(&access);
     match param(q, "before").map(str::parse::<i64>) {
         None => Ok((nav, None)),
         Some(Ok(b)) => Ok((nav, Some(b))),
-        Some(Err(_)) => Err(error_page(
+        Some(Err(_)) => Err(Box::new(error_page(
             Some(&nav),
             &Error::invalid("before", "not an id"),
-        )),
+        ))),
     }
 }
 
