@@ -3,13 +3,15 @@
 //! the partitions it holds, once per partition, and tags the records a `redeliver`
 //! rewind reads again.
 //!
-//! Applying, at the consumer's periodic check (between batches, like `rewind`): for a
-//! rewind asked for in the last [`APPLY_WITHIN`] that this consumer's partition has not
-//! had, the partition's first offset at or after the rewind's time is looked up
-//! ([`offset_for_time`]), the window (that offset up to the current position) is
-//! recorded, the consumer seeks to it and commits it (so a restart starts there too),
-//! and the partition is marked applied. A crash in between applies the recorded window
-//! again. A partition is never moved forward: a time past the position changes nothing.
+//! Applying, at the consumer's periodic check (between batches, like `rewind`): for the
+//! oldest rewind asked for in the last [`APPLY_WITHIN`] that a partition this consumer
+//! holds has not had, the partition's first offset at or after the rewind's time is
+//! looked up ([`offset_for_time`]) in the background (broker requests never hold
+//! consumption up); at a later check the window (that offset up to the current
+//! position) is recorded, the consumer seeks to it and commits it (so a restart starts
+//! there too), and the partition is marked applied. A crash in between applies the
+//! recorded window again. A partition is never moved forward: a time past the position
+//! changes nothing.
 //!
 //! Tagging: a record inside the window of a `redeliver` rewind is stored under the
 //! identity `rewind:<rewind id>:<its identity>` with the header `mailroom-rewound-by`,
@@ -60,6 +62,8 @@ pub struct Rewinds {
     windows: HashMap<(String, i32), Vec<Window>>,
     /// Partitions whose windows were read since the last check.
     fresh: HashSet<(String, i32)>,
+    /// Lookups of where a rewind sends a partition, by (rewind, topic, partition).
+    lookups: HashMap<(i64, String, i32), tokio::task::JoinHandle<anyhow::Result<Found>>>,
 }
 
 impl Rewinds {
@@ -71,6 +75,7 @@ impl Rewinds {
             config,
             windows: HashMap::new(),
             fresh: HashSet::new(),
+            lookups: HashMap::new(),
         }
     }
 
@@ -81,7 +86,10 @@ impl Rewinds {
     }
 
     /// Applies the subscription's open rewinds to the partitions `consumer` holds; how
-    /// many partitions it moved. Between batches only.
+    /// many partitions it moved. Between batches only: it seeks. The broker requests that
+    /// find where a partition goes (which a partition that never answers can make last)
+    /// run in the background and are applied at a later check, so consumption never
+    /// waits on them.
     pub async fn apply(&mut self, consumer: &Arc<StreamConsumer>) -> u64 {
         self.fresh.clear();
         let open = match self
@@ -95,42 +103,81 @@ impl Rewinds {
                 return 0;
             }
         };
+        let assigned: Vec<(String, i32)> = match consumer.assignment() {
+            Ok(a) => a
+                .elements()
+                .iter()
+                .map(|e| (e.topic().to_string(), e.partition()))
+                .collect(),
+            Err(_) => return 0,
+        };
         let mut moved = 0;
-        // Oldest first: a later rewind of the same partition starts from where the
-        // earlier one left it.
-        for rewind in open.iter().rev() {
-            let assigned: Vec<(String, i32)> = match consumer.assignment() {
-                Ok(a) => a
-                    .elements()
-                    .iter()
-                    .map(|e| (e.topic().to_string(), e.partition()))
-                    .collect(),
-                Err(_) => return moved,
-            };
-            for (topic, partition) in assigned {
-                let done = rewind
+        for (topic, partition) in assigned {
+            // The oldest rewind the partition has not had: a later one waits for it, so
+            // it starts from where the earlier one left the partition.
+            let Some((rewind, recorded)) = open.iter().rev().find_map(|r| {
+                let row = r
                     .partitions
                     .iter()
                     .find(|p| p.topic == topic && p.partition == partition);
-                if done.is_some_and(|p| p.applied_at.is_some()) {
+                match row {
+                    Some(p) if p.applied_at.is_some() => None,
+                    row => Some((r, row)),
+                }
+            }) else {
+                continue;
+            };
+            let key = (rewind.id, topic.clone(), partition);
+            let found = match (recorded, self.lookups.get(&key)) {
+                // A window recorded before a crash is applied as it was recorded.
+                (Some(r), _) => Found {
+                    from: r.from_offset,
+                    committed: None,
+                },
+                (None, Some(h)) if h.is_finished() => {
+                    let h = self.lookups.remove(&key).expect("the lookup is there");
+                    match h.await {
+                        Ok(Ok(found)) => found,
+                        Ok(Err(e)) => {
+                            tracing::warn!(subscription = %self.subscription, rewind = rewind.id,
+                                topic, partition, error = %e, "finding where to rewind a partition failed; tried again");
+                            continue;
+                        }
+                        Err(e) => {
+                            tracing::warn!(subscription = %self.subscription, error = %e, "a rewind lookup died");
+                            continue;
+                        }
+                    }
+                }
+                (None, Some(_)) => continue,
+                (None, None) => {
+                    let (c, config, t) = (consumer.clone(), self.config.clone(), topic.clone());
+                    let to_ms = rewind.to_time.timestamp_millis();
+                    let lookup = tokio::task::spawn_blocking(move || -> anyhow::Result<Found> {
+                        Ok(Found {
+                            from: offset_for_time(&c, &config, &t, partition, to_ms)?,
+                            committed: committed_of(&c, &t, partition)?,
+                        })
+                    });
+                    self.lookups.insert(key, lookup);
                     continue;
                 }
-                match self
-                    .apply_one(consumer, rewind, &topic, partition, done)
-                    .await
-                {
-                    Ok(true) => moved += 1,
-                    Ok(false) => {}
-                    Err(e) => tracing::warn!(subscription = %self.subscription, rewind = rewind.id,
-                        topic, partition, error = %e, "rewinding a partition failed; tried again at the next check"),
-                }
+            };
+            match self
+                .apply_one(consumer, rewind, &topic, partition, recorded, found)
+                .await
+            {
+                Ok(true) => moved += 1,
+                Ok(false) => {}
+                Err(e) => tracing::warn!(subscription = %self.subscription, rewind = rewind.id,
+                    topic, partition, error = %e, "rewinding a partition failed; tried again at the next check"),
             }
         }
         moved
     }
 
-    /// Applies `rewind` to one partition (`recorded`: its window, if one was recorded);
-    /// whether the position moved.
+    /// Applies `rewind` to one partition whose target `found` found (`recorded`: the
+    /// window recorded before, if any); whether the position moved.
     async fn apply_one(
         &self,
         consumer: &Arc<StreamConsumer>,
@@ -138,21 +185,14 @@ impl Rewinds {
         topic: &str,
         partition: i32,
         recorded: Option<&RewindPartition>,
+        found: Found,
     ) -> anyhow::Result<bool> {
-        let (c, config) = (consumer.clone(), self.config.clone());
-        let (t, to_ms) = (topic.to_string(), rewind.to_time.timestamp_millis());
-        let found = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<(i64, i64)>> {
-            let Some(position) = position_of(&c, &t, partition)? else {
-                return Ok(None);
-            };
-            let from = offset_for_time(&c, &config, &t, partition, to_ms)?;
-            Ok(Some((from, position)))
-        })
-        .await??;
-        let Some((from, position)) = found else {
-            // Nothing read from the partition yet: its position is not known.
-            return Ok(false);
-        };
+        // The position now (local, between batches), or the committed offset the lookup
+        // read when the consumer has read nothing from the partition yet; with neither
+        // (the group never read it: it starts at its log start anyway), the target.
+        let position = position_of(consumer, topic, partition)?
+            .or(found.committed)
+            .unwrap_or(found.from);
         let window = match recorded {
             Some(r) => r.clone(),
             None => {
@@ -160,7 +200,7 @@ impl Rewinds {
                     rewind_id: rewind.id,
                     topic: topic.to_string(),
                     partition,
-                    from_offset: from.min(position),
+                    from_offset: found.from.min(position),
                     until_offset: position,
                     applied_at: None,
                 };
@@ -243,22 +283,38 @@ impl Rewinds {
     }
 }
 
-/// The consumer's position on a partition (the next offset it hands out), or its
-/// committed offset when it has read nothing yet; `None` when neither is known.
+/// Where a rewind sends a partition, found in the background.
+struct Found {
+    /// The first offset at or after the rewind's time.
+    from: i64,
+    /// The group's committed offset, for a partition the consumer has read nothing from.
+    committed: Option<i64>,
+}
+
+/// `tpl`'s offset of one partition, when it is one.
+fn offset_in(tpl: &TopicPartitionList, topic: &str, partition: i32) -> Option<i64> {
+    tpl.find_partition(topic, partition)
+        .and_then(|e| match e.offset() {
+            Offset::Offset(o) => Some(o),
+            _ => None,
+        })
+}
+
+/// The consumer's position on a partition (the next offset it hands out; local, no
+/// broker request), `None` when it has read nothing from it yet.
 fn position_of(c: &StreamConsumer, topic: &str, partition: i32) -> anyhow::Result<Option<i64>> {
-    let at = |tpl: &TopicPartitionList| {
-        tpl.find_partition(topic, partition)
-            .and_then(|e| match e.offset() {
-                Offset::Offset(o) => Some(o),
-                _ => None,
-            })
-    };
-    if let Some(o) = at(&c.position()?) {
-        return Ok(Some(o));
-    }
+    Ok(offset_in(&c.position()?, topic, partition))
+}
+
+/// The group's committed offset of a partition (a broker request).
+fn committed_of(c: &StreamConsumer, topic: &str, partition: i32) -> anyhow::Result<Option<i64>> {
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition(topic, partition);
-    Ok(at(&c.committed_offsets(tpl, REQUEST_TIMEOUT)?))
+    Ok(offset_in(
+        &c.committed_offsets(tpl, REQUEST_TIMEOUT)?,
+        topic,
+        partition,
+    ))
 }
 
 /// The first offset of a partition whose record's timestamp is at or after `to_ms` (the
