@@ -375,3 +375,126 @@ async fn rewind_rows_are_the_same_on_both_engines() {
         s.app.stop().await.unwrap();
     }
 }
+
+/// A partition whose leader never answers `ListOffsets` (a protocol proxy swallows every
+/// one) cannot be rewound yet, but the subscription keeps consuming: records written
+/// while the rewind waits are all handled, none later than a few seconds. Once the
+/// broker answers again, the rewind applies (partition 0 back to its start) and, with
+/// `redeliver`, every record of the window is handed over again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rewind_the_broker_never_answers_holds_no_consumption_up() {
+    use crate::support::kafka_proxy::KafkaProxy;
+    let proxy = KafkaProxy::listen().await;
+    let broker = Broker::start_advertising(free_port(), &proxy.addr());
+    proxy.set_upstream(&broker.addr());
+    let p = raw_producer(&proxy.addr());
+    let db = fresh_pg().await;
+    let handler = Recorder::<Accept>::default();
+    let url = handler.serve().await;
+    let mut c = config(&db);
+    kafka_sink_config(&mut c, &proxy.addr(), Duration::from_secs(3));
+    let topic = "rw.stalled";
+    c.subscriptions = vec![subscription("rw", &[topic], &url)];
+    let s = Service::start(c).await;
+    let send = |i: i64| {
+        let p = p.clone();
+        async move {
+            let payload = format!("r{i}");
+            p.send(
+                FutureRecord::<str, str>::to(topic)
+                    .partition(0)
+                    .key("k")
+                    .payload(&payload),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    for i in 0..5 {
+        send(i).await;
+    }
+    let handled = |n: usize| {
+        let h = handler.clone();
+        async move { h.calls().len() >= n }
+    };
+    eventually(Duration::from_secs(60), "5 records handled", || handled(5)).await;
+    proxy.swallow_list_offsets(true);
+    let mut a = AdminServiceClient::new(channel(s.app.addr).await);
+    let rewind = a
+        .rewind_subscription(pb::RewindSubscriptionRequest {
+            subscription: "rw".into(),
+            to_time: Some(pb::time::to_timestamp(
+                chrono::Utc::now() - chrono::Duration::hours(1),
+            )),
+            redeliver: true,
+            confirm: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .rewind
+        .unwrap();
+    // Ten records over about 10 s while every lookup hangs: each handled within 5 s.
+    let mut slowest = Duration::ZERO;
+    for i in 5..15 {
+        let sent = std::time::Instant::now();
+        send(i).await;
+        eventually(
+            Duration::from_secs(5),
+            "a record handled while the rewind waits",
+            || handled(i as usize + 1),
+        )
+        .await;
+        slowest = slowest.max(sent.elapsed());
+        tokio::time::sleep(Duration::from_millis(800)).await;
+    }
+    assert!(proxy.swallowed() > 0, "the lookups met the fault");
+    let applied = |id: i64| {
+        let mut a = a.clone();
+        async move {
+            a.list_rewinds(pb::ListRewindsRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .rewinds
+                .into_iter()
+                .find(|r| r.id == id)
+                .and_then(|r| {
+                    r.partitions
+                        .into_iter()
+                        .find(|p| p.partition == 0 && p.applied_at.is_some())
+                })
+        }
+    };
+    assert!(
+        applied(rewind.id).await.is_none(),
+        "not applied without an answer"
+    );
+    assert_eq!(handler.calls().len(), 15, "nothing redelivered yet");
+    proxy.swallow_list_offsets(false);
+    eventually(Duration::from_secs(60), "the rewind applied", || async {
+        applied(rewind.id).await.is_some()
+    })
+    .await;
+    let w = applied(rewind.id).await.unwrap();
+    assert_eq!((w.from_offset, w.until_offset), (0, 15));
+    eventually(
+        Duration::from_secs(30),
+        "15 records handed over again",
+        || handled(30),
+    )
+    .await;
+    let again: Vec<String> = handler.calls()[15..]
+        .iter()
+        .map(|c| c.payload.clone())
+        .collect();
+    let want: Vec<String> = (0..15).map(|i| format!("r{i}")).collect();
+    assert_eq!(again, want, "one key: in offset order");
+    eprintln!(
+        "stalled rewind: {} ListOffsets swallowed; slowest record while waiting {slowest:?}",
+        proxy.swallowed()
+    );
+    s.app.stop().await.unwrap();
+}

@@ -18,6 +18,8 @@
 //! - `refuse_marker`: the same for a partition batch any of whose (uncompressed) records
 //!   holds a byte marker, as a broker refuses one record (`INVALID_RECORD`,
 //!   `POLICY_VIOLATION`...) and with it its whole batch (KIP-467).
+//! - `swallow_list_offsets`: `ListOffsets` requests are neither forwarded nor answered,
+//!   as by a partition leader that never answers (`swallowed` counts them).
 //!
 //! Like a real broker, once a batch of a producer's partition is refused, a later batch
 //! of that producer and partition (same epoch, higher base sequence) is not appended but
@@ -53,6 +55,10 @@ struct Faults {
     no_topic_ids: std::sync::atomic::AtomicBool,
     /// Whether `Fetch` answers for missing topics lose their leader tags.
     kafka_missing_topics: std::sync::atomic::AtomicBool,
+    /// Whether `ListOffsets` requests are dropped unanswered.
+    swallow_list_offsets: std::sync::atomic::AtomicBool,
+    /// `ListOffsets` requests dropped: proof that the fault fired.
+    swallowed: AtomicU64,
     /// Metadata responses in which a leader was hidden: proof that the fault fired.
     hidden_answers: AtomicU64,
     refused: Mutex<HashMap<(String, i32), i16>>,
@@ -212,6 +218,18 @@ impl KafkaProxy {
         self.faults.refusals.load(Ordering::Relaxed)
     }
 
+    /// Drops every `ListOffsets` request from now on (`false`: forwards them again).
+    pub fn swallow_list_offsets(&self, on: bool) {
+        self.faults
+            .swallow_list_offsets
+            .store(on, Ordering::Relaxed);
+    }
+
+    /// `ListOffsets` requests dropped so far.
+    pub fn swallowed(&self) -> u64 {
+        self.faults.swallowed.load(Ordering::Relaxed)
+    }
+
     /// Metadata responses that hid a leader so far.
     pub fn hidden_answers(&self) -> u64 {
         self.faults.hidden_answers.load(Ordering::Relaxed)
@@ -242,6 +260,10 @@ async fn connection(client: TcpStream, server: TcpStream, faults: Arc<Faults>) {
             }
             let mut h = frame.clone();
             let (key, version, correlation) = (h.get_i16(), h.get_i16(), h.get_i32());
+            if key == ApiKey::ListOffsets as i16 && f.swallow_list_offsets.load(Ordering::Relaxed) {
+                f.swallowed.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             let (frame, refused) = if key == ApiKey::Produce as i16 {
                 refuse(frame.clone(), version, &f).unwrap_or((Some(frame), Vec::new()))
             } else {
