@@ -119,7 +119,8 @@ pub(crate) enum JobSql {
 /// The rewind statements (`inbox_rewinds`, `inbox_rewind_partitions`, migration 0026).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum RewindSql {
-    /// subscription, time: one row `n`, the subscription's messages stored since then.
+    /// subscription, time: one row `n`, the subscription's messages stored since then
+    /// (at most 100,000 counted).
     StoredSince,
     /// subscription, request id: the rewind that request id asked for.
     OfRequest,

@@ -4,6 +4,9 @@
 use super::Shape;
 use crate::store::admin_sql::RewindSql;
 
+/// The most messages a rewind's estimate counts.
+pub const STORED_SINCE_CAP: i64 = 100_000;
+
 /// The columns `decode_rewind` reads.
 const REWIND_COLUMNS: &str =
     "id, subscription, to_time, redeliver, actor, principal, request_id, created_at";
@@ -17,9 +20,11 @@ impl Shape {
         let (t, ts, i8) = (self.text, self.time, self.int8);
         let p = |n| self.p(n);
         match stmt {
+            // Capped: no index serves (subscription, created_at), and over a week of
+            // history an estimate must not read every row it counts.
             RewindSql::StoredSince => format!(
-                "SELECT count(*){i8} AS n FROM inbox_events
-                 WHERE subscription = {} AND created_at >= {}",
+                "SELECT count(*){i8} AS n FROM (SELECT 1 FROM inbox_events
+                     WHERE subscription = {} AND created_at >= {} LIMIT {STORED_SINCE_CAP}) s",
                 p(1),
                 p(2)
             ),
