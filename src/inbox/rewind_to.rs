@@ -59,9 +59,11 @@ pub struct Rewinds {
     subscription: String,
     /// The subscription's client settings, for the probe that reads record times.
     config: ClientConfig,
-    windows: HashMap<(String, i32), Vec<Window>>,
-    /// Partitions whose windows were read since the last check.
-    fresh: HashSet<(String, i32)>,
+    /// By topic, then partition: looked up for every record by the record's own topic,
+    /// without building a key.
+    windows: HashMap<String, HashMap<i32, Vec<Window>>>,
+    /// Partitions whose windows were read since the last check, by topic.
+    fresh: HashMap<String, HashSet<i32>>,
     /// Lookups of where a rewind sends a partition, by (rewind, topic, partition).
     lookups: HashMap<(i64, String, i32), tokio::task::JoinHandle<anyhow::Result<Found>>>,
 }
@@ -74,7 +76,7 @@ impl Rewinds {
             subscription: subscription.to_string(),
             config,
             windows: HashMap::new(),
-            fresh: HashSet::new(),
+            fresh: HashMap::new(),
             lookups: HashMap::new(),
         }
     }
@@ -229,10 +231,11 @@ impl Rewinds {
     /// Reads the windows of `redeliver` rewinds when `batch` holds a partition whose
     /// windows were not read since the last check.
     pub async fn prepare(&mut self, batch: &[Record]) {
-        if batch
-            .iter()
-            .all(|r| self.fresh.contains(&(r.topic.clone(), r.partition)))
-        {
+        if batch.iter().all(|r| {
+            self.fresh
+                .get(r.topic.as_str())
+                .is_some_and(|ps| ps.contains(&r.partition))
+        }) {
             return;
         }
         match self
@@ -245,7 +248,9 @@ impl Rewinds {
                 for r in rewinds.iter().filter(|r| r.redeliver) {
                     for p in &r.partitions {
                         self.windows
-                            .entry((p.topic.clone(), p.partition))
+                            .entry(p.topic.clone())
+                            .or_default()
+                            .entry(p.partition)
                             .or_default()
                             .push(Window {
                                 rewind_id: r.id,
@@ -255,7 +260,15 @@ impl Rewinds {
                     }
                 }
                 for r in batch {
-                    self.fresh.insert((r.topic.clone(), r.partition));
+                    match self.fresh.get_mut(r.topic.as_str()) {
+                        Some(ps) => {
+                            ps.insert(r.partition);
+                        }
+                        None => {
+                            self.fresh
+                                .insert(r.topic.clone(), HashSet::from([r.partition]));
+                        }
+                    }
                 }
             }
             Err(e) => {
@@ -268,7 +281,11 @@ impl Rewinds {
     /// Tags `m` (made of `r`) when `r` lies in a `redeliver` rewind's window: the newest
     /// rewind whose window holds it.
     pub fn tag(&self, r: &Record, m: &mut InboundMessage) {
-        let Some(ws) = self.windows.get(&(r.topic.clone(), r.partition)) else {
+        let Some(ws) = self
+            .windows
+            .get(r.topic.as_str())
+            .and_then(|ps| ps.get(&r.partition))
+        else {
             return;
         };
         if let Some(w) = ws

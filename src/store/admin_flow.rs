@@ -36,7 +36,7 @@ pub(super) async fn rows_in<E: AdminSql>(
 }
 
 /// Runs the reads `qs`; each one's rows, in order.
-async fn read<E: AdminSql>(
+pub(super) async fn read<E: AdminSql>(
     e: &E,
     how: Read,
     b: BoxKind,

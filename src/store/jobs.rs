@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use super::admin_flow::{
-    NewAudit, change_candidates, decode_all, filter_params, insert_audit, rows_in,
+    NewAudit, change_candidates, decode_all, filter_params, insert_audit, read, rows_in,
 };
-use super::admin_sql::{AdminSql, JobSql, Param, Shared, Stmt, query};
+use super::admin_sql::{AdminSql, JobSql, Param, Read, Shared, Stmt, query};
 use super::rows::{Candidate, Cols, decode_candidate};
 use super::{StoreError, StoreResult};
 use crate::domain::BoxKind;
@@ -303,25 +303,21 @@ impl<E: AdminSql> JobStore for E {
     }
 
     async fn job(&self, id: i64) -> StoreResult<Option<Job>> {
-        let mut tx = self.begin().await?;
         let q = query(
             Stmt::Shared(Shared::Job(JobSql::One)),
             vec![Param::Int(Some(id))],
         );
-        let job = one_job(&rows_in(self, &mut tx, BoxKind::Outbox, q).await?)?;
-        self.rollback(tx).await?;
-        Ok(job)
+        let rows = read(self, Read::Plain, BoxKind::Outbox, &[q]).await?;
+        one_job(rows.first().map_or(&[][..], Vec::as_slice))
     }
 
     async fn jobs(&self, limit: u32, before_id: Option<i64>) -> StoreResult<Vec<Job>> {
-        let mut tx = self.begin().await?;
         let q = query(
             Stmt::Shared(Shared::Job(JobSql::Page)),
             vec![Param::Int(before_id), Param::Int(Some(i64::from(limit)))],
         );
-        let rows = rows_in(self, &mut tx, BoxKind::Outbox, q).await?;
-        self.rollback(tx).await?;
-        decode_all(&rows, decode_job)
+        let rows = read(self, Read::Plain, BoxKind::Outbox, &[q]).await?;
+        decode_all(rows.first().map_or(&[][..], Vec::as_slice), decode_job)
     }
 
     async fn cancel_job(&self, id: i64, by: &ActionContext) -> StoreResult<Option<(Job, bool)>> {
